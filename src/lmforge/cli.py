@@ -1,0 +1,172 @@
+"""The ``lmforge`` command: parse arguments, load the config, dispatch. No logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from lmforge.config import load_config, parse_overrides, reference_text
+from lmforge.errors import UserError
+
+log = logging.getLogger("lmforge")
+
+
+def _setup_logging(verbose: bool) -> None:
+    level = logging.DEBUG if verbose else logging.INFO
+    if sys.stderr.isatty():
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(show_path=False, show_time=False)
+        fmt = "%(message)s"
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        fmt = "%(asctime)s %(levelname)s %(message)s"
+    handler.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
+    root = logging.getLogger("lmforge")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def _newest_run(runs: Path) -> Path | None:
+    found = sorted(
+        (p for p in runs.glob("*") if (p / "config.toml").is_file()), key=lambda p: p.stat().st_mtime
+    )
+    return found[-1] if found else None
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.train.loop import train
+
+    cfg = load_config(args.config, parse_overrides(extra))
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+    elif args.resume:
+        run_dir = _newest_run(Path("runs"))
+        if run_dir is None:
+            raise UserError("--resume: no run under runs/; pass --run-dir DIR of the run to continue")
+    else:
+        run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    print(f"run folder: {run_dir}")
+    summary = train(cfg, run_dir, resume=args.resume)
+    sample = summary.pop("sample", None)
+    print(
+        f"done: step {summary['step']}, val_loss {summary['val_loss']:.4f} (ppl {summary['val_ppl']:.2f}), "
+        f"unigram_loss {summary['unigram_loss']:.4f}, ratio {summary['val_loss_over_unigram']:.3f}, "
+        f"{summary['tokens_seen']:,} tokens in {summary['wall_time_s']:.0f}s"
+    )
+    if sample is not None:
+        print("sample:\n" + sample)
+    return 0
+
+
+def _device(name: str):
+    from lmforge.train.runtime import pick_device
+
+    return pick_device(name)
+
+
+def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.data.loader import TokenStream
+    from lmforge.data.prepare import prepare_data
+    from lmforge.precision import resolve_precision
+    from lmforge.train.evaluate import evaluate, perplexity
+    from lmforge.train.run_loading import load_run
+
+    device = _device(args.device)
+    cfg, _, model, step = load_run(args.run, device)
+    data = prepare_data(cfg.data)
+    max_tokens = args.tokens or cfg.train.eval_tokens
+    loss = evaluate(
+        model,
+        TokenStream(data.val),
+        cfg.data.seq_len,
+        cfg.train.micro_batch_size,
+        max_tokens,
+        resolve_precision(cfg.train.precision, device),
+        device,
+    )
+    print(json.dumps({"step": step, "val_loss": loss, "val_ppl": perplexity(loss)}))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.model.sampling import generate
+    from lmforge.train.run_loading import load_run
+
+    device = _device(args.device)
+    _, tok, model, _ = load_run(args.run, device)
+    for i in range(args.num_samples):
+        ids = generate(
+            model,
+            [tok.eot_id, *tok.encode(args.prompt)],
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            stop_token=tok.eot_id,
+            seed=args.seed + i,
+        )
+        print(args.prompt + tok.decode(ids))
+        if i + 1 < args.num_samples:
+            print("-" * 40)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmforge", description="Train language models from raw text.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "train",
+        help="train a model from a recipe",
+        description="Train (or resume) a model. Any config key can be overridden as --SECTION.KEY=VALUE.",
+        epilog="config keys (defaults shown):\n" + reference_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", help="TOML recipe (default: the built-in defaults)")
+    p.add_argument("--run-dir", help="run folder (default: runs/<timestamp>)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="validation loss and perplexity of a run's newest checkpoint")
+    p.add_argument("run", help="run folder")
+    p.add_argument(
+        "--tokens", type=int, default=0, help="validation tokens to score (default: train.eval_tokens)"
+    )
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("generate", help="sample text from a run's newest checkpoint")
+    p.add_argument("run", help="run folder")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    p.add_argument("--top-k", type=int, default=50, help="0 disables top-k")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass; 1 disables")
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    _setup_logging(args.verbose)
+    try:
+        code = args.func(args, extra)
+    except UserError as exc:
+        print(f"lmforge {args.command}: error: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        code = 130
+    sys.exit(code)

@@ -1,0 +1,303 @@
+"""Typed, validated configuration: the one place where defaults live.
+
+A configuration is built from three layers, later ones winning: the defaults declared here, an
+optional TOML recipe, and dotted command-line overrides (``--optim.lr=3e-4``). The result is
+validated before any data or model work starts; every problem is reported as a
+:class:`~lmforge.errors.ConfigError` naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lmforge.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """The decoder-only transformer. ``vocab_size`` comes from the tokenizer."""
+
+    arch: Literal["llama", "gpt2"] = Field(
+        "llama",
+        description="llama: RMSNorm, SwiGLU, RoPE, GQA, no biases; gpt2: LayerNorm, GELU, learned positions, biases",
+    )
+    n_layers: int = Field(6, ge=1, description="number of transformer blocks")
+    d_model: int = Field(256, ge=8, description="residual stream width")
+    n_heads: int = Field(8, ge=1, description="attention (query) heads")
+    n_kv_heads: int | None = Field(None, ge=1, description="key/value heads for GQA (default: n_heads)")
+    d_ff: int | None = Field(
+        None,
+        ge=1,
+        description="MLP hidden width (default: llama 8/3*d_model rounded up to 64, gpt2 4*d_model)",
+    )
+    tie_embeddings: bool = Field(True, description="share the input embedding with the output head")
+    bias: bool | None = Field(None, description="biases in linear layers (default: gpt2 yes, llama no)")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency (llama)")
+    norm_eps: float = Field(1e-5, gt=0, description="epsilon of RMSNorm / LayerNorm")
+    init_std: float = Field(0.02, gt=0, description="std of the normal initialisation")
+    doc_mask: bool = Field(
+        True, description="tokens attend only within their own document in a packed sequence"
+    )
+    attention: Literal["auto", "sdpa", "flex"] = Field(
+        "auto", description="attention kernel: auto = FlexAttention on CUDA with doc_mask, else SDPA"
+    )
+    loss_chunk: int = Field(
+        1024, ge=0, description="tokens per chunk of the output head + loss (0: all at once)"
+    )
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.n_heads: d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            raise ValueError(
+                f"model.n_kv_heads: n_heads ({self.n_heads}) must be divisible by n_kv_heads ({kv})"
+            )
+        if self.arch == "llama" and (self.d_model // self.n_heads) % 2:
+            raise ValueError("model.n_heads: RoPE needs an even head dimension (d_model / n_heads)")
+        return self
+
+
+class SourceConfig(_Section):
+    """One input: a built-in corpus (``builtin:pystdlib``) or a file, folder or glob."""
+
+    path: str = Field("builtin:pystdlib", description="builtin:pystdlib, or a file, folder or glob")
+    format: Literal["auto", "txt", "jsonl", "parquet"] = Field(
+        "auto", description="file format (auto: by suffix)"
+    )
+    text_field: str = Field("text", description="JSON key / parquet column holding the text")
+    domain: str | None = Field(None, description="domain name (default: from the source)")
+
+
+class DataConfig(_Section):
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig()], description="inputs")
+    cache_dir: str = Field("data", description="folder for prepared corpora, tokenizers and token shards")
+    vocab_size: int = Field(
+        8192, ge=260, le=2**32 - 1, description="BPE vocabulary size (with special tokens)"
+    )
+    tokenizer: str | None = Field(None, description="path of an existing tokenizer.json (default: train one)")
+    seq_len: int = Field(256, ge=8, description="tokens per training sequence")
+    val_fraction: float = Field(0.02, gt=0, lt=0.5, description="share of documents held out, by id hash")
+    include_tests: bool = Field(False, description="pystdlib: include the standard library's test suites")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(1600, ge=1, description="optimizer steps")
+    micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward pass")
+    tokens_per_step: int | None = Field(
+        None,
+        ge=1,
+        description="tokens per optimizer step, over all ranks (default: one micro-batch per rank)",
+    )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="fp32, bf16 (autocast, fp32 master weights), auto: bf16 where the hardware has it"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    compile: bool = Field(True, description="torch.compile the model (skipped where the platform cannot)")
+    eval_interval: int = Field(400, ge=0, description="steps between evaluations (0: only at the end)")
+    eval_tokens: int = Field(
+        131072, ge=1, description="validation tokens per evaluation (capped by the split)"
+    )
+    checkpoint_interval: int = Field(400, ge=0, description="steps between checkpoints (0: only at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept on disk")
+    log_interval: int = Field(10, ge=1, description="steps between metrics lines")
+    grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip (0: off)")
+    seed: int = Field(1337, description="seed for init, data order and sampling")
+    sample_tokens: int = Field(120, ge=0, description="tokens sampled at the end of training (0: none)")
+    sample_prompt: str = Field("def ", description="prompt of the end-of-training sample")
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw"] = Field("adamw", description="optimizer")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay of matrices")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon")
+    decay_embeddings: bool = Field(False, description="apply weight decay to embeddings")
+    fused: bool | None = Field(None, description="fused AdamW kernel (default: where the device supports it)")
+
+    @model_validator(mode="after")
+    def _betas(self) -> OptimConfig:
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError("optim.betas: both betas must be in [0, 1)")
+        return self
+
+
+class ScheduleConfig(_Section):
+    name: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup")
+    warmup: int = Field(100, ge=0, description="linear warmup steps")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a fraction of the peak")
+
+
+class Config(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+
+    def to_toml(self) -> str:
+        """The resolved configuration as TOML (round-trips through :func:`load_config`)."""
+        return dump_toml(self.model_dump(mode="json", exclude_none=True))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loading, overrides, error messages
+
+
+def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, Any]:
+    """All dotted keys of a config class mapped to their pydantic field info (sections are recursed)."""
+    out: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.update(config_keys(ann, key + "."))
+        else:
+            out[key] = field
+    return out
+
+
+def _nearest(key: str) -> str:
+    match = difflib.get_close_matches(key, list(config_keys()), n=1, cutoff=0.5)
+    return f"; did you mean {match[0]}?" if match else ""
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as TOML (numbers, booleans, arrays, quoted strings), else a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``["--optim.lr=3e-4", "--train.steps", "20"]`` -> ``{"optim.lr": 3e-4, "train.steps": 20}``."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(args):
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"{arg[2:]}: missing value; write --{arg[2:]}=VALUE")
+        out[key] = parse_value(value)
+        i += 1
+    return out
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{key}: {part} is not a section{_nearest(key)}")
+        node = child
+    node[parts[-1]] = value
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = ".".join(str(p) for p in error["loc"])
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return f"{loc}: unknown key{_nearest(loc)}"
+    msg = error["msg"]
+    if kind == "value_error":
+        text = msg.removeprefix("Value error, ")
+        return text if ":" in text.split(" ")[0] else f"{loc}: {text}"
+    value = error.get("input")
+    return f"{loc}: {msg} (got {value!r})"
+
+
+def build_config(tree: dict[str, Any]) -> Config:
+    """Validate a nested dict into a :class:`Config`, raising ConfigError with the first bad key."""
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc.errors()[0])) from None
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Defaults <- TOML recipe at ``path`` <- dotted ``overrides``; validated."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file; give the path of a TOML recipe (see configs/)")
+        try:
+            tree = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+    for key, value in (overrides or {}).items():
+        _set_dotted(tree, key, value)
+    return build_config(tree)
+
+
+def dump_toml(tree: dict[str, Any]) -> str:
+    """Write a nested dict of TOML-able values (tables, arrays of tables, scalars, lists)."""
+
+    def scalar(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int | float):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(scalar(x) for x in v) + "]"
+        raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+    lines: list[str] = []
+
+    def table(node: dict[str, Any], name: str) -> None:
+        plain = {k: v for k, v in node.items() if not isinstance(v, dict) and not _is_table_list(v)}
+        if name:
+            lines.append(f"[{name}]")
+        lines.extend(f"{k} = {scalar(v)}" for k, v in plain.items())
+        if plain or name:
+            lines.append("")
+        for k, v in node.items():
+            full = f"{name}.{k}" if name else k
+            if isinstance(v, dict):
+                table(v, full)
+            elif _is_table_list(v):
+                for item in v:
+                    lines.append(f"[[{full}]]")
+                    lines.extend(f"{ik} = {scalar(iv)}" for ik, iv in item.items())
+                    lines.append("")
+
+    table(tree, "")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _is_table_list(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
+
+
+def reference_text() -> str:
+    """Every config key with its type, default and description (for --help and the docs)."""
+    rows = []
+    defaults = Config().model_dump(mode="json")
+    for key, field in config_keys().items():
+        node: Any = defaults
+        for part in key.split("."):
+            node = node[part]
+        rows.append(f"  --{key}={node!r}  {field.description or ''}")
+    return "\n".join(rows)

@@ -1,0 +1,1 @@
+"""Everything before the model sees a token: readers, tokenizer, token shards, loader."""

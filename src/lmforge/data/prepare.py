@@ -1,0 +1,192 @@
+"""Sources -> tokenizer -> token shards, cached and rebuilt only when an input changes.
+
+The cache folder ``<data.cache_dir>/<key>/`` is named by a hash of the data settings that shape it
+(sources, vocabulary size, validation fraction, tokenizer path). Inside, ``meta.json`` records the
+fingerprint of the input bytes and the tokenizer's hash. A later run with the same settings reuses the
+folder when both still match; when an input file or the tokenizer changed, everything is rebuilt in a
+fresh folder that replaces the old one in one rename, so old and new tokens are never mixed.
+
+Each document is stored as ``<|endoftext|>`` followed by its tokens, so packed sequences carry the
+separator at every document start. Shards are per (domain, split): ``code.train-00000.bin``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from lmforge.config import DataConfig
+from lmforge.data.pystdlib import stdlib_files
+from lmforge.data.shards import Shard, ShardWriter, open_shards, read_meta, token_dtype, write_meta
+from lmforge.data.sources import Document, expand_paths, is_validation, read_source
+from lmforge.data.tokenizer import Tokenizer, batched, train_tokenizer
+from lmforge.errors import DataError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class PreparedData:
+    """A ready data folder: tokenizer plus train and validation shards."""
+
+    root: Path
+    tokenizer: Tokenizer
+    meta: dict
+    train: list[Shard] = field(default_factory=list)
+    val: list[Shard] = field(default_factory=list)
+
+    @property
+    def unigram_counts(self) -> np.ndarray:
+        with (self.root / "unigram_counts.npy").open("rb") as fh:
+            return np.load(fh, allow_pickle=False)
+
+
+def settings_key(cfg: DataConfig) -> str:
+    """Hash of the settings that determine the prepared data (not seq_len: packing happens later)."""
+    shape = {
+        "sources": [s.model_dump() for s in cfg.sources],
+        "vocab_size": cfg.vocab_size,
+        "val_fraction": cfg.val_fraction,
+        "tokenizer": str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None,
+        "include_tests": cfg.include_tests,
+        "format": FORMAT_VERSION,
+    }
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def input_files(cfg: DataConfig) -> list[Path]:
+    files: list[Path] = []
+    for i, source in enumerate(cfg.sources):
+        if source.path == "builtin:pystdlib":
+            files.extend(stdlib_files(cfg.include_tests))
+            try:
+                import pydoc_data.topics as topics
+
+                files.append(Path(topics.__file__))
+            except ImportError:
+                pass
+        elif source.path.startswith("builtin:"):
+            list(read_source(source))  # raises the error for an unknown built-in
+        else:
+            files.extend(expand_paths(source.path, f"data.sources[{i}].path"))
+    return files
+
+
+def input_fingerprint(cfg: DataConfig) -> str:
+    """SHA-256 over (path, content) of every input file: any edit, addition or removal changes it."""
+    h = hashlib.sha256(sys.version.encode())
+    for path in input_files(cfg):
+        h.update(str(path).encode() + b"\0")
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def iter_documents(cfg: DataConfig) -> Iterator[Document]:
+    for source in cfg.sources:
+        yield from read_source(source, cfg.include_tests)
+
+
+def prepare_data(cfg: DataConfig) -> PreparedData:
+    """Return prepared data for ``cfg``, building or rebuilding it when needed."""
+    root = Path(cfg.cache_dir) / settings_key(cfg)
+    fingerprint = input_fingerprint(cfg)
+    user_tok = Tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    meta = read_meta(root)
+    if meta is not None and meta.get("input_fingerprint") == fingerprint:
+        tok = Tokenizer(root / "tokenizer.json")
+        if tok.sha256 == meta["tokenizer_sha256"] and (user_tok is None or user_tok.sha256 == tok.sha256):
+            log.info("data: reusing %s", root)
+            return _open(root, tok, meta)
+        log.info("data: tokenizer changed; rebuilding %s", root)
+    elif meta is not None:
+        log.info("data: input changed; rebuilding %s", root)
+    build = root.with_name(root.name + ".building")
+    shutil.rmtree(build, ignore_errors=True)
+    build.mkdir(parents=True)
+    _build(cfg, build, fingerprint, user_tok)
+    old = root.with_name(root.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if root.exists():
+        root.rename(old)
+    build.rename(root)
+    shutil.rmtree(old, ignore_errors=True)
+    meta = read_meta(root)
+    assert meta is not None
+    return _open(root, Tokenizer(root / "tokenizer.json"), meta)
+
+
+def _open(root: Path, tok: Tokenizer, meta: dict) -> PreparedData:
+    names = sorted(meta["shards"])
+    return PreparedData(
+        root=root,
+        tokenizer=tok,
+        meta=meta,
+        train=open_shards(root, [n for n in names if ".train-" in n]),
+        val=open_shards(root, [n for n in names if ".val-" in n]),
+    )
+
+
+def _build(cfg: DataConfig, build: Path, fingerprint: str, user_tok: Tokenizer | None) -> None:
+    tok_path = build / "tokenizer.json"
+    if user_tok is not None:
+        shutil.copyfile(user_tok.path, tok_path)
+        tok = Tokenizer(tok_path)
+    else:
+        log.info("data: training a %d-token BPE tokenizer", cfg.vocab_size)
+        train_texts = (d.text for d in iter_documents(cfg) if not is_validation(d.id, cfg.val_fraction))
+        tok = train_tokenizer(train_texts, cfg.vocab_size, tok_path)
+    dtype = token_dtype(tok.vocab_size)
+    writers: dict[str, ShardWriter] = {}
+    counts = np.zeros(tok.vocab_size, dtype=np.int64)
+    docs: dict[str, int] = {}
+    log.info("data: tokenizing")
+    for batch in batched(iter_documents(cfg), 256):
+        encoded = tok.encode_batch([d.text for d in batch])
+        for doc, ids in zip(batch, encoded, strict=True):
+            split = "val" if is_validation(doc.id, cfg.val_fraction) else "train"
+            prefix = f"{doc.domain}.{split}"
+            if prefix not in writers:
+                writers[prefix] = ShardWriter(build, prefix, dtype)
+            tokens = np.asarray([tok.eot_id, *ids], dtype=dtype)
+            writers[prefix].add(tokens)
+            docs[prefix] = docs.get(prefix, 0) + 1
+            if split == "train":
+                counts += np.bincount(tokens, minlength=tok.vocab_size)
+    if not any(p.endswith(".train") for p in writers):
+        paths = ", ".join(s.path for s in cfg.sources)
+        raise DataError(f"data.sources: no documents with text in {paths}; check the paths and text_field")
+    if not any(p.endswith(".val") for p in writers):
+        raise DataError(
+            "data.val_fraction: no document fell into the validation split; raise it or add documents"
+        )
+    shards: dict[str, dict[str, int]] = {}
+    for writer in writers.values():
+        shards.update(writer.close())
+    with (build / "unigram_counts.npy").open("wb") as fh:
+        np.save(fh, counts, allow_pickle=False)
+    write_meta(
+        build,
+        {
+            "format": FORMAT_VERSION,
+            "dtype": dtype.name,
+            "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id,
+            "tokenizer_sha256": tok.sha256,
+            "input_fingerprint": fingerprint,
+            "shards": shards,
+            "documents": docs,
+            "tokens": {
+                p: sum(s["tokens"] for n, s in shards.items() if n.startswith(p + "-")) for p in writers
+            },
+        },
+    )

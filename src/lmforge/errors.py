@@ -1,0 +1,19 @@
+"""Errors a user can cause and fix (config, data, paths, hardware).
+
+The CLI turns a :class:`UserError` into one line on stderr and exit status 2; anything else is a bug
+and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem with the user's input; the message names the field or file and the fix."""
+
+
+class ConfigError(UserError):
+    """An invalid configuration key or value."""
+
+
+class DataError(UserError):
+    """Missing or unusable data files."""

@@ -1,0 +1,1 @@
+"""The network and nothing else."""

@@ -1,0 +1,1 @@
+"""How parameters move: parameter groups, optimizers, schedules, clipping."""

@@ -1,0 +1,1 @@
+"""Estimates before spending compute. Nothing here allocates model memory."""

@@ -1,0 +1,20 @@
+"""Training FLOPs per token (pure formulas)."""
+
+from __future__ import annotations
+
+
+def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs per token: ``6 * N + 12 * n_layers * d_model * seq_len``.
+
+    ``6N``: forward (2N) plus backward (4N) multiply-adds of the weight matrices, with ``N`` the
+    non-embedding parameters plus the output head (embedding look-ups cost no FLOPs). ``12 * L * d * T``:
+    the attention score and value products (``QK^T`` and ``AV``: 2 * 2 * d * T forward per layer, times 3
+    with backward), counted over the full T x T square as in PaLM's MFU definition (Chowdhery et al. 2022,
+    appendix B).
+    """
+    return 6.0 * n_params + 12.0 * n_layers * d_model * seq_len
+
+
+def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: ``tokens_per_s * flops_per_token / peak_flops``."""
+    return tokens_per_s * flops_per_tok / peak_flops if peak_flops > 0 else 0.0

@@ -1,0 +1,1 @@
+"""The training loop and what keeps it alive: checkpoints, metrics, evaluation."""

@@ -1,0 +1,56 @@
+"""Validation loss, perplexity and the unigram baseline."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from lmforge.data.loader import TokenStream, eval_batches
+from lmforge.model.transformer import Transformer
+from lmforge.precision import autocast
+
+
+@torch.no_grad()
+def evaluate(
+    model: Transformer,
+    stream: TokenStream,
+    seq_len: int,
+    batch_size: int,
+    max_tokens: int,
+    precision: str,
+    device: torch.device,
+) -> float:
+    """Mean next-token cross-entropy (nats) over the first ``max_tokens`` of ``stream``."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for batch in eval_batches(stream, seq_len, batch_size, max_tokens):
+        batch = batch.to(device)
+        with autocast(precision, device):
+            loss_sum, n = model.loss(batch.inputs, batch.targets, batch.doc_ids)
+        total += float(loss_sum)
+        count += int(n)
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def eval_targets(stream: TokenStream, seq_len: int, max_tokens: int) -> np.ndarray:
+    """The target tokens that :func:`evaluate` scores, flattened."""
+    return np.concatenate([b.targets.numpy().ravel() for b in eval_batches(stream, seq_len, 256, max_tokens)])
+
+
+def unigram_loss(train_counts: np.ndarray, targets: np.ndarray) -> float:
+    """Cross-entropy (nats) of ``targets`` under the add-one-smoothed unigram distribution of training tokens.
+
+    ``p(v) = (c_v + 1) / (C + V)`` with ``c_v`` the training count of token ``v``, ``C`` the total count
+    and ``V`` the vocabulary size; the loss is ``-mean_t log p(y_t)``.
+    """
+    counts = train_counts.astype(np.float64)
+    logp = np.log(counts + 1.0) - math.log(counts.sum() + len(counts))
+    return float(-logp[targets].mean())
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))

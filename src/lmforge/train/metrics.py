@@ -1,0 +1,72 @@
+"""Metrics sinks: ``metrics.jsonl`` (one JSON object per line), TensorBoard, and a console progress bar.
+
+The progress bar (rich) shows only on an interactive terminal; in non-interactive use the console stays
+quiet and the JSONL file is the record.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._fh = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._fh.write(json.dumps(clean) + "\n")
+        self._fh.flush()
+        if self._tb is not None:
+            step = record["step"]
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._fh.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+class ProgressBar:
+    """Step progress with ETA, loss, lr and tokens/s; a no-op when stdout is not a terminal."""
+
+    def __init__(self, total: int, start: int, enabled: bool | None = None):
+        self.enabled = sys.stdout.isatty() if enabled is None else enabled
+        self._progress = None
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+            )
+            self._task = self._progress.add_task("train", total=total, completed=start, info="")
+            self._progress.start()
+
+    def update(self, step: int, info: str = "") -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, info=info)
+
+    def print(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()

@@ -1,0 +1,67 @@
+"""Shared fixtures: a small real corpus (standard-library sources) and tiny configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmforge.config import Config, load_config
+from lmforge.data.pystdlib import stdlib_root
+
+CORPUS_MODULES = [
+    "abc.py", "bisect.py", "calendar.py", "colorsys.py", "copy.py", "csv.py", "difflib.py", "fnmatch.py",
+    "fractions.py", "functools.py", "glob.py", "heapq.py", "keyword.py", "linecache.py", "numbers.py",
+    "operator.py", "queue.py", "random.py", "sched.py", "shlex.py", "statistics.py", "string.py",
+    "textwrap.py", "timeit.py", "tokenize.py", "types.py", "uuid.py", "weakref.py",
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    """A JSONL corpus of a few standard-library modules, one document per function-sized chunk."""
+    root = tmp_path_factory.mktemp("corpus")
+    lines = []
+    for name in CORPUS_MODULES:
+        text = (stdlib_root() / name).read_text(encoding="utf-8")
+        for i, chunk in enumerate(text.split("\ndef ")):
+            if len(chunk) > 40:
+                lines.append(json.dumps({"id": f"{name}#{i}", "text": ("def " if i else "") + chunk}))
+    (root / "stdlib.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def tiny_overrides(corpus_dir: Path, cache_dir: Path) -> dict:
+    return {
+        "data.sources": [{"path": str(corpus_dir / "stdlib.jsonl")}],
+        "data.cache_dir": str(cache_dir),
+        "data.vocab_size": 512,
+        "data.seq_len": 32,
+        "data.val_fraction": 0.1,
+        "model.n_layers": 2,
+        "model.d_model": 32,
+        "model.n_heads": 4,
+        "train.steps": 20,
+        "train.micro_batch_size": 4,
+        "train.precision": "fp32",
+        "train.compile": False,
+        "train.eval_interval": 10,
+        "train.eval_tokens": 1024,
+        "train.checkpoint_interval": 10,
+        "train.log_interval": 5,
+        "train.sample_tokens": 8,
+        "schedule.warmup": 5,
+        "optim.lr": 3e-3,
+    }
+
+
+@pytest.fixture
+def tiny_config(corpus_dir: Path, tmp_path: Path) -> Config:
+    return load_config(None, tiny_overrides(corpus_dir, tmp_path / "data"))

@@ -1,0 +1,172 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lmforge.config import Config, ModelConfig, OptimConfig, load_config
+from lmforge.data.loader import Batch
+from lmforge.errors import UserError
+from lmforge.model.transformer import Transformer
+from lmforge.optim.build import build_optimizer, param_groups
+from lmforge.optim.schedules import lr_multiplier
+from lmforge.train.checkpoint import latest_checkpoint, list_checkpoints
+from lmforge.train.loop import accumulation_steps, train, train_step
+from tests.conftest import tiny_overrides
+
+
+def _grads_after(batches, seed=0):
+    torch.manual_seed(seed)
+    m = Transformer(ModelConfig(n_layers=2, d_model=32, n_heads=4, loss_chunk=16), 101, 16)
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    # lr 0 and no clipping: gradients are what train_step accumulated before its optimizer step
+    grads = {}
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p, n=n: grads.__setitem__(n, p.grad.clone()))
+        for n, p in m.named_parameters()
+    ]
+    n_calls = len(batches)
+    loss, _ = train_step(m, opt, batches, 0.0, 0.0, "fp32", torch.device("cpu"))
+    for h in hooks:
+        h.remove()
+    return loss, grads, n_calls
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 101, (8, 16), generator=g)
+    y = torch.randint(0, 101, (8, 16), generator=g)
+    y[1, :5] = -100  # uneven target counts per micro-batch: normalisation is by the step's total
+    doc = torch.zeros(8, 16, dtype=torch.long)
+    big = [Batch(x, y, doc)]
+    small = [Batch(x[i : i + 2], y[i : i + 2], doc[i : i + 2]) for i in range(0, 8, 2)]
+    loss_big, g_big, _ = _grads_after(big)
+    loss_small, g_small, _ = _grads_after(small)
+    torch.testing.assert_close(loss_small, loss_big, rtol=1e-6, atol=0)
+    assert g_big.keys() == g_small.keys() and len(g_big) > 10
+    for name, grad in g_big.items():
+        # relative error of each gradient tensor (summation order differs, so not elementwise-bitwise)
+        rel = ((g_small[name] - grad).norm() / grad.norm()).item()
+        assert rel < 1e-6, (name, rel)
+
+
+def test_accumulation_steps_and_validation():
+    cfg = load_config(None, {"train.micro_batch_size": 2, "data.seq_len": 16, "train.tokens_per_step": 128})
+    assert accumulation_steps(cfg) == 4
+    bad = load_config(None, {"train.micro_batch_size": 2, "data.seq_len": 16, "train.tokens_per_step": 100})
+    with pytest.raises(UserError, match=r"train\.tokens_per_step: 100 is not a multiple"):
+        accumulation_steps(bad)
+
+
+def test_no_decay_for_biases_norms_embeddings():
+    m = Transformer(ModelConfig(arch="gpt2", n_layers=1, d_model=32, n_heads=4, tie_embeddings=False), 50, 8)
+    groups = {g["name"]: g for g in param_groups(m, OptimConfig())}
+    decayed = {id(p) for p in groups["decay"]["params"]}
+    assert id(m.blocks[0].attn.q_proj.weight) in decayed and id(m.lm_head.weight) in decayed
+    for p in [m.embed.weight, m.pos_embed.weight, m.blocks[0].attn.q_proj.bias, m.norm.weight]:
+        assert id(p) not in decayed
+    assert groups["decay"]["weight_decay"] == 0.1 and groups["no_decay"]["weight_decay"] == 0.0
+    groups = {g["name"]: g for g in param_groups(m, OptimConfig(decay_embeddings=True))}
+    assert id(m.embed.weight) in {id(p) for p in groups["decay"]["params"]}
+    opt = build_optimizer(m, OptimConfig(), torch.device("cpu"))
+    assert opt.defaults["betas"] == (0.9, 0.95) and isinstance(opt, torch.optim.AdamW)
+
+
+def test_warmup_cosine_schedule():
+    cfg = Config().schedule.model_copy(update={"warmup": 10, "min_lr_ratio": 0.1})
+    assert lr_multiplier(cfg, 0, 110) == pytest.approx(0.1)
+    assert lr_multiplier(cfg, 9, 110) == pytest.approx(1.0)
+    assert lr_multiplier(cfg, 60, 110) == pytest.approx(0.55)  # halfway: 0.1 + 0.9 * 0.5
+    assert lr_multiplier(cfg, 110, 110) == pytest.approx(0.1)
+    lin = cfg.model_copy(update={"name": "linear"})
+    assert lr_multiplier(lin, 60, 110) == pytest.approx(0.55)
+
+
+def _params(run_dir):
+    state = torch.load(latest_checkpoint(run_dir) / "state.pt", weights_only=False)
+    return state["model"], state["optimizer"]
+
+
+def test_resume_is_bitwise_exact(tiny_config, tmp_path):
+    straight = train(tiny_config, tmp_path / "straight", progress_bar=False)
+    train(tiny_config, tmp_path / "resumed", progress_bar=False, stop_at=10)  # as if killed after step 10
+    resumed = train(tiny_config, tmp_path / "resumed", resume=True, progress_bar=False)
+    a, oa = _params(tmp_path / "straight")
+    b, ob = _params(tmp_path / "resumed")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    for k, state in oa["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[name], ob["state"][k][name])
+    assert resumed["val_loss"] == straight["val_loss"]
+    assert resumed["tokens_seen"] == straight["tokens_seen"] == 20 * 4 * 32
+
+
+def test_run_outputs(tiny_config, tmp_path):
+    run = tmp_path / "run"
+    summary = train(tiny_config, run, progress_bar=False)
+    for name in ["config.toml", "metrics.jsonl", "summary.json", "tokenizer.json"]:
+        assert (run / name).is_file(), name
+    assert list((run / "tensorboard").iterdir())
+    assert load_config(run / "config.toml") == tiny_config
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [x for x in lines if "loss" in x]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(train_lines[0])
+    assert [x["step"] for x in lines if "val_loss" in x] == [10, 20]
+    on_disk = json.loads((run / "summary.json").read_text())
+    for key in ["val_loss", "unigram_loss", "tokens_seen", "wall_time_s"]:
+        assert key in on_disk
+    assert summary["val_loss"] < summary["unigram_loss"] * 1.2  # 20 tiny steps: near unigram level
+    assert train_lines[-1]["loss"] < train_lines[0]["loss"]
+    assert [p.name for p in list_checkpoints(run)] == ["step_00000010", "step_00000020"]
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        train(tiny_config, run, progress_bar=False)
+
+
+def test_interrupted_checkpoint_is_ignored(tiny_config, tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny_config
+    train(cfg, run, progress_bar=False, stop_at=10)
+    partial = run / "checkpoints" / "step_00000015.tmp"
+    partial.mkdir()
+    (partial / "state.pt").write_bytes(b"half a file")
+    assert latest_checkpoint(run).name == "step_00000010"
+    train(cfg, run, resume=True, progress_bar=False)
+    assert not partial.exists() and latest_checkpoint(run).name == "step_00000020"
+
+
+def test_cli_train_eval_generate(corpus_dir, tmp_path):
+    over = tiny_overrides(corpus_dir, tmp_path / "data")
+    args = []
+    for k, v in over.items():
+        if k == "data.sources":
+            args.append(f"--{k}=[{{path='{v[0]['path']}'}}]")
+        elif isinstance(v, str):
+            args.append(f"--{k}={v}" if k != "train.precision" else f"--{k}=fp32")
+        else:
+            args.append(f"--{k}={json.dumps(v)}")
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "lmforge"]
+    r = subprocess.run(
+        [*cmd, "train", "--run-dir", str(run), *args], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stderr
+    assert "val_loss" in r.stdout and "sample:" in r.stdout
+    r = subprocess.run([*cmd, "eval", str(run)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["step"] == 20 and out["val_loss"] == pytest.approx(
+        json.loads((run / "summary.json").read_text())["val_loss"]
+    )
+    r = subprocess.run(
+        [*cmd, "generate", str(run), "--prompt", "def ", "--max-new-tokens", "10", "--top-k", "5"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0 and r.stdout.startswith("def "), r.stderr
+    r = subprocess.run([*cmd, "eval", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "not an lmforge run folder" in r.stderr
