@@ -88,3 +88,22 @@ def test_train_help_lists_keys(tmp_path):
     result = _cli("train", "--help", cwd=tmp_path)
     assert result.returncode == 0
     assert "--optim.lr=" in result.stdout and "--train.precision=" in result.stdout
+
+
+def test_docs_reference_is_current():
+    from pathlib import Path
+
+    from lmforge.config import reference_markdown
+
+    docs = Path(__file__).parents[1] / "docs" / "config.md"
+    assert docs.read_text() == reference_markdown(), "regenerate docs/config.md (command at its top)"
+
+
+def test_recipes_validate():
+    from pathlib import Path
+
+    recipes = sorted((Path(__file__).parents[1] / "configs").glob("*.toml"))
+    assert recipes
+    for recipe in recipes:
+        load_config(recipe)
+    assert load_config(Path(__file__).parents[1] / "configs" / "default.toml") == Config()

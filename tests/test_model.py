@@ -108,3 +108,19 @@ def test_sampling_filters_and_is_seeded():
     assert a == generate(m, [1, 2, 3], 10, seed=3) and len(a) == 10
     greedy = generate(m, [1, 2, 3], 5, temperature=0)
     assert greedy == generate(m, [1, 2, 3], 5, temperature=0, seed=9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention training needs CUDA")
+def test_flex_attention_matches_sdpa_mask_on_cuda():
+    torch.manual_seed(0)
+    cfg = dict(n_layers=2, d_model=64, n_heads=4)
+    flex = Transformer(ModelConfig(attention="flex", **cfg), V, 128).cuda()
+    sdpa = Transformer(ModelConfig(attention="sdpa", **cfg), V, 128).cuda()
+    sdpa.load_state_dict(flex.state_dict())
+    x = torch.randint(0, V, (2, 128), device="cuda")
+    doc = torch.cumsum(torch.rand(2, 128, device="cuda") < 0.05, dim=1)
+    a, b = flex.loss(x, x, doc)[0], sdpa.loss(x, x, doc)[0]
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+    a.backward()
+    b.backward()
+    torch.testing.assert_close(flex.embed.weight.grad, sdpa.embed.weight.grad, rtol=1e-3, atol=1e-4)

@@ -9,6 +9,7 @@ validated before any data or model work starts; every problem is reported as a
 from __future__ import annotations
 
 import difflib
+import json
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -29,7 +30,7 @@ class ModelConfig(_Section):
         "llama",
         description="llama: RMSNorm, SwiGLU, RoPE, GQA, no biases; gpt2: LayerNorm, GELU, learned positions, biases",
     )
-    n_layers: int = Field(6, ge=1, description="number of transformer blocks")
+    n_layers: int = Field(4, ge=1, description="number of transformer blocks")
     d_model: int = Field(256, ge=8, description="residual stream width")
     n_heads: int = Field(8, ge=1, description="attention (query) heads")
     n_kv_heads: int | None = Field(None, ge=1, description="key/value heads for GQA (default: n_heads)")
@@ -84,7 +85,7 @@ class DataConfig(_Section):
     sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig()], description="inputs")
     cache_dir: str = Field("data", description="folder for prepared corpora, tokenizers and token shards")
     vocab_size: int = Field(
-        8192, ge=260, le=2**32 - 1, description="BPE vocabulary size (with special tokens)"
+        4096, ge=260, le=2**32 - 1, description="BPE vocabulary size (with special tokens)"
     )
     tokenizer: str | None = Field(None, description="path of an existing tokenizer.json (default: train one)")
     seq_len: int = Field(256, ge=8, description="tokens per training sequence")
@@ -93,8 +94,8 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(1600, ge=1, description="optimizer steps")
-    micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward pass")
+    steps: int = Field(1050, ge=1, description="optimizer steps")
+    micro_batch_size: int = Field(8, ge=1, description="sequences per forward/backward pass")
     tokens_per_step: int | None = Field(
         None,
         ge=1,
@@ -105,11 +106,11 @@ class TrainConfig(_Section):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     compile: bool = Field(True, description="torch.compile the model (skipped where the platform cannot)")
-    eval_interval: int = Field(400, ge=0, description="steps between evaluations (0: only at the end)")
+    eval_interval: int = Field(250, ge=0, description="steps between evaluations (0: only at the end)")
     eval_tokens: int = Field(
-        131072, ge=1, description="validation tokens per evaluation (capped by the split)"
+        65536, ge=1, description="validation tokens per evaluation (capped by the split)"
     )
-    checkpoint_interval: int = Field(400, ge=0, description="steps between checkpoints (0: only at the end)")
+    checkpoint_interval: int = Field(250, ge=0, description="steps between checkpoints (0: only at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept on disk")
     log_interval: int = Field(10, ge=1, description="steps between metrics lines")
     grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip (0: off)")
@@ -136,7 +137,7 @@ class OptimConfig(_Section):
 
 class ScheduleConfig(_Section):
     name: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup")
-    warmup: int = Field(100, ge=0, description="linear warmup steps")
+    warmup: int = Field(80, ge=0, description="linear warmup steps")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a fraction of the peak")
 
 
@@ -291,13 +292,34 @@ def _is_table_list(v: Any) -> bool:
     return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
 
 
-def reference_text() -> str:
-    """Every config key with its type, default and description (for --help and the docs)."""
-    rows = []
+def _defaults() -> list[tuple[str, Any, str]]:
     defaults = Config().model_dump(mode="json")
+    rows = []
     for key, field in config_keys().items():
         node: Any = defaults
         for part in key.split("."):
             node = node[part]
-        rows.append(f"  --{key}={node!r}  {field.description or ''}")
-    return "\n".join(rows)
+        rows.append((key, node, field.description or ""))
+    return rows
+
+
+def reference_text() -> str:
+    """Every config key with its default and description (for ``lmforge train --help``)."""
+    return "\n".join(f"  --{key}={json.dumps(value)}  {text}" for key, value, text in _defaults())
+
+
+def reference_markdown() -> str:
+    """The configuration reference as Markdown (``docs/config.md`` is this text)."""
+    head = [
+        "# Configuration reference",
+        "",
+        "Every key, its default and its meaning. Set keys in a TOML recipe (`[section]` then `key = value`)",
+        "or on the command line as `--section.key=value` (values are parsed as TOML: `--optim.betas=[0.9, 0.99]`).",
+        "This file is generated from `lmforge/config.py`:",
+        "`python -c \"from lmforge.config import reference_markdown as r; print(r(), end='')\" > docs/config.md`.",
+        "",
+        "| key | default | meaning |",
+        "|---|---|---|",
+    ]
+    rows = [f"| `{key}` | `{json.dumps(value)}` | {text} |" for key, value, text in _defaults()]
+    return "\n".join(head + rows) + "\n"

