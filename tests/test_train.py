@@ -102,6 +102,9 @@ def test_resume_is_bitwise_exact(tiny_config, tmp_path):
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(state[name], ob["state"][k][name])
     assert resumed["val_loss"] == straight["val_loss"]
+    steps = [json.loads(x)["step"] for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(x)["step"] for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == want  # each step logged once across the interruption
     assert resumed["tokens_seen"] == straight["tokens_seen"] == 20 * 4 * 32
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import time
 from dataclasses import dataclass
@@ -201,12 +200,11 @@ def train(
         }
         save_checkpoint(run_dir, prog.step, state, cfg.to_toml(), t.keep_checkpoints)
 
-    metrics = MetricsWriter(run_dir)
+    metrics = MetricsWriter(run_dir, resume_step=prog.step if ckpt_path is not None else None)
     bar = ProgressBar(t.steps, prog.step, progress_bar)
     tokens_per_step = accum * t.micro_batch_size * cfg.data.seq_len
     start_wall = time.perf_counter()
     window_t, window_tokens = time.perf_counter(), 0
-    val_loss = math.nan
     try:
         while prog.step < t.steps:
             lr = cfg.optim.lr * lr_multiplier(cfg.schedule, prog.step, t.steps)
@@ -253,6 +251,7 @@ def train(
     metrics.close()
     checkpoint()
     summary = summarize(cfg, data, val, prog, val_loss, model)
+    summary["precision"] = precision
     if t.sample_tokens:
         summary["sample"] = sample_text(model, data, t.sample_prompt, t.sample_tokens, t.seed)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

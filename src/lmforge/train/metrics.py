@@ -8,14 +8,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    """Appends records to ``metrics.jsonl``; on resume from step ``resume_step``, first drops the lines
+    of later steps (written after that checkpoint by the interrupted process), so each step appears once.
+    """
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            kept = [ln for ln in self.path.read_text().splitlines() if json.loads(ln)["step"] <= resume_step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(ln + "\n" for ln in kept))
+            os.replace(tmp, self.path)
         self._fh = self.path.open("a")
         self._tb = None
         if tensorboard:
