@@ -136,9 +136,51 @@ class OptimConfig(_Section):
 
 
 class ScheduleConfig(_Section):
-    name: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup")
-    warmup: int = Field(80, ge=0, description="linear warmup steps")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a fraction of the peak")
+    """Learning-rate schedule; formulas in ``lmforge/optim/schedules.py``."""
+
+    name: Literal[
+        "constant",
+        "linear",
+        "cosine",
+        "wsd",
+        "step",
+        "polynomial",
+        "exponential",
+        "inverse_sqrt",
+        "cyclic",
+        "one_cycle",
+        "plateau",
+    ] = Field("cosine", description="schedule after warmup")
+    warmup: int | float = Field(
+        80,
+        ge=0,
+        description="linear warmup: steps, or a fraction of train.steps when below 1 (one_cycle: rise)",
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="final (or floor) learning rate as a fraction of the peak"
+    )
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="wsd: share of train.steps spent decaying at the end"
+    )
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = Field(
+        "1-sqrt", description="wsd: shape of the decay"
+    )
+    step_size: int = Field(1000, ge=1, description="step: steps between multiplications by gamma")
+    gamma: float = Field(0.5, gt=0, le=1, description="step: multiplier applied every step_size steps")
+    power: float = Field(2.0, gt=0, description="polynomial: exponent of (1 - progress)")
+    cycle_steps: int = Field(400, ge=2, description="cyclic: steps of one full triangle (up and down)")
+    div_factor: float = Field(25.0, ge=1, description="one_cycle: the rise starts at peak / div_factor")
+    patience: int = Field(2, ge=0, description="plateau: evaluations without improvement before a cut")
+    factor: float = Field(0.5, gt=0, lt=1, description="plateau: multiplier of each cut")
+    threshold: float = Field(1e-3, ge=0, description="plateau: relative improvement that counts")
+
+    @model_validator(mode="after")
+    def _warmup(self) -> ScheduleConfig:
+        if self.warmup >= 1 and self.warmup != int(self.warmup):
+            raise ValueError("schedule.warmup: give a whole number of steps, or a fraction below 1")
+        if self.name == "exponential" and self.min_lr_ratio == 0:
+            raise ValueError("schedule.min_lr_ratio: exponential decay needs a ratio above 0")
+        return self
 
 
 class Config(_Section):

@@ -25,7 +25,7 @@ from lmforge.model.sampling import generate
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import clip_global_norm
-from lmforge.optim.schedules import lr_multiplier
+from lmforge.optim.schedules import Schedule
 from lmforge.precision import autocast, resolve_precision
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial, save_checkpoint
 from lmforge.train.evaluate import eval_targets, evaluate, perplexity, unigram_loss
@@ -161,6 +161,7 @@ def train(
         TokenStream(data.train), cfg.data.seq_len, cfg.train.micro_batch_size, cfg.train.seed
     )
     val = TokenStream(data.val)
+    schedule = Schedule(cfg.schedule, cfg.train.steps)
     prog = Progress()
     if ckpt_path is not None:
         state = load_checkpoint(ckpt_path)
@@ -169,6 +170,7 @@ def train(
         optimizer.load_state_dict(state["optimizer"])
         loader.load_state_dict(state["loader"])
         prog.load_state_dict(state["progress"])
+        schedule.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         log.info("resumed from %s at step %d", ckpt_path, prog.step)
     log.info(
@@ -194,7 +196,7 @@ def train(
             "optimizer": optimizer.state_dict(),
             "loader": loader.state_dict(),
             "progress": prog.state_dict(),
-            "scheduler": {"step": prog.step},
+            "scheduler": schedule.state_dict(),
             "rng": rng_state(),
             "config": cfg.model_dump(mode="json", exclude_none=True),
         }
@@ -207,7 +209,7 @@ def train(
     window_t, window_tokens = time.perf_counter(), 0
     try:
         while prog.step < t.steps:
-            lr = cfg.optim.lr * lr_multiplier(cfg.schedule, prog.step, t.steps)
+            lr = cfg.optim.lr * schedule(prog.step)
             batches = [loader.next_batch() for _ in range(accum)]
             loss, grad_norm = train_step(model, optimizer, batches, lr, t.grad_clip, precision, device)
             prog.step += 1
@@ -231,6 +233,7 @@ def train(
                 )
             if t.eval_interval and prog.step % t.eval_interval == 0 and prog.step < t.steps:
                 val_loss = eval_fn()
+                schedule.observe(val_loss)
                 metrics.write({"step": prog.step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)})
                 bar.print(f"step {prog.step}: val_loss {val_loss:.4f}")
                 log.info("step %d: val_loss %.4f", prog.step, val_loss)
