@@ -120,18 +120,27 @@ class TrainConfig(_Section):
 
 
 class OptimConfig(_Section):
-    name: Literal["adamw"] = Field("adamw", description="optimizer")
+    name: Literal["adamw", "adam", "sgd", "lion", "adafactor"] = Field(
+        "adamw",
+        description="adamw (decoupled decay), adam and sgd (L2 decay), lion (use ~3-10x lower lr), adafactor",
+    )
     lr: float = Field(3e-3, gt=0, description="peak learning rate")
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay of matrices")
     betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon")
     decay_embeddings: bool = Field(False, description="apply weight decay to embeddings")
-    fused: bool | None = Field(None, description="fused AdamW kernel (default: where the device supports it)")
+    fused: bool | None = Field(
+        None, description="fused Adam/AdamW kernel (default: where the device supports it)"
+    )
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd: momentum")
+    nesterov: bool = Field(False, description="sgd: Nesterov momentum")
 
     @model_validator(mode="after")
     def _betas(self) -> OptimConfig:
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError("optim.betas: both betas must be in [0, 1)")
+        if self.name == "sgd" and self.nesterov and self.momentum == 0:
+            raise ValueError("optim.nesterov: Nesterov needs optim.momentum above 0")
         return self
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lmforge.config import OptimConfig
+from lmforge.optim.lion import Lion
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,21 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The configured optimizer over :func:`param_groups` (weight decay only on decayed matrices)."""
     groups = param_groups(model, cfg)
-    fused = cfg.fused if cfg.fused is not None else device.type in ("cuda", "cpu")
     for g in groups:
         log.info(
             "optim: %s group, %d tensors, weight_decay=%g", g["name"], len(g["params"]), g["weight_decay"]
         )
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
+    fused = cfg.fused if cfg.fused is not None else device.type in ("cuda", "cpu")
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
+    if cfg.name == "adam":
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+    if cfg.name == "lion":
+        return Lion(groups, lr=cfg.lr, betas=cfg.betas)
+    if cfg.name == "adafactor":
+        return torch.optim.Adafactor(groups, lr=cfg.lr, foreach=True)
+    raise ValueError(f"optim.name: unknown optimizer {cfg.name!r}")
