@@ -28,7 +28,7 @@ Warmup (all but ``one_cycle``, which has its own rise): ``m = (s + 1) / W`` for 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from typing import get_args
 
 from lmforge.config import ScheduleConfig
 
@@ -132,18 +132,4 @@ class Schedule:
         self.factor, self.best, self.bad = state["factor"], state["best"], state["bad"]
 
 
-SCHEDULE_NAMES: tuple[str, ...] = (
-    "constant",
-    "linear",
-    "cosine",
-    "wsd",
-    "step",
-    "polynomial",
-    "exponential",
-    "inverse_sqrt",
-    "cyclic",
-    "one_cycle",
-    "plateau",
-)
-
-ScheduleFn = Callable[[int], float]
+SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleConfig.model_fields["name"].annotation)
