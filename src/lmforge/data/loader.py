@@ -149,7 +149,3 @@ def eval_batches(
     mine = list(range(rank, n, world))
     for start in range(0, len(mine), batch_size):
         yield stack([window(stream, c, seq_len) for c in mine[start : start + batch_size]])
-
-
-def eval_windows(stream: TokenStream, seq_len: int, max_tokens: int) -> int:
-    return min((len(stream) - 1) // seq_len, max(1, max_tokens // seq_len))
