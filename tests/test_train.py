@@ -9,7 +9,7 @@ import torch
 
 from lmforge.config import Config, ModelConfig, OptimConfig, load_config
 from lmforge.data.loader import Batch
-from lmforge.errors import UserError
+from lmforge.errors import ConfigError, UserError
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer, param_groups
 from lmforge.optim.schedules import lr_multiplier
@@ -61,18 +61,42 @@ def test_accumulation_steps_and_validation():
         accumulation_steps(bad)
 
 
+def _wd_and_mult(model, cfg):
+    out = {}
+    for g in param_groups(model, cfg):
+        for p in g["params"]:
+            out[id(p)] = (g["weight_decay"], g["lr_mult"])
+    return out
+
+
 def test_no_decay_for_biases_norms_embeddings():
     m = Transformer(ModelConfig(arch="gpt2", n_layers=1, d_model=32, n_heads=4, tie_embeddings=False), 50, 8)
-    groups = {g["name"]: g for g in param_groups(m, OptimConfig())}
-    decayed = {id(p) for p in groups["decay"]["params"]}
-    assert id(m.blocks[0].attn.q_proj.weight) in decayed and id(m.lm_head.weight) in decayed
+    wd = _wd_and_mult(m, OptimConfig())
+    assert len(wd) == len(list(m.parameters()))
+    assert wd[id(m.blocks[0].attn.q_proj.weight)][0] == 0.1 and wd[id(m.lm_head.weight)][0] == 0.1
     for p in [m.embed.weight, m.pos_embed.weight, m.blocks[0].attn.q_proj.bias, m.norm.weight]:
-        assert id(p) not in decayed
-    assert groups["decay"]["weight_decay"] == 0.1 and groups["no_decay"]["weight_decay"] == 0.0
-    groups = {g["name"]: g for g in param_groups(m, OptimConfig(decay_embeddings=True))}
-    assert id(m.embed.weight) in {id(p) for p in groups["decay"]["params"]}
+        assert wd[id(p)][0] == 0.0
+    assert _wd_and_mult(m, OptimConfig(decay_embeddings=True))[id(m.embed.weight)][0] == 0.1
     opt = build_optimizer(m, OptimConfig(), torch.device("cpu"))
     assert opt.defaults["betas"] == (0.9, 0.95) and isinstance(opt, torch.optim.AdamW)
+
+
+def test_per_kind_settings_and_layerwise_decay():
+    m = Transformer(ModelConfig(n_layers=3, d_model=32, n_heads=4, tie_embeddings=False), 50, 8)
+    cfg = OptimConfig(group_lr_mult={"embedding": 0.5}, group_weight_decay={"norm": 0.01}, layer_lr_decay=0.5)
+    got = _wd_and_mult(m, cfg)
+    assert got[id(m.embed.weight)] == (0.0, 0.5 * 0.5**4)  # depth 0 of L + 1 = 4
+    assert got[id(m.blocks[0].attn.q_proj.weight)] == (0.1, 0.5**3)
+    assert got[id(m.blocks[2].mlp.up_proj.weight)] == (0.1, 0.5**1)
+    assert got[id(m.blocks[1].attn_norm.weight)] == (0.01, 0.5**2)
+    assert got[id(m.lm_head.weight)] == (0.1, 1.0) and got[id(m.norm.weight)] == (0.01, 1.0)
+    opt = build_optimizer(m, cfg, torch.device("cpu"))
+    x = torch.randint(0, 50, (2, 8))
+    train_step(m, opt, [Batch(x, x, torch.zeros_like(x))], 0.01, 1.0, "fp32", torch.device("cpu"))
+    for g in opt.param_groups:
+        assert g["lr"] == pytest.approx(0.01 * g["lr_mult"])
+    with pytest.raises(ConfigError, match="unknown kind 'heads'"):
+        load_config(None, {"optim.group_lr_mult": {"heads": 2.0}})
 
 
 def test_warmup_cosine_schedule():

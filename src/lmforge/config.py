@@ -119,6 +119,9 @@ class TrainConfig(_Section):
     sample_prompt: str = Field("def ", description="prompt of the end-of-training sample")
 
 
+PARAM_KINDS = {"embedding", "matrix", "norm", "bias"}
+
+
 class OptimConfig(_Section):
     name: Literal["adamw", "adam", "sgd", "lion", "adafactor"] = Field(
         "adamw",
@@ -132,6 +135,18 @@ class OptimConfig(_Section):
     fused: bool | None = Field(
         None, description="fused Adam/AdamW kernel (default: where the device supports it)"
     )
+    group_lr_mult: dict[str, float] = Field(
+        default_factory=dict, description="learning-rate multiplier per kind: embedding, matrix, norm, bias"
+    )
+    group_weight_decay: dict[str, float] = Field(
+        default_factory=dict, description="weight decay per kind (overrides weight_decay / decay_embeddings)"
+    )
+    layer_lr_decay: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="layer-wise lr decay: each layer below the output gets this factor more (1: off)",
+    )
     momentum: float = Field(0.9, ge=0, lt=1, description="sgd: momentum")
     nesterov: bool = Field(False, description="sgd: Nesterov momentum")
 
@@ -139,6 +154,12 @@ class OptimConfig(_Section):
     def _betas(self) -> OptimConfig:
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError("optim.betas: both betas must be in [0, 1)")
+        for field in ("group_lr_mult", "group_weight_decay"):
+            bad = set(getattr(self, field)) - PARAM_KINDS
+            if bad:
+                raise ValueError(
+                    f"optim.{field}: unknown kind {sorted(bad)[0]!r}; kinds are {', '.join(sorted(PARAM_KINDS))}"
+                )
         if self.name == "sgd" and self.nesterov and self.momentum == 0:
             raise ValueError("optim.nesterov: Nesterov needs optim.momentum above 0")
         return self

@@ -1,13 +1,23 @@
 """Parameter groups and the optimizer factory.
 
-Weight decay applies to matrices of linear layers only; biases, norm weights and (unless
-``optim.decay_embeddings``) token and position embeddings are not decayed. A tied output head shares
-the embedding tensor and follows the embedding rule.
+Every parameter has a kind: ``embedding`` (token / position embeddings, and a head tied to them),
+``matrix`` (other weights with two or more dimensions), ``norm`` (norm weights) or ``bias``, and a depth:
+0 for embeddings, ``i + 1`` for block ``i``, ``L + 1`` for the final norm and an untied head.
+
+* Weight decay: ``optim.weight_decay`` on matrices (and on embeddings with ``optim.decay_embeddings``),
+  0 elsewhere; ``optim.group_weight_decay`` overrides it per kind.
+* Learning rate: ``lr * lr_mult`` with ``lr_mult = group_lr_mult[kind] * layer_lr_decay ^ (L + 1 - depth)``,
+  so with layer-wise decay the output end trains at the full rate and each layer below at ``decay`` times
+  the one above it.
+
+One optimizer group is made per (kind, depth) when layer-wise decay is on, else per kind.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+from collections import defaultdict
 
 import torch
 from torch import nn
@@ -17,25 +27,57 @@ from lmforge.optim.lion import Lion
 
 log = logging.getLogger(__name__)
 
+_BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
+
+
+def param_kind(p: torch.Tensor, embeddings: set[int], norms: set[int]) -> str:
+    """``embedding`` | ``norm`` | ``matrix`` | ``bias`` given the ids of embedding and norm weights."""
+    if id(p) in embeddings:
+        return "embedding"
+    if id(p) in norms:
+        return "norm"
+    return "matrix" if p.ndim >= 2 else "bias"
+
+
+def param_depth(name: str, kind: str, n_layers: int) -> int:
+    """0 for embeddings, ``i + 1`` inside block ``i``, ``n_layers + 1`` for the final norm and head."""
+    match = _BLOCK.search(name)
+    if match:
+        return int(match.group(1)) + 1
+    return 0 if kind == "embedding" else n_layers + 1
+
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
-    """``[{"params": decayed, "weight_decay": wd}, {"params": rest, "weight_decay": 0}]`` (empty ones dropped)."""
+    """Optimizer groups with ``weight_decay``, ``lr_mult`` and a ``name`` (see the module docstring)."""
+    n_layers = len(getattr(model, "blocks", []))
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay, seen = [], [], set()
-    for p in model.parameters():
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, nn.LayerNorm | nn.RMSNorm)}
+    buckets: dict[tuple[str, int], list[torch.Tensor]] = defaultdict(list)
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        is_embedding = id(p) in embeddings
-        if p.ndim >= 2 and (not is_embedding or cfg.decay_embeddings):
-            decay.append(p)
-        else:
-            no_decay.append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay, "name": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
-    ]
-    return [g for g in groups if g["params"]]
+        kind = param_kind(p, embeddings, norms)
+        depth = param_depth(name, kind, n_layers) if cfg.layer_lr_decay != 1.0 else 0
+        buckets[(kind, depth)].append(p)
+    groups = []
+    for (kind, depth), params in sorted(buckets.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        default_wd = (
+            cfg.weight_decay if kind == "matrix" or (kind == "embedding" and cfg.decay_embeddings) else 0.0
+        )
+        mult = cfg.group_lr_mult.get(kind, 1.0)
+        if cfg.layer_lr_decay != 1.0:
+            mult *= cfg.layer_lr_decay ** (n_layers + 1 - depth)
+        groups.append(
+            {
+                "params": params,
+                "weight_decay": cfg.group_weight_decay.get(kind, default_wd),
+                "lr_mult": mult,
+                "name": kind if cfg.layer_lr_decay == 1.0 else f"{kind}@{depth}",
+            }
+        )
+    return groups
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:

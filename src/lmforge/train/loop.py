@@ -56,7 +56,7 @@ def train_step(
         loss_total += loss.detach()
     grad_norm = clip_global_norm(model.parameters(), grad_clip)
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_mult", 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_total, grad_norm
