@@ -1,0 +1,1 @@
+"""Pipeline stages of ``lmforge data``: one module per stage, each built on :mod:`.base`."""

@@ -1,0 +1,114 @@
+"""The contract every pipeline stage of ``lmforge data`` follows.
+
+A stage has a ``name`` (used in removal reasons as ``"<stage>.<rule>"``) and parameters in a pydantic
+model (``Params``) declared next to it: its defaults are the published ones and are listed in the data
+config reference. There are two kinds:
+
+* :class:`DocStage` sees one document at a time and returns it (possibly changed) or a :class:`Drop`.
+  It is a pure function of the document and its parameters, so the executor may run it on any process,
+  in any order, and again after a restart.
+* :class:`CorpusStage` needs the whole corpus (deduplication). The executor runs it in three phases:
+  ``signature`` per document (parallel, the result is pickled to disk), ``plan`` once over all
+  signatures in corpus order (single process, bounded memory: it may spill to ``workdir``) and
+  ``apply`` per document (parallel, reading what ``plan`` left in ``workdir``).
+
+Corpus order is the order of :attr:`Document.key`: deterministic, so "keep the first of a cluster"
+means the same document on every run and every executor.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+
+class StageParams(BaseModel):
+    """Base of every stage's parameter model: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class Doc:
+    """A document travelling through the pipeline.
+
+    ``id`` is the input's id (its id field, else ``path:line`` or the file path); ``key`` orders the
+    corpus (source index, file index, line); ``meta`` carries what stages add (language score, PII
+    counts) and is written out with the kept document.
+    """
+
+    id: str
+    text: str
+    domain: str
+    key: tuple[int, int, int] = (0, 0, 0)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Why a document was removed: ``reason`` is ``"<stage>.<rule>"``; duplicates name the kept one."""
+
+    reason: str
+    duplicate_of: str | None = None
+
+
+class DocStage(ABC):
+    """A per-document stage: ``process(doc) -> Doc | Drop``."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[StageParams]] = StageParams
+
+    def __init__(self, params: StageParams | None = None):
+        self.params = params if params is not None else self.Params()
+
+    @abstractmethod
+    def process(self, doc: Doc) -> Doc | Drop: ...
+
+    def drop(self, rule: str, duplicate_of: str | None = None) -> Drop:
+        return Drop(f"{self.name}.{rule}", duplicate_of)
+
+
+class CorpusStage(ABC):
+    """A stage that decides from the whole corpus: ``signature`` -> ``plan`` -> ``apply``."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[StageParams]] = StageParams
+
+    def __init__(self, params: StageParams | None = None):
+        self.params = params if params is not None else self.Params()
+
+    @abstractmethod
+    def signature(self, doc: Doc) -> Any:
+        """A picklable summary of ``doc`` (a hash, a MinHash vector, ...); runs in parallel."""
+
+    @abstractmethod
+    def plan(self, signatures: Iterable[tuple[Doc | None, Any]], workdir: Path) -> dict[str, Any]:
+        """Decide over all ``(doc_ref, signature)`` pairs in corpus order; write decisions under ``workdir``.
+
+        ``doc_ref`` carries ``id``, ``key`` and ``domain`` (``text`` may be empty). Returns figures for
+        the report (for example cluster counts).
+        """
+
+    @abstractmethod
+    def apply(self, doc: Doc, workdir: Path) -> Doc | Drop:
+        """The decision for one document, read from ``workdir``; runs in parallel after ``plan``."""
+
+    def drop(self, rule: str, duplicate_of: str | None = None) -> Drop:
+        return Drop(f"{self.name}.{rule}", duplicate_of)
+
+
+def run_doc_stages(stages: Iterable[DocStage], docs: Iterable[Doc]) -> Iterator[Doc | tuple[Doc, Drop]]:
+    """Apply per-document stages in order; yields kept docs, or ``(original doc, Drop)`` for removed ones."""
+    stages = list(stages)
+    for doc in docs:
+        out: Doc | Drop = doc
+        for stage in stages:
+            out = stage.process(out)
+            if isinstance(out, Drop):
+                break
+        yield out if isinstance(out, Doc) else (doc, out)
