@@ -112,3 +112,23 @@ def run_doc_stages(stages: Iterable[DocStage], docs: Iterable[Doc]) -> Iterator[
             if isinstance(out, Drop):
                 break
         yield out if isinstance(out, Doc) else (doc, out)
+
+
+def run_corpus_stage(
+    stage: CorpusStage, docs: Iterable[Doc], workdir: Path
+) -> tuple[list[Doc | tuple[Doc, Drop]], dict[str, Any]]:
+    """Run a corpus stage's three phases in one process, in memory (small corpora, tests).
+
+    The pipeline's executors run the same phases in parallel with signatures on disk; this sequential
+    form is the reference they must agree with. Returns the per-document outcomes in input order (as
+    :func:`run_doc_stages` yields them) and the figures ``plan`` reported.
+    """
+    docs = list(docs)
+    workdir.mkdir(parents=True, exist_ok=True)
+    refs = [(Doc(d.id, "", d.domain, d.key), stage.signature(d)) for d in docs]
+    figures = stage.plan(iter(refs), workdir)
+    outcomes: list[Doc | tuple[Doc, Drop]] = []
+    for doc in docs:
+        out = stage.apply(doc, workdir)
+        outcomes.append(out if isinstance(out, Doc) else (doc, out))
+    return outcomes, figures
