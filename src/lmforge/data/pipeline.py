@@ -126,7 +126,13 @@ def _builtin_pieces(i: int, source: PipelineSource) -> list[Piece]:
 
     files = stdlib_files()
     out = [Piece(i, j, str(p), "pystdlib", size=p.stat().st_size) for j, p in enumerate(files)]
-    return [*out, Piece(i, len(files), "pydoc_data.topics", "pystdlib_topics", size=1 << 20)]
+    try:
+        import pydoc_data.topics as topics
+
+        size = Path(topics.__file__).stat().st_size
+    except ImportError:  # some distributions strip pydoc_data: the piece then reads nothing
+        size = 0
+    return [*out, Piece(i, len(files), "pydoc_data.topics", "pystdlib_topics", size=size)]
 
 
 def _read(piece: Piece, source: PipelineSource) -> Iterator[Doc | tuple[Doc, Drop]]:

@@ -47,7 +47,7 @@ class PipelineSource(_Section):
     path: str = Field(..., description="a file, folder (searched recursively), glob, or builtin:pystdlib")
     format: Literal["auto", "txt", "jsonl", "parquet", "html", "pdf"] = Field(
         "auto",
-        description="reader: auto picks by suffix (.txt, .jsonl[.gz|.zst], .parquet, .html/.htm, .pdf)",
+        description="reader: auto picks by suffix (.txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, .html, .htm, .pdf)",
     )
     text_field: str = Field("text", description="JSON key / parquet column holding the text")
     id_field: str = Field("id", description="JSON key / parquet column holding the id (else path:line)")
@@ -104,7 +104,7 @@ class ExecutionConfig(_Section):
     )
     workers: int = Field(0, ge=0, description="parallel workers (0: every core this process may use)")
     chunk_bytes: int = Field(
-        16 * 2**20,
+        4 * 2**20,
         ge=1024,
         description="input per shard: files are grouped and large files cut to about this size",
     )
