@@ -27,7 +27,7 @@ from lmforge.data.stages import registry
 from lmforge.data.stages.base import Doc, DocStage, Drop, run_corpus_stage
 from lmforge.data.stages.dedup_exact import ExactDedup
 from lmforge.data.stages.length import LengthFilter, LengthParams
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, DataError, UserError
 
 ROOT = Path(__file__).parents[1]
 WORDS = [
@@ -188,6 +188,36 @@ def test_html_and_pdf_readers(tmp_path):
     assert pdf.text == "" and pdf.meta["format"] == "pdf"
     assert pdf.meta["raw"] == (tmp_path / "doc.pdf").read_bytes()
     assert got["fake.pdf"][1] == Drop("read.not_pdf")
+
+
+def test_jsonl_html_content_is_marked_for_extract(tmp_path):
+    rows = [{"u": "a", "body": "<p>x</p>", "kind": "html"}, {"u": "b", "body": "plain", "kind": "text"}]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    piece = readers.Piece(0, 0, str(tmp_path / "r.jsonl"), "jsonl")
+    by_field = readers.ReadOptions(text_field="body", id_field="u", format_field="kind")
+    assert [(d.id, d.meta) for d in readers.read_piece(piece, by_field)] == [
+        ("a", {"format": "html"}),
+        ("b", {}),
+    ]
+    whole = readers.ReadOptions(text_field="body", id_field="u", content_format="html")
+    assert [d.meta for d in readers.read_piece(piece, whole)] == [{"format": "html"}] * 2
+
+
+def test_out_belongs_to_one_configuration_and_input(tmp_path):
+    _write_corpus(tmp_path / "in", files=1, docs=20)
+    sources = [{"path": str(tmp_path / "in")}]
+    cfg = _cfg(tmp_path, sources, [{"name": "length", "min_words": 10}])
+    first = run_pipeline(cfg, tmp_path / "out", workers=1)
+    assert run_pipeline(cfg, tmp_path / "out", workers=1) == first  # a finished run is not redone
+    other = _cfg(tmp_path, sources, [{"name": "length", "min_words": 11}])
+    with pytest.raises(UserError, match="different pipeline configuration"):
+        run_pipeline(other, tmp_path / "out", workers=1)
+    with (tmp_path / "in" / "part-0.jsonl").open("a") as fh:
+        fh.write(json.dumps({"text": "one more"}) + "\n")
+    with pytest.raises(DataError, match="input changed since the run"):
+        run_pipeline(cfg, tmp_path / "out", workers=1)
+    with pytest.raises(UserError, match="not an lmforge data folder"):
+        run_pipeline(cfg, tmp_path / "in", workers=1)
 
 
 def test_bad_input_is_counted_reported_and_accounted(tmp_path):
