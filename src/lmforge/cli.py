@@ -116,6 +116,62 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.data.pipeline import run_pipeline, tokenize_output
+    from lmforge.data.pipeline_config import load_pipeline_config
+
+    cfg = load_pipeline_config(args.config, parse_overrides(extra))
+    start = time.perf_counter()
+    report = run_pipeline(cfg, args.out, executor=args.executor, workers=args.workers)
+    elapsed = time.perf_counter() - start
+    if cfg.tokenize.enabled and not args.no_tokenize:
+        report["tokens"] = tokenize_output(cfg, args.out)
+        from lmforge.data.pipeline import Layout, write_report
+
+        write_report(Layout(args.out).report, report)
+    _print_data_summary(report, args.out, elapsed)
+    return 0
+
+
+def _print_data_summary(report: dict, out: str, elapsed: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def size(n: int) -> str:
+        return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+    table = Table(title=f"lmforge data -> {out}", title_justify="left")
+    for col in ("stage", "docs in", "docs out", "removed", "bytes in", "bytes out", "top reasons"):
+        table.add_column(col, justify="left" if col in ("stage", "top reasons") else "right")
+    for row in report["stages"]:
+        reasons = sorted(row["removed"].items(), key=lambda kv: -kv[1])[:3]
+        name = row["stage"] + (f" [{','.join(row['domains'])}]" if "domains" in row else "")
+        table.add_row(
+            name,
+            f"{row['docs_in']:,}",
+            f"{row['docs_out']:,}",
+            f"{row['docs_in'] - row['docs_out']:,}",
+            size(row["bytes_in"]),
+            size(row["bytes_out"]),
+            ", ".join(f"{r.split('.', 1)[1]} {c:,}" for r, c in reasons),
+        )
+    console = Console(width=max(Console().width, 120))
+    console.print(table)
+    docs = report["documents"]
+    console.print(
+        f"{docs['input']:,} documents in, {docs['kept']:,} kept, {docs['removed']:,} removed "
+        f"({report['bad_input']['count']:,} bad input records) in {elapsed:.1f}s; "
+        f"kept by domain: {', '.join(f'{d} {n:,}' for d, n in report['kept_by_domain'].items()) or 'none'}"
+    )
+    if "tokens" in report:
+        tokens = report["tokens"]["tokens"]
+        console.print(
+            f"tokens ({report['tokens']['vocab_size']:,}-entry BPE): "
+            + ", ".join(f"{k} {v:,}" for k, v in sorted(tokens.items()))
+            + f'; train on them with data.prepared = "{out}"'
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmforge", description="Train language models from raw text.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -132,6 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="run folder (default: runs/<timestamp>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "data",
+        help="clean, filter and deduplicate raw files, then tokenize them",
+        description="Run the pipeline of a recipe (configs/data/) into OUT: kept/ and removed/ documents, "
+        "report.json and token shards (tokens/). A run started again continues where it stopped. "
+        "Keys can be overridden as --SECTION.KEY=VALUE (e.g. --output.compression=none).",
+    )
+    p.add_argument("--config", required=True, help="pipeline recipe (TOML), e.g. configs/data/web.toml")
+    p.add_argument("--out", required=True, help="output folder (new, or the one of a run to continue)")
+    p.add_argument("--workers", type=int, default=None, help="parallel workers (default: every core)")
+    p.add_argument("--executor", choices=["local", "ray"], default=None, help="default: execution.executor")
+    p.add_argument("--no-tokenize", action="store_true", help="stop after the documents (no token shards)")
+    p.set_defaults(func=cmd_data)
 
     p = sub.add_parser("eval", help="validation loss and perplexity of a run's newest checkpoint")
     p.add_argument("run", help="run folder")
@@ -158,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "train":
+    if extra and args.command not in ("train", "data"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(args.verbose)
     try:

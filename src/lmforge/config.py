@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -91,6 +92,11 @@ class DataConfig(_Section):
     seq_len: int = Field(256, ge=8, description="tokens per training sequence")
     val_fraction: float = Field(0.02, gt=0, lt=0.5, description="share of documents held out, by id hash")
     include_tests: bool = Field(False, description="pystdlib: include the standard library's test suites")
+    prepared: str | None = Field(
+        None,
+        description="train on the token shards of a 'lmforge data' output folder (OUT or OUT/tokens); "
+        "sources, vocab_size, val_fraction and tokenizer are then not used",
+    )
 
 
 class TrainConfig(_Section):
@@ -242,8 +248,9 @@ def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, 
     return out
 
 
-def _nearest(key: str) -> str:
-    match = difflib.get_close_matches(key, list(config_keys()), n=1, cutoff=0.5)
+def _nearest(key: str, keys: list[str] | None = None) -> str:
+    keys = list(config_keys()) if keys is None else keys
+    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
     return f"; did you mean {match[0]}?" if match else ""
 
 
@@ -286,10 +293,13 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: dict[str, Any], keys: list[str] | None = None) -> str:
+    """One line for a pydantic error; ``keys`` are the valid dotted keys (default: the training config's)."""
     loc = ".".join(str(p) for p in error["loc"])
     kind = error["type"]
     if kind == "extra_forbidden":
+        if keys is not None:  # lists of tables: compare without the index
+            return f"{loc}: unknown key{_nearest(re.sub(r'[.][0-9]+[.]', '.', loc), keys)}"
         return f"{loc}: unknown key{_nearest(loc)}"
     msg = error["msg"]
     if kind == "value_error":

@@ -17,7 +17,7 @@ import json
 import logging
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +65,9 @@ def settings_key(cfg: DataConfig) -> str:
 
 
 def input_files(cfg: DataConfig) -> list[Path]:
+    if cfg.prepared is not None:
+        root = prepared_root(cfg.prepared)
+        return [root / "meta.json", root / "tokenizer.json"]
     files: list[Path] = []
     for i, source in enumerate(cfg.sources):
         if source.path == "builtin:pystdlib":
@@ -98,6 +101,15 @@ def iter_documents(cfg: DataConfig) -> Iterator[Document]:
 
 def prepare_data(cfg: DataConfig) -> PreparedData:
     """Return prepared data for ``cfg``, building or rebuilding it when needed."""
+    if cfg.prepared is not None:
+        root = prepared_root(cfg.prepared)
+        meta = read_meta(root)
+        assert meta is not None
+        data = _open(root, Tokenizer(root / "tokenizer.json"), meta)
+        if not data.train or not data.val:
+            raise DataError(f"data.prepared: {root} lacks train or validation shards; run lmforge data again")
+        log.info("data: using prepared shards in %s", root)
+        return data
     root = Path(cfg.cache_dir) / settings_key(cfg)
     fingerprint = input_fingerprint(cfg)
     user_tok = Tokenizer(cfg.tokenizer) if cfg.tokenizer else None
@@ -125,6 +137,19 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     return _open(root, Tokenizer(root / "tokenizer.json"), meta)
 
 
+def prepared_root(path: str | Path) -> Path:
+    """The shard folder of ``data.prepared``: ``OUT/tokens`` of a ``lmforge data`` output, or the folder."""
+    root = Path(path)
+    if (root / "tokens" / "meta.json").is_file():
+        root = root / "tokens"
+    if read_meta(root) is None or not (root / "tokenizer.json").is_file():
+        raise DataError(
+            f"data.prepared: {path} holds no token shards (meta.json, tokenizer.json); "
+            "give the --out folder of a finished 'lmforge data' run"
+        )
+    return root
+
+
 def _open(root: Path, tok: Tokenizer, meta: dict) -> PreparedData:
     names = sorted(meta["shards"])
     return PreparedData(
@@ -137,23 +162,48 @@ def _open(root: Path, tok: Tokenizer, meta: dict) -> PreparedData:
 
 
 def _build(cfg: DataConfig, build: Path, fingerprint: str, user_tok: Tokenizer | None) -> None:
+    paths = ", ".join(s.path for s in cfg.sources)
+    write_token_shards(
+        build,
+        lambda: iter_documents(cfg),
+        cfg.vocab_size,
+        cfg.val_fraction,
+        user_tok,
+        fingerprint,
+        f"data.sources: no documents with text in {paths}; check the paths and text_field",
+    )
+
+
+def write_token_shards(
+    build: Path,
+    documents: Callable[[], Iterable[Document]],
+    vocab_size: int,
+    val_fraction: float,
+    user_tok: Tokenizer | None,
+    fingerprint: str,
+    no_docs_error: str,
+) -> dict:
+    """Tokenizer + token shards per (domain, split) + ``meta.json`` in ``build``; returns the meta.
+
+    ``documents`` is called twice (tokenizer training, then tokenizing) and must give the same stream.
+    """
     tok_path = build / "tokenizer.json"
     if user_tok is not None:
         shutil.copyfile(user_tok.path, tok_path)
         tok = Tokenizer(tok_path)
     else:
-        log.info("data: training a %d-token BPE tokenizer", cfg.vocab_size)
-        train_texts = (d.text for d in iter_documents(cfg) if not is_validation(d.id, cfg.val_fraction))
-        tok = train_tokenizer(train_texts, cfg.vocab_size, tok_path)
+        log.info("data: training a %d-token BPE tokenizer", vocab_size)
+        train_texts = (d.text for d in documents() if not is_validation(d.id, val_fraction))
+        tok = train_tokenizer(train_texts, vocab_size, tok_path)
     dtype = token_dtype(tok.vocab_size)
     writers: dict[str, ShardWriter] = {}
     counts = np.zeros(tok.vocab_size, dtype=np.int64)
     docs: dict[str, int] = {}
     log.info("data: tokenizing")
-    for batch in batched(iter_documents(cfg), 256):
+    for batch in batched(documents(), 256):
         encoded = tok.encode_batch([d.text for d in batch])
         for doc, ids in zip(batch, encoded, strict=True):
-            split = "val" if is_validation(doc.id, cfg.val_fraction) else "train"
+            split = "val" if is_validation(doc.id, val_fraction) else "train"
             prefix = f"{doc.domain}.{split}"
             if prefix not in writers:
                 writers[prefix] = ShardWriter(build, prefix, dtype)
@@ -163,8 +213,7 @@ def _build(cfg: DataConfig, build: Path, fingerprint: str, user_tok: Tokenizer |
             if split == "train":
                 counts += np.bincount(tokens, minlength=tok.vocab_size)
     if not any(p.endswith(".train") for p in writers):
-        paths = ", ".join(s.path for s in cfg.sources)
-        raise DataError(f"data.sources: no documents with text in {paths}; check the paths and text_field")
+        raise DataError(no_docs_error)
     if not any(p.endswith(".val") for p in writers):
         raise DataError(
             "data.val_fraction: no document fell into the validation split; raise it or add documents"
@@ -174,19 +223,16 @@ def _build(cfg: DataConfig, build: Path, fingerprint: str, user_tok: Tokenizer |
         shards.update(writer.close())
     with (build / "unigram_counts.npy").open("wb") as fh:
         np.save(fh, counts, allow_pickle=False)
-    write_meta(
-        build,
-        {
-            "format": FORMAT_VERSION,
-            "dtype": dtype.name,
-            "vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id,
-            "tokenizer_sha256": tok.sha256,
-            "input_fingerprint": fingerprint,
-            "shards": shards,
-            "documents": docs,
-            "tokens": {
-                p: sum(s["tokens"] for n, s in shards.items() if n.startswith(p + "-")) for p in writers
-            },
-        },
-    )
+    meta = {
+        "format": FORMAT_VERSION,
+        "dtype": dtype.name,
+        "vocab_size": tok.vocab_size,
+        "eot_id": tok.eot_id,
+        "tokenizer_sha256": tok.sha256,
+        "input_fingerprint": fingerprint,
+        "shards": shards,
+        "documents": docs,
+        "tokens": {p: sum(s["tokens"] for n, s in shards.items() if n.startswith(p + "-")) for p in writers},
+    }
+    write_meta(build, meta)
+    return meta

@@ -64,25 +64,34 @@ def _docstrings(tree: ast.Module, module: str) -> list[str]:
 
 
 def read_pystdlib(include_tests: bool = False) -> Iterator[Document]:
-    root = stdlib_root()
     for path in stdlib_files(include_tests):
-        rel = path.relative_to(root).as_posix()
-        try:
-            with tokenize.open(path) as fh:  # honours PEP 263 encoding declarations
-                source = fh.read()
-        except (SyntaxError, UnicodeDecodeError, OSError):
-            log.debug("pystdlib: skipped unreadable %s", rel)
-            continue
-        if source.strip():
-            yield Document(f"pystdlib/code/{rel}", source, "code")
-        try:
-            tree = ast.parse(source)
-        except (SyntaxError, ValueError):
-            continue
-        module = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-        docs = _docstrings(tree, module)
-        if docs:
-            yield Document(f"pystdlib/prose/{rel}", "\n\n".join(docs) + "\n", "prose")
+        yield from read_stdlib_file(path)
+    yield from read_topics()
+
+
+def read_stdlib_file(path: Path) -> Iterator[Document]:
+    """The ``code`` document of one standard-library file and its ``prose`` (docstrings) document."""
+    rel = path.relative_to(stdlib_root()).as_posix()
+    try:
+        with tokenize.open(path) as fh:  # honours PEP 263 encoding declarations
+            source = fh.read()
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        log.debug("pystdlib: skipped unreadable %s", rel)
+        return
+    if source.strip():
+        yield Document(f"pystdlib/code/{rel}", source, "code")
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return
+    module = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+    docs = _docstrings(tree, module)
+    if docs:
+        yield Document(f"pystdlib/prose/{rel}", "\n\n".join(docs) + "\n", "prose")
+
+
+def read_topics() -> Iterator[Document]:
+    """Each topic of ``pydoc_data.topics`` (the language reference ``help()`` shows) as a prose document."""
     try:
         from pydoc_data.topics import topics
     except ImportError:  # some distributions strip pydoc_data

@@ -3,23 +3,21 @@
 Formats: ``.txt`` (one document per file), ``.jsonl`` / ``.jsonl.gz`` / ``.jsonl.zst`` (one JSON object
 per line, text under a configurable key), ``.parquet`` (a text column), folders and globs of them, and
 the built-in corpus ``builtin:pystdlib``. Files are visited in sorted order so ids and order are
-deterministic.
+deterministic. The parsing itself lives in :mod:`lmforge.data.readers` (shared with ``lmforge data``);
+here bad records are logged and skipped.
 """
 
 from __future__ import annotations
 
 import glob
-import gzip
 import hashlib
-import io
-import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 from lmforge.config import SourceConfig
+from lmforge.data import readers
 from lmforge.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -35,24 +33,23 @@ class Document:
 
 
 def detect_format(path: Path) -> str:
-    """``txt`` | ``jsonl`` | ``parquet`` from the file name, or ``""`` if unsupported."""
-    name = path.name.lower()
-    if name.endswith(".txt"):
-        return "txt"
-    if name.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst")):
-        return "jsonl"
-    if name.endswith(".parquet"):
-        return "parquet"
-    return ""
+    """``txt`` | ``jsonl`` | ``parquet`` from the file name, or ``""`` if training cannot read it."""
+    fmt = readers.detect_format(path)
+    return fmt if fmt in ("txt", "jsonl", "parquet") else ""
 
 
-def expand_paths(pattern: str, field: str = "data.sources.path") -> list[Path]:
-    """A file, a folder (searched recursively for supported files) or a glob -> sorted file list."""
+def expand_paths(
+    pattern: str,
+    field: str = "data.sources.path",
+    detect: Callable[[Path], str] = detect_format,
+    suffixes: tuple[str, ...] = SUFFIXES,
+) -> list[Path]:
+    """A file, a folder (searched recursively for files ``detect`` knows) or a glob -> sorted file list."""
     path = Path(pattern).expanduser()
     if any(ch in pattern for ch in "*?["):
         files = [Path(p) for p in glob.glob(str(path), recursive=True)]
     elif path.is_dir():
-        files = [p for p in path.rglob("*") if p.is_file() and detect_format(p)]
+        files = [p for p in path.rglob("*") if p.is_file() and detect(p)]
     elif path.is_file():
         files = [path]
     else:
@@ -60,64 +57,42 @@ def expand_paths(pattern: str, field: str = "data.sources.path") -> list[Path]:
     files = sorted(p for p in files if p.is_file())
     if not files:
         raise DataError(
-            f"{field}: {pattern} matches no {'/'.join(SUFFIXES)} files; check the path or pattern"
+            f"{field}: {pattern} matches no {'/'.join(suffixes)} files; check the path or pattern"
         )
     return files
 
 
-def _open_text(path: Path) -> IO[str]:
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    if name.endswith(".zst"):
-        import zstandard
-
-        raw = zstandard.ZstdDecompressor().stream_reader(path.open("rb"), closefd=True)
-        return io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
-    return path.open("r", encoding="utf-8", errors="replace")
+def _lenient(piece: readers.Piece, opts: readers.ReadOptions) -> Iterator[Document]:
+    """Good documents of a piece; bad records are logged and skipped (training reads trusted data)."""
+    for out in readers.read_piece(piece, opts):
+        if isinstance(out, tuple):
+            doc, drop = out
+            if drop.reason != "read.empty":
+                log.warning("%s: skipped (%s)", doc.id, drop.reason)
+            continue
+        yield Document(out.id, out.text, out.domain)
 
 
 def read_txt(path: Path, domain: str) -> Iterator[Document]:
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if text.strip():
-        yield Document(str(path), text, domain)
+    opts = readers.ReadOptions(domain=domain, strict_utf8=False)
+    yield from _lenient(readers.Piece(0, 0, str(path), "txt"), opts)
 
 
 def read_jsonl(path: Path, domain: str, text_field: str) -> Iterator[Document]:
-    with _open_text(path) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                text = record[text_field]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                log.warning("%s:%d: skipped (not a JSON object with a %r string)", path, lineno, text_field)
-                continue
-            if not isinstance(text, str) or not text.strip():
-                continue
-            doc_id = record.get("id") if isinstance(record, dict) else None
-            yield Document(str(doc_id) if doc_id is not None else f"{path}:{lineno}", text, domain)
+    opts = readers.ReadOptions(domain=domain, text_field=text_field, strict_utf8=False)
+    yield from _lenient(readers.Piece(0, 0, str(path), "jsonl"), opts)
 
 
 def read_parquet(path: Path, domain: str, text_field: str) -> Iterator[Document]:
-    import pyarrow.parquet as pq
+    check_parquet_column(path, text_field, "data.sources.text_field")
+    opts = readers.ReadOptions(domain=domain, text_field=text_field)
+    yield from _lenient(readers.Piece(0, 0, str(path), "parquet", first_line=0), opts)
 
-    table = pq.ParquetFile(path)
-    names = table.schema_arrow.names
+
+def check_parquet_column(path: Path, text_field: str, key: str) -> None:
+    names = readers.parquet_columns(path)
     if text_field not in names:
-        raise DataError(
-            f"{path}: no column {text_field!r} (columns: {', '.join(names)}); set data.sources.text_field"
-        )
-    columns = [text_field] + (["id"] if "id" in names else [])
-    row = 0
-    for batch in table.iter_batches(columns=columns, batch_size=4096):
-        texts = batch.column(0).to_pylist()
-        ids = batch.column(1).to_pylist() if len(columns) > 1 else [None] * len(texts)
-        for text, doc_id in zip(texts, ids, strict=True):
-            if isinstance(text, str) and text.strip():
-                yield Document(str(doc_id) if doc_id is not None else f"{path}:{row}", text, domain)
-            row += 1
+        raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); set {key}")
 
 
 def read_source(source: SourceConfig, include_tests: bool = False) -> Iterator[Document]:

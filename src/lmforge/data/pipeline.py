@@ -1,0 +1,692 @@
+"""``lmforge data``: run a pipeline of stages over sharded input, resumably, on an executor.
+
+The input is planned once into **shards** (:func:`plan_shards`): files are grouped, and large plain
+JSONL / parquet files cut, into pieces of about ``execution.chunk_bytes``, in corpus order (source,
+file, line). The stage list is cut at each corpus stage into **passes**::
+
+    pass 0:  read -> doc stages ...           -> signatures of corpus stage 1 (+ surviving documents)
+    plan 1:  corpus stage 1 decides over all signatures, in corpus order (one process)
+    pass 1:  apply corpus stage 1 -> doc stages ... -> signatures of corpus stage 2 ...
+    pass K:  apply corpus stage K -> doc stages ... -> OUT/kept, OUT/removed
+
+Every (pass, shard) is one task that streams its shard, writes its files under temporary names,
+renames them, and then writes a completion marker holding its counts (``work/pass-K/NNNNN.done``).
+Tasks are pure functions of the plan, so a killed run started again skips the marked tasks and
+produces the same files; the executor (worker processes or Ray, :mod:`lmforge.data.executors`) only
+decides where tasks run. ``report.json`` is the sum of the markers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import pickle
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from lmforge.data import readers
+from lmforge.data.pipeline_config import PipelineConfig, PipelineSource, StageSpec, build_pipeline_config
+from lmforge.data.readers import Piece, ReadOptions
+from lmforge.data.sources import check_parquet_column, expand_paths
+from lmforge.data.stages.base import CorpusStage, Doc, DocStage, Drop
+from lmforge.errors import DataError, UserError
+
+log = logging.getLogger(__name__)
+
+PLAN_VERSION = 1
+WORK = "work"
+SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".html", ".htm", ".pdf")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the stages, grouped into passes
+
+
+@dataclass
+class Slot:
+    """One configured stage: a unique label, its instance and the domains it applies to."""
+
+    label: str
+    spec: StageSpec
+    stage: DocStage | CorpusStage
+
+    def applies(self, doc: Doc) -> bool:
+        return self.spec.domains is None or doc.domain in self.spec.domains
+
+
+class Stages:
+    """The configured stages cut into passes: ``segments[k]`` doc stages run after ``corpus[k - 1]``."""
+
+    def __init__(self, cfg: PipelineConfig):
+        self.segments: list[list[Slot]] = [[]]
+        self.corpus: list[Slot] = []
+        self.labels: list[str] = ["read"]
+        seen: dict[str, int] = {}
+        for spec in cfg.stages:
+            seen[spec.name] = seen.get(spec.name, 0) + 1
+            label = spec.name if seen[spec.name] == 1 else f"{spec.name}#{seen[spec.name]}"
+            slot = Slot(label, spec, spec.build())
+            self.labels.append(label)
+            if isinstance(slot.stage, CorpusStage):
+                self.corpus.append(slot)
+                self.segments.append([])
+            else:
+                self.segments[-1].append(slot)
+
+    @property
+    def passes(self) -> int:
+        return len(self.corpus) + 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# planning the shards
+
+
+def plan_shards(cfg: PipelineConfig) -> tuple[list[list[Piece]], list[list[Any]]]:
+    """Shards (lists of pieces, in corpus order) and the input listing ``[path, size, mtime_ns]``."""
+    pieces: list[Piece] = []
+    inputs: list[list[Any]] = []
+    for i, source in enumerate(cfg.sources):
+        if source.path.startswith("builtin:"):
+            pieces.extend(_builtin_pieces(i, source))
+            continue
+        files = expand_paths(source.path, f"sources[{i}].path", readers.detect_format, SUFFIXES)
+        for j, path in enumerate(files):
+            fmt = source.format if source.format != "auto" else (readers.detect_format(path) or "unknown")
+            if fmt == "parquet":
+                with contextlib.suppress(Exception):  # a damaged file is reported when read
+                    check_parquet_column(path, source.text_field, f"sources[{i}].text_field")
+            st = path.stat()
+            inputs.append([str(path), st.st_size, st.st_mtime_ns])
+            pieces.extend(readers.plan_pieces(i, j, path, fmt, cfg.execution.chunk_bytes))
+    shards: list[list[Piece]] = []
+    size = cfg.execution.chunk_bytes
+    for piece in pieces:
+        if size + piece.size > cfg.execution.chunk_bytes and (not shards or shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(piece)
+        size += piece.size
+    return shards, inputs
+
+
+def _builtin_pieces(i: int, source: PipelineSource) -> list[Piece]:
+    name = source.path.removeprefix("builtin:")
+    if name != "pystdlib":
+        raise DataError(
+            f"sources[{i}].path: unknown built-in corpus {name!r}; the built-in corpus is pystdlib"
+        )
+    from lmforge.data.pystdlib import stdlib_files
+
+    files = stdlib_files()
+    out = [Piece(i, j, str(p), "pystdlib", size=p.stat().st_size) for j, p in enumerate(files)]
+    try:
+        import pydoc_data.topics as topics
+
+        size = Path(topics.__file__).stat().st_size
+    except ImportError:  # some distributions strip pydoc_data: the piece then reads nothing
+        size = 0
+    return [*out, Piece(i, len(files), "pydoc_data.topics", "pystdlib_topics", size=size)]
+
+
+def _read(piece: Piece, source: PipelineSource) -> Iterator[Doc | tuple[Doc, Drop]]:
+    if piece.fmt in ("pystdlib", "pystdlib_topics"):
+        from lmforge.data.pystdlib import read_stdlib_file, read_topics
+
+        docs = read_stdlib_file(Path(piece.path)) if piece.fmt == "pystdlib" else read_topics()
+        for n, d in enumerate(docs):
+            yield Doc(d.id, d.text, source.domain or d.domain, (piece.source, piece.file, n))
+        return
+    opts = ReadOptions(
+        domain=source.domain or "default",
+        text_field=source.text_field,
+        id_field=source.id_field,
+        format_field=source.format_field,
+        content_format=source.content_format,
+    )
+    yield from readers.read_piece(piece, opts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the output folder
+
+
+class Layout:
+    """Paths inside OUT."""
+
+    def __init__(self, out: str | Path, compression: str = "zstd"):
+        self.out = Path(out)
+        self.work = self.out / WORK
+        self.kept = self.out / "kept"
+        self.removed = self.out / "removed"
+        self.plan = self.work / "plan.json"
+        self.report = self.out / "report.json"
+        self.tokens = self.out / "tokens"
+        self.suffix = ".jsonl.zst" if compression == "zstd" else ".jsonl"
+
+    def pass_dir(self, k: int) -> Path:
+        return self.work / f"pass-{k}"
+
+    def marker(self, k: int, shard: int) -> Path:
+        return self.pass_dir(k) / f"{shard:05d}.done"
+
+    def stage_dir(self, k: int) -> Path:
+        return self.work / f"corpus-{k}"
+
+    def kept_file(self, shard: int) -> Path:
+        return self.kept / f"{shard:05d}{self.suffix}"
+
+    def removed_file(self, shard: int) -> Path:
+        return self.removed / f"{shard:05d}{self.suffix}"
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    """Write ``report.json`` atomically."""
+    _atomic_json(path, report)
+
+
+def _atomic_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def prepare_out(cfg: PipelineConfig, out: Path) -> dict[str, Any]:
+    """Create OUT's plan, or check that the one there belongs to this configuration and input."""
+    lay = Layout(out, cfg.output.compression)
+    if lay.plan.is_file():
+        plan = json.loads(lay.plan.read_text())
+        if plan.get("version") != PLAN_VERSION or plan.get("fingerprint") != cfg.fingerprint():
+            raise UserError(
+                f"--out {out}: holds a run of a different pipeline configuration; "
+                "give a new --out folder or delete this one"
+            )
+        for path, size, mtime in plan["inputs"]:
+            p = Path(path)
+            if not p.is_file() or p.stat().st_size != size or p.stat().st_mtime_ns != mtime:
+                raise DataError(
+                    f"{path}: input changed since the run in {out} started; delete {out} or use a new --out"
+                )
+        log.info("data: continuing the run in %s", out)
+        return plan
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out}: exists and is not an lmforge data folder; give a new or empty folder")
+    shards, inputs = plan_shards(cfg)
+    plan = {
+        "version": PLAN_VERSION,
+        "fingerprint": cfg.fingerprint(),
+        "config": cfg.to_tree(),
+        "inputs": inputs,
+        "shards": [[p.to_json() for p in shard] for shard in shards],
+    }
+    lay.work.mkdir(parents=True, exist_ok=True)
+    _atomic_json(lay.plan, plan)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one task: one pass over one shard
+
+
+@dataclass
+class Context:
+    """What a worker needs, loaded from OUT once per process."""
+
+    cfg: PipelineConfig
+    stages: Stages
+    shards: list[list[Piece]]
+    lay: Layout
+
+
+_CONTEXTS: dict[tuple[str, int], Context] = {}
+
+
+def load_context(out: str | Path) -> Context:
+    lay = Layout(out)
+    stamp = lay.plan.stat().st_mtime_ns
+    key = (str(Path(out).resolve()), stamp)
+    if key not in _CONTEXTS:
+        plan = json.loads(lay.plan.read_text())
+        cfg = build_pipeline_config(plan["config"])
+        shards = [[Piece(**p) for p in shard] for shard in plan["shards"]]
+        _CONTEXTS.clear()
+        _CONTEXTS[key] = Context(cfg, Stages(cfg), shards, Layout(out, cfg.output.compression))
+    return _CONTEXTS[key]
+
+
+def _nbytes(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+class ShardStats:
+    """Counts of one task, written into its marker and summed into ``report.json``."""
+
+    def __init__(self, labels: list[str], listed: int):
+        self.stages = {
+            label: {"docs_in": 0, "bytes_in": 0, "docs_out": 0, "bytes_out": 0, "removed": {}}
+            for label in labels
+        }
+        self.sources: dict[str, dict[str, int]] = {}
+        self.bad_input: list[dict[str, Any]] = []
+        self.meta: dict[str, int] = {}
+        self.domains: dict[str, int] = {}
+        self.listed = listed
+
+    def source(self, doc: Doc) -> dict[str, int]:
+        return self.sources.setdefault(str(doc.key[0]), {"input": 0, "kept": 0, "removed": 0})
+
+    def passed(self, label: str, n_in: int, n_out: int | None) -> None:
+        st = self.stages[label]
+        st["docs_in"] += 1
+        st["bytes_in"] += n_in
+        if n_out is not None:
+            st["docs_out"] += 1
+            st["bytes_out"] += n_out
+
+    def removed(self, label: str, doc: Doc, drop: Drop) -> None:
+        reasons = self.stages[label]["removed"]
+        reasons[drop.reason] = reasons.get(drop.reason, 0) + 1
+        self.source(doc)["removed"] += 1
+        if label == "read" and len(self.bad_input) < self.listed:
+            self.bad_input.append(
+                {"file": doc.meta.get("file"), "line": doc.meta.get("line"), "reason": drop.reason}
+            )
+
+    def kept(self, doc: Doc) -> None:
+        self.source(doc)["kept"] += 1
+        self.domains[doc.domain] = self.domains.get(doc.domain, 0) + 1
+        _add_counters(self.meta, doc.meta, "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stages": self.stages,
+            "sources": self.sources,
+            "bad_input": self.bad_input,
+            "meta": self.meta,
+            "domains": self.domains,
+        }
+
+
+def _add_counters(into: dict[str, int], meta: dict[str, Any], prefix: str) -> None:
+    """Sum integer ``meta`` values (nested dicts flattened to dotted keys): PII counts and the like."""
+    for key, value in meta.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            into[prefix + key] = into.get(prefix + key, 0) + value
+        elif isinstance(value, dict):
+            _add_counters(into, value, f"{prefix}{key}.")
+
+
+def _removed_record(doc: Doc, drop: Drop) -> str:
+    rec: dict[str, Any] = {"id": doc.id, "domain": doc.domain, "source": doc.key[0], "reason": drop.reason}
+    if drop.duplicate_of is not None:
+        rec["duplicate_of"] = drop.duplicate_of
+    if drop.reason.startswith("read."):
+        rec["file"] = doc.meta.get("file")
+        rec["line"] = doc.meta.get("line")
+    return json.dumps(rec, ensure_ascii=False) + "\n"
+
+
+def _kept_record(doc: Doc) -> str:
+    meta = {k: v for k, v in doc.meta.items() if k != "raw"}  # raw file bytes stay out of JSON
+    rec = {"id": doc.id, "domain": doc.domain, "text": doc.text, "meta": meta}
+    return json.dumps(rec, ensure_ascii=False, default=str) + "\n"
+
+
+class _TextSink:
+    """A JSONL file written under a temporary name (zstd-compressed or plain); ``commit`` renames it."""
+
+    def __init__(self, path: Path, level: int | None):
+        self.path = path
+        self.tmp = path.with_name(path.name + ".tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._raw = self.tmp.open("wb")
+        self._fh: IO[bytes]
+        if level is None:
+            self._fh = self._raw
+        else:
+            import zstandard
+
+            self._fh = zstandard.ZstdCompressor(level=level).stream_writer(self._raw, closefd=False)
+
+    def write(self, line: str) -> None:
+        self._fh.write(line.encode("utf-8"))
+
+    def commit(self) -> None:
+        if self._fh is not self._raw:
+            self._fh.close()
+        self._raw.close()
+        os.replace(self.tmp, self.path)
+
+
+def _pickles(path: Path) -> Iterator[Any]:
+    with path.open("rb") as fh:
+        while True:
+            try:
+                yield pickle.load(fh)
+            except EOFError:
+                return
+
+
+def _safe(slot: Slot, fn: Callable[[], Doc | Drop]) -> Doc | Drop:
+    """A stage's answer; an exception inside a stage removes the document (``<stage>.error``)."""
+    try:
+        return fn()
+    except Exception as exc:
+        log.warning("stage %s failed on a document (%s: %s); removed it", slot.label, type(exc).__name__, exc)
+        return Drop(f"{slot.spec.name}.error")
+
+
+def run_task(out: str, k: int, shard: int) -> None:
+    """Pass ``k`` over shard ``shard`` of the run in ``out``; does nothing if its marker exists."""
+    ctx = load_context(out)
+    lay = ctx.lay
+    marker = lay.marker(k, shard)
+    if marker.exists():
+        return
+    lay.pass_dir(k).mkdir(parents=True, exist_ok=True)
+    stats = ShardStats(ctx.stages.labels, ctx.cfg.output.bad_input_listed)
+    last = k == ctx.stages.passes - 1
+    level = ctx.cfg.output.zstd_level if ctx.cfg.output.compression == "zstd" else None
+    base = lay.pass_dir(k) / f"{shard:05d}"
+    if last:
+        kept = _TextSink(lay.kept_file(shard), level)
+        removed = _TextSink(lay.removed_file(shard), level)
+        for j in range(k):  # removals of earlier passes first, so the file lists them all
+            with (lay.pass_dir(j) / f"{shard:05d}.removed.jsonl").open("r", encoding="utf-8") as fh:
+                for line in fh:
+                    removed.write(line)
+    else:
+        removed = _TextSink(base.with_suffix(".removed.jsonl"), None)
+        docs_tmp = base.with_suffix(".docs.tmp")
+        sigs_tmp = base.with_suffix(".sig.tmp")
+        docs_fh, sigs_fh = docs_tmp.open("wb"), sigs_tmp.open("wb")
+        sig_slot = ctx.stages.corpus[k]
+
+    for doc in _pass_input(ctx, k, shard, stats, removed):
+        out_doc = _run_segment(ctx.stages.segments[k], doc, stats)
+        if isinstance(out_doc, tuple):
+            label, drop = out_doc
+            stats.removed(label, doc, drop)
+            removed.write(_removed_record(doc, drop))
+            continue
+        if last:
+            stats.kept(out_doc)
+            kept.write(_kept_record(out_doc))
+            continue
+        if sig_slot.applies(out_doc):
+            try:
+                sig = sig_slot.stage.signature(out_doc)  # type: ignore[union-attr]
+            except Exception as exc:
+                log.warning("stage %s: no signature for %s (%s); removed it", sig_slot.label, out_doc.id, exc)
+                drop = Drop(f"{sig_slot.spec.name}.error")
+                stats.passed(sig_slot.label, _nbytes(out_doc.text), None)
+                stats.removed(sig_slot.label, doc, drop)
+                removed.write(_removed_record(doc, drop))
+                continue
+            pickle.dump((out_doc.id, out_doc.domain, out_doc.key, sig), sigs_fh, protocol=5)
+        pickle.dump(out_doc, docs_fh, protocol=5)
+
+    if last:
+        kept.commit()
+        removed.commit()
+    else:
+        docs_fh.close()
+        sigs_fh.close()
+        os.replace(docs_tmp, base.with_suffix(".docs"))
+        os.replace(sigs_tmp, base.with_suffix(".sig"))
+        removed.commit()
+    _atomic_json(marker, stats.to_json())
+
+
+def _pass_input(ctx: Context, k: int, shard: int, stats: ShardStats, removed: _TextSink) -> Iterator[Doc]:
+    """Documents entering pass ``k``: read from the input (k = 0) or left by pass k - 1 after its corpus stage."""
+    if k == 0:
+        for piece in ctx.shards[shard]:
+            source = ctx.cfg.sources[piece.source]
+            stats.stages["read"]["bytes_in"] += piece.size
+            for item in _read(piece, source):
+                doc = item[0] if isinstance(item, tuple) else item
+                stats.source(doc)["input"] += 1
+                st = stats.stages["read"]
+                st["docs_in"] += 1
+                if isinstance(item, tuple):
+                    stats.removed("read", *item)
+                    removed.write(_removed_record(*item))
+                    continue
+                st["docs_out"] += 1
+                st["bytes_out"] += _nbytes(doc.text)
+                yield doc
+        return
+    slot = ctx.stages.corpus[k - 1]
+    workdir = ctx.lay.stage_dir(k - 1) / "data"
+    for doc in _pickles(ctx.lay.pass_dir(k - 1) / f"{shard:05d}.docs"):
+        n = _nbytes(doc.text)
+        if not slot.applies(doc):
+            stats.passed(slot.label, n, n)
+            yield doc
+            continue
+        out = _safe(slot, lambda d=doc: slot.stage.apply(d, workdir))  # type: ignore[union-attr]
+        if isinstance(out, Drop):
+            stats.passed(slot.label, n, None)
+            stats.removed(slot.label, doc, out)
+            removed.write(_removed_record(doc, out))
+            continue
+        stats.passed(slot.label, n, _nbytes(out.text))
+        yield out
+
+
+def _run_segment(segment: list[Slot], doc: Doc, stats: ShardStats) -> Doc | tuple[str, Drop]:
+    """The doc stages of one pass in order; a removal comes back with the label of the stage that made it."""
+    n = _nbytes(doc.text)
+    for slot in segment:
+        if not slot.applies(doc):
+            stats.passed(slot.label, n, n)
+            continue
+        before = doc.text
+        out = _safe(slot, lambda d=doc, s=slot: s.stage.process(d))  # type: ignore[union-attr]
+        if isinstance(out, Drop):
+            stats.passed(slot.label, n, None)
+            return slot.label, out
+        m = n if out.text is before else _nbytes(out.text)
+        stats.passed(slot.label, n, m)
+        doc, n = out, m
+    return doc
+
+
+# ---------------------------------------------------------------------------------------------------------
+# corpus stage planning (one process)
+
+
+def run_corpus_plan(out: str | Path, k: int) -> dict[str, Any]:
+    """``plan`` of corpus stage ``k`` over every shard's signatures, in corpus order; marker-guarded."""
+    ctx = load_context(out)
+    stage_dir = ctx.lay.stage_dir(k)
+    marker = stage_dir / "plan.done"
+    if marker.is_file():
+        return json.loads(marker.read_text())
+    shutil.rmtree(stage_dir, ignore_errors=True)  # a plan killed half-way starts over
+    (stage_dir / "data").mkdir(parents=True)
+    slot = ctx.stages.corpus[k]
+
+    def refs() -> Iterator[tuple[Doc, Any]]:
+        for shard in range(len(ctx.shards)):
+            for doc_id, domain, key, sig in _pickles(ctx.lay.pass_dir(k) / f"{shard:05d}.sig"):
+                yield Doc(doc_id, "", domain, tuple(key)), sig
+
+    log.info("data: planning %s", slot.label)
+    figures = slot.stage.plan(refs(), stage_dir / "data")  # type: ignore[union-attr]
+    _atomic_json(marker, figures)
+    return figures
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the run
+
+
+def run_pipeline(
+    cfg: PipelineConfig,
+    out: str | Path,
+    executor: str | None = None,
+    workers: int | None = None,
+) -> dict[str, Any]:
+    """Run (or continue) the pipeline into ``out``; returns the report also written to ``report.json``."""
+    from lmforge.data.executors import make_executor
+
+    out = Path(out)
+    plan = prepare_out(cfg, out)
+    ctx = load_context(out)
+    n = len(plan["shards"])
+    kind = executor or cfg.execution.executor
+    count = workers if workers is not None else cfg.execution.workers
+    log.info("data: %d shards, %d passes, %s executor", n, ctx.stages.passes, kind)
+    with make_executor(kind, count) as ex:
+        for k in range(ctx.stages.passes):
+            todo = [i for i in range(n) if not ctx.lay.marker(k, i).exists()]
+            if todo:
+                log.info("data: pass %d/%d: %d of %d shards to do", k + 1, ctx.stages.passes, len(todo), n)
+                ex.run(run_task, [(str(out), k, i) for i in todo])
+            if k < ctx.stages.passes - 1:
+                run_corpus_plan(out, k)
+    report = build_report(ctx, plan)
+    _atomic_json(ctx.lay.report, report)
+    for path in ctx.lay.work.glob("pass-*/*"):  # intermediate documents and signatures are spent
+        if path.suffix in (".docs", ".sig"):
+            path.unlink()
+    return report
+
+
+def build_report(ctx: Context, plan: dict[str, Any]) -> dict[str, Any]:
+    """Sum the task markers into the run's report (deterministic: no timings)."""
+    stages = {
+        label: {"docs_in": 0, "bytes_in": 0, "docs_out": 0, "bytes_out": 0, "removed": {}}
+        for label in ctx.stages.labels
+    }
+    sources = {str(i): {"input": 0, "kept": 0, "removed": 0} for i in range(len(ctx.cfg.sources))}
+    meta: dict[str, int] = {}
+    domains: dict[str, int] = {}
+    bad: list[dict[str, Any]] = []
+    bad_count = 0
+    for k in range(ctx.stages.passes):
+        for i in range(len(ctx.shards)):
+            m = json.loads(ctx.lay.marker(k, i).read_text())
+            for label, st in m["stages"].items():
+                total = stages[label]
+                for key in ("docs_in", "bytes_in", "docs_out", "bytes_out"):
+                    total[key] += st[key]
+                for reason, c in st["removed"].items():
+                    total["removed"][reason] = total["removed"].get(reason, 0) + c
+            for s, counts in m["sources"].items():
+                for key, c in counts.items():
+                    sources[s][key] += c
+            for key, c in m["meta"].items():
+                meta[key] = meta.get(key, 0) + c
+            for key, c in m["domains"].items():
+                domains[key] = domains.get(key, 0) + c
+            bad.extend(m["bad_input"])
+            bad_count += sum(m["stages"]["read"]["removed"].values()) if k == 0 else 0
+    stage_rows = []
+    for label in ctx.stages.labels:
+        row: dict[str, Any] = {"stage": label, **stages[label]}
+        row["removed"] = dict(sorted(row["removed"].items()))
+        slot = next((s for s in ctx.stages.corpus if s.label == label), None)
+        spec = (
+            slot.spec
+            if slot
+            else next((s.spec for seg in ctx.stages.segments for s in seg if s.label == label), None)
+        )
+        if spec is not None and spec.domains is not None:
+            row["domains"] = spec.domains
+        if slot is not None:
+            row["plan"] = json.loads(
+                (ctx.lay.stage_dir(ctx.stages.corpus.index(slot)) / "plan.done").read_text()
+            )
+        stage_rows.append(row)
+    reasons: dict[str, int] = {}
+    for st in stages.values():
+        for reason, c in st["removed"].items():
+            reasons[reason] = reasons.get(reason, 0) + c
+    src_rows = [
+        {"source": i, "path": s.path, "domain": s.domain, **sources[str(i)]}
+        for i, s in enumerate(ctx.cfg.sources)
+    ]
+    last = stage_rows[-1]
+    return {
+        "fingerprint": plan["fingerprint"],
+        "shards": len(ctx.shards),
+        "documents": {
+            "input": sum(s["input"] for s in src_rows),
+            "kept": sum(s["kept"] for s in src_rows),
+            "removed": sum(s["removed"] for s in src_rows),
+        },
+        "bytes": {"input": stages["read"]["bytes_in"], "kept": last["bytes_out"]},
+        "sources": src_rows,
+        "stages": stage_rows,
+        "removed": dict(sorted(reasons.items())),
+        "kept_by_domain": dict(sorted(domains.items())),
+        "meta": dict(sorted(meta.items())),
+        "bad_input": {"count": bad_count, "listed": bad[: ctx.cfg.output.bad_input_listed]},
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kept documents -> tokenizer + token shards
+
+
+def iter_kept(out: str | Path) -> Iterator[Any]:
+    """The kept documents of a finished run, in corpus order, as :class:`~lmforge.data.sources.Document`."""
+    from lmforge.data.sources import Document
+
+    for path in sorted(Layout(out).kept.glob("*.jsonl*")):
+        if not path.name.endswith(".tmp"):
+            for rec in readers.json_records(path):
+                yield Document(rec["id"], rec["text"], rec["domain"])
+
+
+def kept_fingerprint(out: str | Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(Layout(out).kept.glob("*.jsonl*")):
+        h.update(path.name.encode() + b"\0")
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def tokenize_output(cfg: PipelineConfig, out: str | Path) -> dict[str, Any]:
+    """Tokenizer + token shards per domain of the kept documents in ``OUT/tokens`` (reused if current)."""
+    from lmforge.data.prepare import write_token_shards
+    from lmforge.data.shards import read_meta
+    from lmforge.data.tokenizer import Tokenizer
+
+    lay = Layout(out, cfg.output.compression)
+    tcfg = cfg.tokenize
+    user_tok = Tokenizer(tcfg.tokenizer) if tcfg.tokenizer else None
+    h = hashlib.sha256(kept_fingerprint(out).encode())
+    h.update(json.dumps(tcfg.model_dump(mode="json"), sort_keys=True).encode())
+    h.update((user_tok.sha256 if user_tok else "").encode())
+    fingerprint = h.hexdigest()
+    meta = read_meta(lay.tokens)
+    if meta is None or meta.get("input_fingerprint") != fingerprint:
+        build = lay.out / "tokens.building"
+        shutil.rmtree(build, ignore_errors=True)
+        build.mkdir(parents=True)
+        meta = write_token_shards(
+            build,
+            lambda: iter_kept(out),
+            tcfg.vocab_size,
+            tcfg.val_fraction,
+            user_tok,
+            fingerprint,
+            f"{lay.kept}: no documents were kept; loosen the stages or check the sources",
+        )
+        shutil.rmtree(lay.tokens, ignore_errors=True)
+        build.rename(lay.tokens)
+    else:
+        log.info("data: token shards in %s are current", lay.tokens)
+    return {"vocab_size": meta["vocab_size"], "documents": meta["documents"], "tokens": meta["tokens"]}
