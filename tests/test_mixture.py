@@ -11,7 +11,14 @@ import torch
 
 from lmforge.config import DataConfig, load_config
 from lmforge.data.loader import PackedLoader, TokenStream
-from lmforge.data.mixture import MixtureLoader, Phase, build_train_loader, check_domains, resolve_phases
+from lmforge.data.mixture import (
+    MixtureLoader,
+    Phase,
+    build_train_loader,
+    check_domains,
+    planned_epochs,
+    resolve_phases,
+)
 from lmforge.data.prepare import prepare_data
 from lmforge.data.shards import Shard
 from lmforge.errors import ConfigError
@@ -115,6 +122,8 @@ def test_resolve_phases_weights_and_boundaries():
     assert [x.end_step for x in p] == [16, 20, None]  # ceil(1000 / 64) = 16
     assert p[0].weights == (0.75, 0.25) and p[1].weights == (0.75, 0.25)  # size-proportional: 300:100
     assert p[2].weights == (0.0, 1.0) and p[2].name == "anneal" and p[1].name == "phase1"
+    # 2 sequences per step: 32, 8 and 20 sequences in the three phases
+    assert planned_epochs(p, windows, 2, 30) == pytest.approx({"code": 30 / 300, "prose": 30 / 100})
     bad = DataConfig(phases=[{"until_step": 20}, {"until_tokens": 640}, {}])
     with pytest.raises(ConfigError, match=r"data\.phases\[1\]\.until_tokens: ends at step 10, not after"):
         resolve_phases(bad, windows, 64, 30)
@@ -209,10 +218,11 @@ def _final_params(run):
 
 
 def test_training_resumes_exactly_across_a_phase_boundary(two_domains, tmp_path):
-    phases = [{"until_step": 12, "weights": {"a": 3, "b": 1}}, {"name": "anneal", "weights": {"b": 1}}]
-    cfg = _mixture_config(two_domains, tmp_path / "data", **{"data.phases": phases})
+    phases = [{"until_step": 10, "weights": {"a": 3, "b": 1}}, {"name": "anneal", "weights": {"b": 1}}]
+    over = {"data.phases": phases, "train.steps": 16, "train.log_interval": 4, "train.eval_interval": 0}
+    cfg = _mixture_config(two_domains, tmp_path / "data", **over)
     straight = train(cfg, tmp_path / "straight", progress_bar=False)
-    train(cfg, tmp_path / "resumed", progress_bar=False, stop_at=10)  # stop before the boundary
+    train(cfg, tmp_path / "resumed", progress_bar=False, stop_at=8)  # stop before the boundary
     resumed = train(cfg, tmp_path / "resumed", resume=True, progress_bar=False)  # ... and go past it
     a, b = _final_params(tmp_path / "straight"), _final_params(tmp_path / "resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -225,13 +235,13 @@ def test_training_resumes_exactly_across_a_phase_boundary(two_domains, tmp_path)
     log = lines("straight")
     assert log == lines("resumed")  # phase, mix and epochs identical across the interruption
     by_step = {r["step"]: r for r in log}
-    assert [by_step[s]["phase"] for s in (5, 10, 15, 20)] == [0, 0, 1, 1]
-    assert by_step[20]["phase_name"] == "anneal" and by_step[20]["mix/b"] == 1.0
-    assert by_step[10]["mix/a"] == 0.75  # steps 6-10: 20 sequences, 15 of them from a
-    assert by_step[15]["mix/a"] == pytest.approx(6 / 20)  # steps 11-12 in phase 0, 13-15 in phase 1
+    assert [by_step[s]["phase"] for s in (4, 8, 12, 16)] == [0, 0, 1, 1]
+    assert by_step[16]["phase_name"] == "anneal" and by_step[16]["mix/b"] == 1.0
+    assert by_step[8]["mix/a"] == 0.75  # steps 5-8: 16 sequences, 12 of them from a
+    assert by_step[12]["mix/a"] == 6 / 16  # steps 9-10 in phase 0 (a a b a a a b a), 11-12 in phase 1
     domains = json.loads((tmp_path / "straight" / "summary.json").read_text())["domains"]
-    assert domains["a"]["sequences"] == 36 and domains["b"]["sequences"] == 12 + 32
-    assert domains["b"]["epochs"] == pytest.approx(44 / domains["b"]["windows"])
+    assert domains["a"]["sequences"] == 30 and domains["b"]["sequences"] == 10 + 24
+    assert domains["b"]["epochs"] == pytest.approx(34 / domains["b"]["windows"])
 
 
 def test_no_weights_keeps_the_plain_packed_stream(two_domains, tmp_path):

@@ -88,11 +88,17 @@ def resolve_phases(cfg: DataConfig, windows: dict[str, int], tokens_per_step: in
     out: list[Phase] = []
     for i, spec in enumerate(specs):
         key = f"data.phases[{i}]"
-        table = (spec.weights if spec is not None else {}) or cfg.weights
+        if spec is not None and spec.weights:
+            table, table_key = spec.weights, f"{key}.weights"
+        else:
+            table, table_key = cfg.weights, "data.weights"
         raw = [float(table.get(d, 0.0)) for d in domains] if table else [float(windows[d]) for d in domains]
         total = sum(raw)
         if total <= 0:
-            raise ConfigError(f"{key}.weights: every domain with a weight is empty; weight another domain")
+            raise DataError(
+                f"{table_key}: every weighted domain has fewer than seq_len + 1 training tokens; "
+                "weight another domain or lower data.seq_len"
+            )
         end: int | None = None
         if spec is not None and i < len(specs) - 1:
             if spec.until_step is not None:
@@ -100,8 +106,8 @@ def resolve_phases(cfg: DataConfig, windows: dict[str, int], tokens_per_step: in
             else:
                 assert spec.until_tokens is not None
                 end = math.ceil(spec.until_tokens / tokens_per_step)
-            prev = out[-1].end_step if out else 0
-            if end <= (prev or 0):
+            prev = out[-1].end_step or 0 if out else 0
+            if end <= prev:
                 kind = "until_step" if spec.until_step is not None else "until_tokens"
                 raise ConfigError(
                     f"{key}.{kind}: ends at step {end}, not after the previous phase (step {prev}); "
