@@ -82,8 +82,41 @@ class SourceConfig(_Section):
     domain: str | None = Field(None, description="domain name (default: from the source)")
 
 
+def check_weights(weights: dict[str, float], key: str) -> None:
+    """Mixture weights are relative: each >= 0 and (when any are given) a positive sum."""
+    for domain, w in weights.items():
+        if not w >= 0:  # also rejects NaN
+            raise ValueError(f"{key}.{domain}: weight {w} is negative; weights must be >= 0")
+    if weights and not sum(weights.values()) > 0:
+        raise ValueError(f"{key}: weights sum to 0; give at least one domain a positive weight")
+
+
+class PhaseConfig(_Section):
+    """One curriculum phase: its mixture weights and where it ends."""
+
+    name: str | None = Field(None, description="label in logs and metrics (default: phase<N>)")
+    until_step: int | None = Field(
+        None, ge=1, description="the phase ends after this optimizer step (the last phase may omit it)"
+    )
+    until_tokens: int | None = Field(
+        None, ge=1, description="or: ends at the first step at or past this many training tokens"
+    )
+    weights: dict[str, float] = Field(
+        default_factory=dict, description="weight per domain in this phase (empty: data.weights)"
+    )
+
+
 class DataConfig(_Section):
     sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig()], description="inputs")
+    weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="sampling weight per domain, relative (empty: every sequence equally likely, "
+        "i.e. domains by size); unlisted domains get 0",
+    )
+    phases: list[PhaseConfig] = Field(
+        default_factory=list,
+        description="curriculum: [[data.phases]] with until_step or until_tokens and weights, in order",
+    )
     cache_dir: str = Field("data", description="folder for prepared corpora, tokenizers and token shards")
     vocab_size: int = Field(
         4096, ge=260, le=2**32 - 1, description="BPE vocabulary size (with special tokens)"
@@ -97,6 +130,29 @@ class DataConfig(_Section):
         description="train on the token shards of a 'lmforge data' output folder (OUT or OUT/tokens); "
         "sources, vocab_size, val_fraction and tokenizer are then not used",
     )
+
+    @model_validator(mode="after")
+    def _mixture(self) -> DataConfig:
+        check_weights(self.weights, "data.weights")
+        last: dict[str, int] = {}
+        for i, phase in enumerate(self.phases):
+            key = f"data.phases[{i}]"
+            check_weights(phase.weights, f"{key}.weights")
+            if phase.until_step is not None and phase.until_tokens is not None:
+                raise ValueError(f"{key}: give until_step or until_tokens, not both")
+            if phase.until_step is None and phase.until_tokens is None and i < len(self.phases) - 1:
+                raise ValueError(f"{key}: only the last phase may omit until_step / until_tokens")
+            for kind in ("until_step", "until_tokens"):
+                value = getattr(phase, kind)
+                if value is None:
+                    continue
+                if kind in last and value <= last[kind]:
+                    raise ValueError(
+                        f"{key}.{kind}: {value} is not after the previous phase's {last[kind]}; "
+                        "phases must be increasing"
+                    )
+                last[kind] = value
+        return self
 
 
 class TrainConfig(_Section):
@@ -345,7 +401,12 @@ def dump_toml(tree: dict[str, Any]) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
         if isinstance(v, list | tuple):
             return "[" + ", ".join(scalar(x) for x in v) + "]"
+        if isinstance(v, dict):  # inline table, e.g. a phase's weights inside [[data.phases]]
+            return "{" + ", ".join(f"{key(k)} = {scalar(x)}" for k, x in v.items()) + "}"
         raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+    def key(k: str) -> str:  # bare when TOML allows it, else quoted (a domain named "web.en")
+        return k if k and all(c.isascii() and (c.isalnum() or c in "_-") for c in k) else scalar(k)
 
     lines: list[str] = []
 
@@ -353,7 +414,7 @@ def dump_toml(tree: dict[str, Any]) -> str:
         plain = {k: v for k, v in node.items() if not isinstance(v, dict) and not _is_table_list(v)}
         if name:
             lines.append(f"[{name}]")
-        lines.extend(f"{k} = {scalar(v)}" for k, v in plain.items())
+        lines.extend(f"{key(k)} = {scalar(v)}" for k, v in plain.items())
         if plain or name:
             lines.append("")
         for k, v in node.items():
@@ -363,7 +424,7 @@ def dump_toml(tree: dict[str, Any]) -> str:
             elif _is_table_list(v):
                 for item in v:
                     lines.append(f"[[{full}]]")
-                    lines.extend(f"{ik} = {scalar(iv)}" for ik, iv in item.items())
+                    lines.extend(f"{key(ik)} = {scalar(iv)}" for ik, iv in item.items())
                     lines.append("")
 
     table(tree, "")
@@ -374,6 +435,14 @@ def _is_table_list(v: Any) -> bool:
     return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
 
 
+def _item_model(field: Any) -> type[BaseModel] | None:
+    """The item class of a ``list[SomeSection]`` field (its entries are ``[[section.key]]`` tables)."""
+    args = getattr(field.annotation, "__args__", ())
+    if getattr(field.annotation, "__origin__", None) is list and args and issubclass(args[0], BaseModel):
+        return args[0]
+    return None
+
+
 def _defaults() -> list[tuple[str, Any, str]]:
     defaults = Config().model_dump(mode="json")
     rows = []
@@ -382,6 +451,11 @@ def _defaults() -> list[tuple[str, Any, str]]:
         for part in key.split("."):
             node = node[part]
         rows.append((key, node, field.description or ""))
+        item = _item_model(field)
+        if item is not None:  # the keys of one [[key]] entry, with an entry's defaults
+            entry = item.model_construct().model_dump(mode="json")
+            for name, sub in item.model_fields.items():
+                rows.append((f"{key}[].{name}", entry[name], sub.description or ""))
     return rows
 
 

@@ -135,6 +135,11 @@ class PackedLoader:
         return {"position": self.position, "seed": self.seed, "seq_len": self.seq_len, "world": self.world}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") == "mixture":
+            raise DataError(
+                "data.weights: the checkpoint was trained with a mixture (data.weights / data.phases); "
+                "resume with the same data settings"
+            )
         if state["seq_len"] != self.seq_len:
             raise DataError(f"data.seq_len: checkpoint used {state['seq_len']}, config has {self.seq_len}")
         self.seed = state["seed"]

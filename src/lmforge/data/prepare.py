@@ -44,6 +44,14 @@ class PreparedData:
     meta: dict
     train: list[Shard] = field(default_factory=list)
     val: list[Shard] = field(default_factory=list)
+    train_names: list[str] = field(default_factory=list)  # shard names of ``train``, same order
+
+    def train_by_domain(self) -> dict[str, list[Shard]]:
+        """Training shards per domain (shard ``<domain>.train-NNNNN``), domains in sorted order."""
+        out: dict[str, list[Shard]] = {}
+        for name, shard in zip(self.train_names, self.train, strict=True):
+            out.setdefault(name.rsplit(".train-", 1)[0], []).append(shard)
+        return dict(sorted(out.items()))
 
     @property
     def unigram_counts(self) -> np.ndarray:
@@ -152,12 +160,14 @@ def prepared_root(path: str | Path) -> Path:
 
 def _open(root: Path, tok: Tokenizer, meta: dict) -> PreparedData:
     names = sorted(meta["shards"])
+    train_names = [n for n in names if ".train-" in n]
     return PreparedData(
         root=root,
         tokenizer=tok,
         meta=meta,
-        train=open_shards(root, [n for n in names if ".train-" in n]),
+        train=open_shards(root, train_names),
         val=open_shards(root, [n for n in names if ".val-" in n]),
+        train_names=train_names,
     )
 
 

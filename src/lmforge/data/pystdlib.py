@@ -24,6 +24,8 @@ from lmforge.data.sources import Document
 
 log = logging.getLogger(__name__)
 
+DOMAINS = ("code", "prose")
+
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _TEST_DIRS = {"test", "tests", "idle_test"}
 

@@ -95,6 +95,17 @@ def check_parquet_column(path: Path, text_field: str, key: str) -> None:
         raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); set {key}")
 
 
+def source_domains(source: SourceConfig) -> tuple[str, ...]:
+    """The domains a source's documents are filed under (known before reading any file)."""
+    if source.domain is not None:
+        return (source.domain,)
+    if source.path == "builtin:pystdlib":
+        from lmforge.data.pystdlib import DOMAINS
+
+        return DOMAINS
+    return ("default",)
+
+
 def read_source(source: SourceConfig, include_tests: bool = False) -> Iterator[Document]:
     """All documents of one configured source, in a deterministic order."""
     if source.path.startswith("builtin:"):

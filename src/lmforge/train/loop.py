@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from lmforge.config import Config
-from lmforge.data.loader import Batch, PackedLoader, TokenStream
+from lmforge.data.loader import Batch, TokenStream
+from lmforge.data.mixture import MixtureLoader, build_train_loader, check_domains
 from lmforge.data.prepare import PreparedData, input_files, prepare_data
 from lmforge.errors import ConfigError, UserError
 from lmforge.model.sampling import generate
@@ -147,6 +148,7 @@ def train(
     run_dir = Path(run_dir)
     accum = accumulation_steps(cfg)
     input_files(cfg.data)  # missing inputs fail here, before any work
+    check_domains(cfg.data)
     ckpt_path = check_run_dir(run_dir, resume)
     device = pick_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
@@ -157,9 +159,7 @@ def train(
 
     model = build_model(cfg, data.tokenizer.vocab_size, device)
     optimizer = build_optimizer(model, cfg.optim, device)
-    loader = PackedLoader(
-        TokenStream(data.train), cfg.data.seq_len, cfg.train.micro_batch_size, cfg.train.seed
-    )
+    loader = build_train_loader(cfg, data, accum)
     val = TokenStream(data.val)
     schedule = Schedule(cfg.schedule, cfg.train.steps)
     prog = Progress()
@@ -226,6 +226,8 @@ def train(
                     "tokens_seen": prog.tokens_seen,
                     "epoch": loader.epoch,
                 }
+                if isinstance(loader, MixtureLoader):  # phase, per-domain share and epochs
+                    record.update(loader.report())
                 metrics.write(record)
                 window_t, window_tokens = now, 0
                 bar.update(
@@ -255,6 +257,8 @@ def train(
     checkpoint()
     summary = summarize(cfg, data, val, prog, val_loss, model)
     summary["precision"] = precision
+    if isinstance(loader, MixtureLoader):
+        summary["domains"] = loader.summary()
     if t.sample_tokens:
         summary["sample"] = sample_text(model, data, t.sample_prompt, t.sample_tokens, t.seed)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
