@@ -32,17 +32,22 @@ from pydantic import Field
 
 from lmforge.data.stages.base import Doc, DocStage, Drop, StageParams
 
+# Speed: each pattern starts with a character class (the regex engine then skips ahead in C to the
+# next candidate character) and checks the character before the match with a two-character
+# look-behind that includes the first matched character; possessive runs (\d++) never re-split digits.
 _EMAIL = re.compile(
-    r"(?<![\w.%+-])[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}@"
+    r"[A-Za-z0-9](?<![\w.%+-][A-Za-z0-9])[A-Za-z0-9._%+-]{0,63}@"
     r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,24}(?![\w-])"
 )
-_OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
-_IPV4 = re.compile(rf"(?<![\w.]){_OCTET}(?:\.{_OCTET}){{3}}(?!\w|\.\d)")
+# four dotted runs of 1-3 digits, not inside a longer dotted number; octets <= 255 are checked after
+_IPV4 = re.compile(r"\d(?<![\w.]\d)\d{0,2}+(?:\.\d{1,3}+){3}(?!\w|\.\d)")
 _VERSION_WORD = re.compile(r"\b(?:version|release|build|ver\.?|v)\s*$", re.IGNORECASE)
-_IPV6 = re.compile(r"(?<![\w:.])[0-9A-Fa-f]{0,4}(?::[0-9A-Fa-f]{0,4}){2,7}(?![\w:]|\.\w)")
-# Phones. Possessive digit runs (\d++) keep the search linear: a run of digits is never re-split.
+_IPV6 = re.compile(
+    r"(?::(?<![\w:.]:)|[0-9A-Fa-f](?<![\w:.][0-9A-Fa-f])[0-9A-Fa-f]{0,3})"
+    r"(?::[0-9A-Fa-f]{0,4}){2,7}(?![\w:]|\.\w)"
+)
 _PHONE = re.compile(
-    r"(?<![\w+.-])(?:"
+    r"(?=[+(\d])(?<![\w+.-])(?:"
     # international: +CC or 00CC, then groups (one may be a parenthesised trunk or area code)
     r"(?:\+|00)\d{1,3}+(?:[ .-]?+(?:\(\d{1,4}+\)|\d++)){1,6}+"
     r"|"
@@ -55,7 +60,7 @@ _PHONE = re.compile(
     r"|\(0\d{1,4}+\)[ ]?\d{2,8}+(?:[ .-]?\d{2,8}+){0,3}+"
     r")(?![\w-]|\.\d)"
 )
-_CARD = re.compile(r"(?<![\w.+-])\d(?:[ -]?\d){12,18}(?![\w-]|\.\d)")
+_CARD = re.compile(r"\d(?<![\w.+-]\d)(?:[ -]?\d){12,18}(?![\w-]|\.\d)")
 _CARD_GROUPS = {(4, 4, 4, 4), (4, 4, 4, 1), (4, 4, 4, 2), (4, 4, 4, 3), (4, 4, 4, 4, 3), (4, 6, 5), (4, 6, 4)}
 
 
@@ -93,6 +98,10 @@ def _is_ipv6(span: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _is_ipv4(span: str) -> bool:
+    return all(len(octet) == 1 or (octet[0] != "0" and int(octet) <= 255) for octet in span.split("."))
 
 
 def _phone_digits_ok(span: str) -> bool:
@@ -145,7 +154,9 @@ class PiiRedact(DocStage):
         if p.ip and "." in text:
 
             def ipv4(m: re.Match[str]) -> str:
-                if _VERSION_WORD.search(m.string, max(0, m.start() - 12), m.start()):
+                if not _is_ipv4(m.group()) or _VERSION_WORD.search(
+                    m.string, max(0, m.start() - 12), m.start()
+                ):
                     return m.group()
                 counts["ip"] += 1
                 return p.ip_placeholder

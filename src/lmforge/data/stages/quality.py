@@ -13,7 +13,7 @@ Definitions used by the rules (the papers leave them open; these are written dow
 check a decision by hand):
 
 * *token*: a maximal run of non-whitespace characters (``text.split()``);
-* *word*: a token with at least one letter or digit (tokens of punctuation only are *symbols*); a
+* *word*: a token with at least one letter, digit or underscore (the rest are *symbols*); a
   word's length excludes punctuation at its start and end (``"(word),"`` has length 4);
 * *line*: text between newlines; *paragraph*: text between runs of two or more newlines.
 """
@@ -33,12 +33,12 @@ from lmforge.data.stages.base import Doc, DocStage, Drop, StageParams
 # Shared text statistics
 
 
-_SYMBOL_TOKEN = re.compile(r"(?<!\S)[^\w\s]+(?!\S)")
-# punctuation glued to the start or the end of a word: "(word)," -> "(" and "),"
-_EDGE_PUNCT = re.compile(r"(?<!\S)[^\w\s]+(?=\w)|(?<=\w)[^\w\s]+(?!\S)")
-# tokens with at least one letter, matched up to their first letter; the look-behind anchors each
-# match at a token start, so a token is counted once and the scan stays linear
-_ALPHA_TOKEN = re.compile(r"(?<!\S)\S*?[^\W\d_]")
+# A word from its first to its last letter/digit: "(well-known)," -> "well-known". One match per
+# token that has a word character, so the count of matches is the number of words. (Patterns that
+# start with a character class let the regex engine skip ahead in C; a leading look-behind would not.)
+_WORD_CORE = re.compile(r"\w(?:\S*\w)?")
+# tokens with at least one letter: from the first letter to the end of the token, one match each
+_ALPHA_TOKEN = re.compile(r"[^\W\d_]\S*")
 _PARAGRAPH_BREAK = re.compile(r"\n{2,}")
 _LINE_BREAKS = re.compile(r"\n+")
 # Unicode sentence terminators of the major scripts (Latin, CJK full-width, Arabic, Devanagari,
@@ -124,10 +124,9 @@ class GopherQuality(DocStage):
     def process(self, doc: Doc) -> Doc | Drop:
         p: GopherQualityParams = self.params
         text = doc.text
-        tokens = text.split()
-        n_tokens = len(tokens)
-        symbols = _SYMBOL_TOKEN.findall(text)
-        n_words = n_tokens - len(symbols)
+        n_tokens = len(text.split())
+        words = _WORD_CORE.findall(text)
+        n_words = len(words)
         if p.min_words is not None and n_words < p.min_words:
             return self.drop("word_count")
         if p.max_words is not None and n_words > p.max_words:
@@ -136,10 +135,7 @@ class GopherQuality(DocStage):
             return self.drop("word_count")
 
         if p.min_mean_word_length is not None or p.max_mean_word_length is not None:
-            word_chars = (
-                sum(map(len, tokens)) - sum(map(len, symbols)) - sum(map(len, _EDGE_PUNCT.findall(text)))
-            )
-            mean = word_chars / n_words
+            mean = sum(map(len, words)) / n_words
             if p.min_mean_word_length is not None and mean < p.min_mean_word_length:
                 return self.drop("mean_word_length")
             if p.max_mean_word_length is not None and mean > p.max_mean_word_length:
