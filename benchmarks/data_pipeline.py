@@ -13,7 +13,7 @@ datatrove's fourth "list ratio" rule at 0.3), so both do the same checks. datatr
 spaCy's blank English tokenizer (``pip install spacy``; no model download); without spaCy its Gopher
 and C4 blocks cannot run and are reported as skipped.
 
-    python benchmarks/data_pipeline.py [--docs 2000] [--rounds 3]
+    python benchmarks/data_pipeline.py [--docs 1000] [--rounds 3]
 
 The last line printed is one JSON object.
 """
@@ -168,7 +168,7 @@ def bench_filters(n_docs: int, rounds: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--docs", type=int, default=2000, help="prose documents from the built-in corpus")
+    parser.add_argument("--docs", type=int, default=1000, help="prose documents from the built-in corpus")
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (median reported)")
     args = parser.parse_args()
 

@@ -107,6 +107,37 @@ def test_ngram_statistics_match_the_definition():
             assert stats == reference_ngram_stats(words, n), (words, n)
 
 
+def test_gopher_repetition_early_exit_changes_no_decision():
+    """The stage stops at the first failing rule or when no later rule can fail; checking every level
+    with the definition gives the same decision."""
+    rng = random.Random(1)
+    vocab = ["alpha", "be", "c", "delta", "echo", "f", "golf", "hotel", "india", "j"]
+    no_line_rules = {
+        f"max_dup_{k}": None for k in ("line_frac", "para_frac", "line_char_frac", "para_char_frac")
+    }
+    for _ in range(300):
+        words = [rng.choice(vocab[: rng.randint(3, 10)]) for _ in range(rng.randint(5, 80))]
+        text = " ".join(words)
+        params = GopherRepetitionParams(
+            **no_line_rules,
+            top_ngram_char_frac={n: rng.uniform(0.05, 0.6) for n in (2, 3, 4)},
+            dup_ngram_char_frac={n: rng.uniform(0.05, 0.9) for n in range(5, 11)},
+        )
+        expected = None
+        for n in range(2, 11):
+            if n > len(words):
+                break
+            top, dup = reference_ngram_stats(words, n)
+            if n in params.top_ngram_char_frac and top / len(text) > params.top_ngram_char_frac[n]:
+                expected = f"gopher_repetition.top_{n}_gram"
+                break
+            if n in params.dup_ngram_char_frac and dup / len(text) > params.dup_ngram_char_frac[n]:
+                expected = f"gopher_repetition.dup_{n}_gram"
+                break
+        out = GopherRepetition(params).process(doc(text))
+        assert (out.reason if isinstance(out, Drop) else None) == expected, (words, params)
+
+
 @pytest.mark.parametrize(
     ("text", "rule"),
     [

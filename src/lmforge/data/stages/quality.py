@@ -307,11 +307,20 @@ class GopherRepetition(DocStage):
         levels = set(p.top_ngram_char_frac) | set(p.dup_ngram_char_frac)
         if not levels:
             return None
+        last_top = max(p.top_ngram_char_frac, default=0)
         for n, top_chars, dup_chars in ngram_repetition(words, max(levels)):
             if n in p.top_ngram_char_frac and top_chars / n_chars > p.top_ngram_char_frac[n]:
                 return f"top_{n}_gram"
-            if n in p.dup_ngram_char_frac and dup_chars / n_chars > p.dup_ngram_char_frac[n]:
-                return f"dup_{n}_gram"
+            if n in p.dup_ngram_char_frac:
+                frac = dup_chars / n_chars
+                if frac > p.dup_ngram_char_frac[n]:
+                    return f"dup_{n}_gram"
+                # The words covered by repeated n-grams include those covered by repeated (n+1)-grams
+                # (both halves of a repeated (n+1)-gram are repeated n-grams), so the fraction only
+                # falls as n grows: once it is under every later threshold, no later rule can fail.
+                later = [t for m, t in p.dup_ngram_char_frac.items() if m > n]
+                if n >= last_top and frac <= min(later, default=1.0):
+                    return None
         return None
 
 
