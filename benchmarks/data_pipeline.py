@@ -1,0 +1,192 @@
+"""Throughput of lmforge's per-document quality filters against datatrove's filter blocks.
+
+Both sides see the same prose documents (``lmforge.data.pystdlib``: module docstrings and the language
+reference topics) in one process on one core, in the same run: first each filter alone over every
+document, then the chain gopher_quality -> gopher_repetition -> c4 -> fineweb (a document stops at
+the first filter that removes it; C4's line edits feed the next filter). Rounds alternate between the
+two sides and the median time per round is reported, so drift in machine speed hits both alike.
+
+datatrove's blocks are called directly (``block.filter(doc)``), without its pipeline and executor, so
+the comparison is filter code against filter code. They are configured with lmforge's thresholds where
+datatrove has the knob (C4: 5 words per line, 3 sentences, as C4's released filter; FineWeb: both run
+datatrove's fourth "list ratio" rule at 0.3), so both do the same checks. datatrove splits words with
+spaCy's blank English tokenizer (``pip install spacy``; no model download); without spaCy its Gopher
+and C4 blocks cannot run and are reported as skipped.
+
+    python benchmarks/data_pipeline.py [--docs 1000] [--rounds 3]
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.metadata
+import itertools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lmforge.data.pystdlib import read_pystdlib
+from lmforge.data.stages.base import Doc, DocStage, Drop
+from lmforge.data.stages.quality import (
+    C4Filter,
+    FineWebFilter,
+    FineWebParams,
+    GopherQuality,
+    GopherRepetition,
+)
+
+FILTERS = ["gopher_quality", "gopher_repetition", "c4", "fineweb"]
+
+
+def prose_documents(n: int) -> list[tuple[str, str]]:
+    """The first ``n`` prose documents of the built-in corpus, as (id, text)."""
+    prose = (d for d in read_pystdlib() if d.domain == "prose" and d.text.strip())
+    return [(d.id, d.text) for d in itertools.islice(prose, n)]
+
+
+def lmforge_filters() -> dict[str, DocStage]:
+    return {
+        "gopher_quality": GopherQuality(),
+        "gopher_repetition": GopherRepetition(),
+        "c4": C4Filter(),
+        "fineweb": FineWebFilter(FineWebParams(max_newline_word_ratio=0.3)),
+    }
+
+
+def datatrove_filters() -> tuple[dict[str, Any], dict[str, str]]:
+    """datatrove's blocks that can run here, and why the others cannot."""
+    import datatrove.pipeline.filters as dt
+
+    blocks = {
+        "gopher_quality": dt.GopherQualityFilter(),
+        "gopher_repetition": dt.GopherRepetitionFilter(),
+        "c4": dt.C4QualityFilter(min_words_per_line=5, min_num_sentences=3),
+        "fineweb": dt.FineWebQualityFilter(),
+    }
+    from datatrove.data import Document
+
+    probe = Document(text="The cat sat on the mat. It was warm.\nThe dog slept by the door.", id="probe")
+    usable, skipped = {}, {}
+    for name, block in blocks.items():
+        try:
+            block.filter(copy.copy(probe))
+            usable[name] = block
+        except Exception as err:  # a missing tokenizer or a download datatrove would need
+            skipped[name] = f"{type(err).__name__}: {err}"
+    return usable, skipped
+
+
+def run_lmforge(stages: list[DocStage], docs: list[Doc]) -> list[bool]:
+    kept = []
+    for doc in docs:
+        out: Doc | Drop = doc
+        for stage in stages:
+            out = stage.process(out)
+            if isinstance(out, Drop):
+                break
+        kept.append(isinstance(out, Doc))
+    return kept
+
+
+def run_datatrove(blocks: list[Any], docs: list[Any]) -> list[bool]:
+    kept = []
+    for doc in docs:
+        ok = True
+        for block in blocks:
+            result = block.filter(doc)
+            ok = result is True or (isinstance(result, bool) and result)
+            if not ok:
+                break
+        kept.append(ok)
+    return kept
+
+
+def timed(fn: Callable[[], list[bool]]) -> tuple[float, list[bool]]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def bench_filters(n_docs: int, rounds: int) -> dict[str, Any]:
+    from datatrove.data import Document
+
+    texts = prose_documents(n_docs)
+    ours = lmforge_filters()
+    theirs, skipped = datatrove_filters()
+
+    def our_docs() -> list[Doc]:
+        return [Doc(i, t, "prose") for i, t in texts]
+
+    def their_docs() -> list[Any]:
+        return [Document(text=t, id=i) for i, t in texts]
+
+    # warm-up (imports, spaCy's tokenizer, regex compilation) on a few documents
+    run_lmforge(list(ours.values()), our_docs()[:50])
+    for block in theirs.values():
+        run_datatrove([block], their_docs()[:50])
+
+    cases = [(name, [name]) for name in FILTERS] + [("chain", FILTERS)]
+    times: dict[str, dict[str, list[float]]] = {c: {"lmforge": [], "datatrove": []} for c, _ in cases}
+    decisions: dict[str, dict[str, list[bool]]] = {c: {} for c, _ in cases}
+    for _ in range(rounds):
+        for case, names in cases:
+            docs = our_docs()
+            dt_, kept = timed(lambda names=names, docs=docs: run_lmforge([ours[n] for n in names], docs))
+            times[case]["lmforge"].append(dt_)
+            decisions[case]["lmforge"] = kept
+            if all(n in theirs for n in names):
+                docs = their_docs()
+                dt_, kept = timed(
+                    lambda names=names, docs=docs: run_datatrove([theirs[n] for n in names], docs)
+                )
+                times[case]["datatrove"].append(dt_)
+                decisions[case]["datatrove"] = kept
+
+    result: dict[str, Any] = {"docs": len(texts), "chars": sum(len(t) for _, t in texts), "rounds": rounds}
+    rows = {}
+    for case, _ in cases:
+        row: dict[str, Any] = {}
+        for side in ("lmforge", "datatrove"):
+            if times[case][side]:
+                row[f"{side}_docs_per_s"] = round(len(texts) / statistics.median(times[case][side]), 1)
+                row[f"{side}_kept"] = sum(decisions[case][side])
+        if "datatrove_docs_per_s" in row:
+            row["speedup"] = round(row["lmforge_docs_per_s"] / row["datatrove_docs_per_s"], 2)
+            a, b = decisions[case]["lmforge"], decisions[case]["datatrove"]
+            row["same_decision"] = round(sum(x == y for x, y in zip(a, b, strict=True)) / len(a), 4)
+        rows[case] = row
+    result["filters"] = rows
+    if skipped:
+        result["datatrove_skipped"] = skipped
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--docs", type=int, default=1000, help="prose documents from the built-in corpus")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (median reported)")
+    args = parser.parse_args()
+
+    figures = bench_filters(args.docs, args.rounds)
+    figures["datatrove_version"] = importlib.metadata.version("datatrove")
+    print(f"{figures['docs']} prose documents, {figures['chars']:,} characters, one process, one core")
+    print(
+        f"{'filter':<18} {'lmforge docs/s':>15} {'datatrove docs/s':>17} {'speedup':>8} {'same decision':>14}"
+    )
+    for case, row in figures["filters"].items():
+        print(
+            f"{case:<18} {row.get('lmforge_docs_per_s', '-'):>15} {row.get('datatrove_docs_per_s', '-'):>17}"
+            f" {row.get('speedup', '-'):>8} {row.get('same_decision', '-'):>14}"
+        )
+    for name, why in figures.get("datatrove_skipped", {}).items():
+        print(f"datatrove {name} skipped: {why}")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""PII redaction: e-mail addresses, IP addresses, phone numbers and payment-card numbers.
+
+Each kind is found by a precompiled regular expression and, where the pattern alone would also catch
+ordinary text, confirmed by a check on the match (the Luhn checksum and an issuer prefix for cards,
+``ipaddress`` for IPv6, digit counts for phones). Matches are replaced with typed placeholders and the
+number of replacements per kind is stored in ``doc.meta["pii"]`` (every kind, zeros included, so the
+field has the same shape on every document).
+
+What is recognised (and what is deliberately not):
+
+* e-mail: ``local@domain.tld`` with the usual local-part characters (``. _ % + -``);
+* IPv4: four dotted octets 0-255, not part of a longer dotted number and not right after the words
+  "version", "release" or "build" (so ``1.2.3.4`` as a version is kept);
+* IPv6: full and ``::``-compressed forms that ``ipaddress`` accepts, with at least three groups written
+  out and at least one digit (so C++ ``a::b`` and times like ``12:30:45`` are kept; ``::1`` is kept too);
+* phones: international numbers starting with ``+`` (or ``00``) and 8-15 digits in groups; North
+  American numbers ``(555) 123-4567``, ``555-123-4567``, ``555.123.4567``, ``555 123 4567`` with an
+  optional leading ``1``; national numbers with a trunk ``0`` and 9-12 digits in groups with one
+  separator (``020 7946 0958``, ``01 23 45 67 89``, ``01.23.45.67.89``, ``030 1234567``). Bare digit strings are not phones here
+  (too many identifiers look alike);
+* cards: 13-19 digits, contiguous or in groups of four (Amex/Diners 4-6-5 and 4-6-4), with a known
+  issuer prefix (2, 3, 4, 5, 6) and a valid Luhn checksum.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import replace
+
+from pydantic import Field
+
+from lmforge.data.stages.base import Doc, DocStage, Drop, StageParams
+
+# Speed: each pattern starts with a character class (the regex engine then skips ahead in C to the
+# next candidate character) and checks the character before the match with a two-character
+# look-behind that includes the first matched character; possessive runs (\d++) never re-split digits.
+_EMAIL = re.compile(
+    r"[A-Za-z0-9](?<![\w.%+-][A-Za-z0-9])[A-Za-z0-9._%+-]{0,63}@"
+    r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,24}(?![\w-])"
+)
+# four dotted runs of 1-3 digits, not inside a longer dotted number; octets <= 255 are checked after
+_IPV4 = re.compile(r"\d(?<![\w.]\d)\d{0,2}+(?:\.\d{1,3}+){3}(?!\w|\.\d)")
+_VERSION_WORD = re.compile(r"\b(?:version|release|build|ver\.?|v)\s*$", re.IGNORECASE)
+_IPV6 = re.compile(
+    r"(?::(?<![\w:.]:)|[0-9A-Fa-f](?<![\w:.][0-9A-Fa-f])[0-9A-Fa-f]{0,3})"
+    r"(?::[0-9A-Fa-f]{0,4}){2,7}(?![\w:]|\.\w)"
+)
+_PHONE = re.compile(
+    r"(?=[+(\d])(?<![\w+.-])(?:"
+    # international: +CC or 00CC, then groups (one may be a parenthesised trunk or area code)
+    r"(?:\+|00)\d{1,3}+(?:[ .-]?+(?:\(\d{1,4}+\)|\d++)){1,6}+"
+    r"|"
+    # North American: optional 1, area code in brackets or followed by a separator, 3 + 4 digits
+    r"(?:1[ .-]?)?(?:\([2-9]\d\d\)[ ]?|[2-9]\d\d[ .-])\d{3}[ .-]\d{4}"
+    r"|"
+    # national with trunk 0: 0 + area code, then one to four groups with one and the same separator
+    # (so a date followed by a number, "05-06-2023 14", is not one phone), or a bracketed area code
+    r"0\d{1,4}+([ .-])\d{2,8}+(?:\1\d{2,8}+){0,3}+"
+    r"|\(0\d{1,4}+\)[ ]?\d{2,8}+(?:[ .-]?\d{2,8}+){0,3}+"
+    r")(?![\w-]|\.\d)"
+)
+_CARD = re.compile(r"\d(?<![\w.+-]\d)(?:[ -]?\d){12,18}(?![\w-]|\.\d)")
+_CARD_GROUPS = {(4, 4, 4, 4), (4, 4, 4, 1), (4, 4, 4, 2), (4, 4, 4, 3), (4, 4, 4, 4, 3), (4, 6, 5), (4, 6, 4)}
+
+
+def luhn_valid(digits: str) -> bool:
+    """The Luhn checksum: from the right, double every second digit (subtracting 9 above 9); the sum
+    of all digits must be a multiple of 10."""
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = ord(ch) - 48
+        if i % 2:
+            d *= 2
+            if d > 9:
+                d -= 9
+        total += d
+    return total % 10 == 0
+
+
+def _is_card(span: str) -> bool:
+    digits = span.replace(" ", "").replace("-", "")
+    if not 13 <= len(digits) <= 19 or digits[0] not in "23456":
+        return False
+    if digits != span:
+        groups = tuple(len(g) for g in re.split(r"[ -]", span))
+        if groups not in _CARD_GROUPS:
+            return False
+    return luhn_valid(digits)
+
+
+def _is_ipv6(span: str) -> bool:
+    groups = [g for g in span.split(":") if g]
+    if len(groups) < 3 or not any(ch.isdigit() for ch in span):
+        return False
+    try:
+        ipaddress.IPv6Address(span)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_ipv4(span: str) -> bool:
+    return all(len(octet) == 1 or (octet[0] != "0" and int(octet) <= 255) for octet in span.split("."))
+
+
+def _phone_digits_ok(span: str) -> bool:
+    n = sum(ch.isdigit() for ch in span)
+    if span.startswith(("+", "00")):
+        return 8 <= n <= 16  # E.164: at most 15, plus a bracketed trunk 0
+    if span.startswith(("0", "(0")):
+        return 9 <= n <= 12
+    return n in (10, 11)  # North American, with or without the leading 1
+
+
+class PiiParams(StageParams):
+    """Which kinds to redact and their placeholders. The patterns and checks are described in the
+    module docstring; the placeholders follow the ``<TYPE>`` convention of common redaction tools."""
+
+    email: bool = Field(True, description="Redact e-mail addresses.")
+    ip: bool = Field(True, description="Redact IPv4 and IPv6 addresses.")
+    phone: bool = Field(True, description="Redact phone numbers.")
+    card: bool = Field(True, description="Redact payment-card numbers (Luhn-valid, issuer prefix).")
+    email_placeholder: str = Field("<EMAIL>", description="Replacement for an e-mail address.")
+    ip_placeholder: str = Field("<IP>", description="Replacement for an IP address.")
+    phone_placeholder: str = Field("<PHONE>", description="Replacement for a phone number.")
+    card_placeholder: str = Field("<CARD>", description="Replacement for a card number.")
+
+
+class PiiRedact(DocStage):
+    """Replaces e-mails, IPs, phones and card numbers with placeholders; counts in ``meta["pii"]``."""
+
+    name = "pii"
+    Params = PiiParams
+
+    def redact(self, text: str) -> tuple[str, dict[str, int]]:
+        """``text`` with PII replaced, and the number of replacements per kind."""
+        p: PiiParams = self.params
+        counts = {"email": 0, "ip": 0, "phone": 0, "card": 0}
+
+        if p.email and "@" in text:
+            text, counts["email"] = _EMAIL.subn(p.email_placeholder, text)
+
+        if p.ip and ":" in text:
+
+            def ipv6(m: re.Match[str]) -> str:
+                if _is_ipv6(m.group()):
+                    counts["ip"] += 1
+                    return p.ip_placeholder
+                return m.group()
+
+            text = _IPV6.sub(ipv6, text)
+
+        if p.ip and "." in text:
+
+            def ipv4(m: re.Match[str]) -> str:
+                if not _is_ipv4(m.group()) or _VERSION_WORD.search(
+                    m.string, max(0, m.start() - 12), m.start()
+                ):
+                    return m.group()
+                counts["ip"] += 1
+                return p.ip_placeholder
+
+            text = _IPV4.sub(ipv4, text)
+
+        if p.card:
+
+            def card(m: re.Match[str]) -> str:
+                if _is_card(m.group()):
+                    counts["card"] += 1
+                    return p.card_placeholder
+                return m.group()
+
+            text = _CARD.sub(card, text)
+
+        if p.phone:
+
+            def phone(m: re.Match[str]) -> str:
+                if _phone_digits_ok(m.group()):
+                    counts["phone"] += 1
+                    return p.phone_placeholder
+                return m.group()
+
+            text = _PHONE.sub(phone, text)
+        return text, counts
+
+    def process(self, doc: Doc) -> Doc | Drop:
+        text, counts = self.redact(doc.text)
+        meta = {**doc.meta, "pii": counts}
+        return replace(doc, text=text, meta=meta)

@@ -1,0 +1,200 @@
+"""extract / normalize / langid stages on hand-made documents."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmforge.data.stages.base import Doc, Drop
+from lmforge.data.stages.extract import Extract, ExtractParams
+from lmforge.data.stages.langid import LangId, LangIdParams
+from lmforge.data.stages.normalize import Normalize, NormalizeParams
+
+ARTICLE = [
+    "Tide pools form where the sea retreats twice a day and leaves water trapped among the rocks.",
+    "The animals that live there have to survive waves, drying sun and sudden changes of salt and heat.",
+    "Sea anemones close into soft knots at low tide so that they keep their water until the sea returns.",
+    "Hermit crabs move between empty shells as they grow, and a good shell is often fought over for hours.",
+]
+
+PAGE = f"""<!DOCTYPE html>
+<html><head><title>Coastal Notes: life in the tide pools</title></head>
+<body>
+<header><nav><ul>
+  <li><a href="/">Home</a></li><li><a href="/about">About us</a></li>
+  <li><a href="/shop">Visit our shop</a></li><li><a href="/contact">Contact</a></li>
+</ul></nav></header>
+<main><article>
+  <h1>Life in the tide pools</h1>
+  {"".join(f"<p>{p}</p>" for p in ARTICLE)}
+</article></main>
+<aside><h3>Popular posts</h3><ul><li><a href="/p/1">Ten best beaches</a></li>
+  <li><a href="/p/2">Our favourite boots</a></li></ul></aside>
+<footer><p>Copyright 2024 Coastal Notes. All rights reserved.</p>
+  <a href="/privacy">Privacy settings</a> | <a href="/terms">Legal notice</a></footer>
+</body></html>"""
+
+
+def html_doc(html: str) -> Doc:
+    return Doc("page.html", html, "web", meta={"format": "html", "source": "crawl"})
+
+
+def make_pdf(lines: list[str]) -> bytes:
+    """A minimal valid one-page PDF (Helvetica text), with a correct cross-reference table."""
+    content = "BT /F1 12 Tf 72 720 Td 16 TL " + " ".join(f"({line}) Tj T*" for line in lines) + " ET"
+    objects = [
+        "<< /Type /Catalog /Pages 2 0 R >>",
+        "<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R"
+        " /Resources << /Font << /F1 5 0 R >> >> >>",
+        f"<< /Length {len(content)} >>\nstream\n{content}\nendstream",
+        "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    out = b"%PDF-1.4\n"
+    offsets = []
+    for i, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += f"{i} 0 obj\n{body}\nendobj\n".encode("latin-1")
+    xref = len(out)
+    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode()
+    out += b"".join(f"{off:010d} 00000 n \n".encode() for off in offsets)
+    out += f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+    return out
+
+
+def pdf_doc(raw: bytes) -> Doc:
+    return Doc("paper.pdf", "", "papers", meta={"format": "pdf", "raw": raw})
+
+
+# ----------------------------------------------------------------------------------------------- extract
+
+
+def test_html_keeps_article_and_drops_boilerplate():
+    out = Extract().process(html_doc(PAGE))
+    assert isinstance(out, Doc)
+    for paragraph in ARTICLE:
+        assert paragraph in out.text
+    for boilerplate in (
+        "About us",
+        "Visit our shop",
+        "Ten best beaches",
+        "All rights reserved",
+        "Legal notice",
+    ):
+        assert boilerplate not in out.text
+    assert out.meta == {"source": "crawl"}  # format (and raw) removed, other meta kept
+
+
+def test_trafilatura_fallbacks_use_lxml_html_clean():
+    import lxml.html.clean
+
+    # lxml >= 5.2 ships lxml.html.clean as a re-export of the separate lxml_html_clean package;
+    # trafilatura's jusText fallback imports it, so extraction without `fast` needs it.
+    assert lxml.html.clean.Cleaner.__module__.startswith("lxml_html_clean")
+    out = Extract(ExtractParams(fast=False, favor_precision=False)).process(html_doc(PAGE))
+    assert isinstance(out, Doc) and ARTICLE[0] in out.text
+
+
+def test_html_failures_are_drops_with_reasons():
+    assert Extract().process(html_doc("   \n")) == Drop("extract.html_empty")
+    nav_only = (
+        "<html><body><nav><ul><li><a href=/>Home</a></li><li><a href=/shop>Shop</a></li></ul></nav>"
+        "<footer>Copyright 2024</footer></body></html>"
+    )
+    assert Extract().process(html_doc(nav_only)) == Drop("extract.no_main_content")
+    scripts_only = "<html><head><script>var x = 1;</script></head><body><img src=a.png></body></html>"
+    assert Extract().process(html_doc(scripts_only)) == Drop("extract.no_main_content")
+    for garbage in ("<<<\x00 not html >>>", "<html><body><p>unclosed <b><i>", "\x00\x01\x02"):
+        assert isinstance(Extract().process(html_doc(garbage)), Doc | Drop)  # never raises
+    assert Extract().process(Doc("x", "t", "web", meta={"format": "docx"})) == Drop("extract.unknown_format")
+
+
+def test_pdf_text_is_extracted():
+    lines = ["Hello from a hand made PDF.", "Second line of the page."]
+    out = Extract().process(pdf_doc(make_pdf(lines)))
+    assert isinstance(out, Doc)
+    assert "Hello from a hand made PDF." in out.text and "Second line of the page." in out.text
+    assert "raw" not in out.meta and "format" not in out.meta
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"%PDF-1.4\n1 0 obj\n<< /Type /Catalog /Pag", "extract.pdf_error"),  # truncated
+        (b"this is not a pdf at all", "extract.pdf_error"),
+        (b"", "extract.pdf_missing"),
+    ],
+)
+def test_corrupt_pdf_is_dropped_with_reason(raw, reason):
+    assert Extract().process(pdf_doc(raw)) == Drop(reason)
+
+
+def test_pdf_without_text_layer_is_dropped():
+    assert Extract().process(pdf_doc(make_pdf([]))) == Drop("extract.pdf_empty")
+
+
+def test_documents_without_format_pass_through():
+    doc = Doc("a.txt", "plain text", "prose")
+    assert Extract().process(doc) is doc
+
+
+# --------------------------------------------------------------------------------------------- normalize
+
+
+def test_normalize_unicode_forms():
+    decomposed = "Cafe\u0301 \ufb01ne \uff21"  # e + combining acute, the fi ligature, full-width A
+    out = Normalize().process(Doc("d", decomposed, "prose"))
+    assert out.text == "Caf\u00e9 \ufb01ne \uff21"  # NFC composes, keeps compatibility forms
+    out = Normalize(NormalizeParams(form="NFKC")).process(Doc("d", decomposed, "prose"))
+    assert out.text == "Caf\u00e9 fine A"
+
+
+def test_normalize_whitespace_and_controls():
+    raw = "\ufeff\n\n  def f():\r\n\treturn 1   \r\n\r\n\r\n\r\nnext\x00 li\x07ne\u2028last\x0c \n\n"
+    out = Normalize().process(Doc("d", raw, "code"))
+    assert out.text == "  def f():\n\treturn 1\n\nnext line\nlast"
+    out = Normalize(NormalizeParams(max_blank_lines=0)).process(Doc("d", raw, "code"))
+    assert out.text == "  def f():\n\treturn 1\nnext line\nlast"
+
+
+def test_normalize_drops_empty_and_keeps_clean_docs_identical():
+    assert Normalize().process(Doc("d", " \n\x00\t\n", "prose")) == Drop("normalize.empty")
+    clean = Doc("d", "Already clean.\n\nTwo paragraphs.", "prose")
+    assert Normalize().process(clean) is clean
+
+
+# ------------------------------------------------------------------------------------------------ langid
+
+SENTENCES = {
+    "en": "The committee will publish its annual report on the state of the rivers next week.",
+    "fr": "Le comité publiera la semaine prochaine son rapport annuel sur l'état des rivières.",
+    "de": "Der Ausschuss veröffentlicht nächste Woche seinen Jahresbericht über den Zustand der Flüsse.",
+    "es": "El comité publicará la próxima semana su informe anual sobre el estado de los ríos del país.",
+    "ru": "Комитет опубликует на следующей неделе свой ежегодный доклад о состоянии рек.",
+}
+
+
+def test_langid_identifies_and_keeps_configured_languages():
+    stage = LangId()
+    kept = {}
+    for lang, text in SENTENCES.items():
+        out = stage.process(Doc(lang, text, "prose"))
+        kept[lang] = isinstance(out, Doc)
+        if isinstance(out, Doc):
+            assert out.meta["language"] == "en" and out.meta["language_score"] >= 0.65
+        else:
+            assert out == Drop("langid.language")
+    assert kept == {"en": True, "fr": False, "de": False, "es": False, "ru": False}
+
+    multi = LangId(LangIdParams(languages=["fr", "de", "es", "ru"], min_score=0.5))
+    for lang, text in SENTENCES.items():
+        out = multi.process(Doc(lang, text, "prose"))
+        if lang == "en":
+            assert out == Drop("langid.language")
+        else:
+            assert isinstance(out, Doc) and out.meta["language"] == lang, (lang, out)
+
+
+def test_langid_score_threshold():
+    strict = LangId(LangIdParams(min_score=1.0))
+    assert strict.process(Doc("x", "Hello there", "prose")).reason in ("langid.low_score", "langid.language")
+    assert strict.process(Doc("x", SENTENCES["en"], "prose")) == Drop("langid.low_score")
