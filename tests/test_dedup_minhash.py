@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,8 @@ from lmforge.data.stages.dedup_minhash import (
     bucket_pairs,
     detection_curve,
     detection_probability,
+    detection_table_markdown,
+    update_detection_table,
 )
 from lmforge.errors import DataError
 
@@ -73,6 +76,14 @@ def test_detection_probability_formula_and_plan_report(tmp_path: Path):
     assert figures["detection_curve"]["0.80"] == pytest.approx(0.9235, abs=1e-4)
 
 
+def test_docs_detection_table_is_generated_from_the_formula():
+    """docs/dedup.md carries the presets' curves as ``detection_table_markdown`` renders them now."""
+    table = detection_table_markdown()
+    assert "| 0.80 | 0.9235 | 0.9996 |" in table  # 14x8 and 20x5 at s = 0.8
+    page = (Path(__file__).parents[1] / "docs" / "dedup.md").read_text()
+    assert table in page and update_detection_table(page) == page, "regenerate docs/dedup.md's table"
+
+
 @pytest.mark.parametrize("preset", ["fineweb", "near_duplicates"])
 def test_lsh_candidate_rate_follows_theory(preset: str):
     """Planted pairs at Jaccard 0.30, 0.35, ..., 0.95 of the configured shingles: the fraction that
@@ -120,12 +131,19 @@ def test_verification_never_merges_pairs_below_half(tmp_path: Path, params: Para
     assert figures["duplicates"] >= len(found) * 0.9
 
 
+WORD = re.compile(r"[A-Za-z0-9\x80-\U0010ffff]+")  # a word as the stage splits words (ASCII case aside)
+
+
 def edit_words(text: str, fraction: float, vocab: list[str], rng: random.Random) -> str:
-    """Replaces ``fraction`` of the whitespace-separated words by random words of ``vocab``."""
-    words = text.split()
-    for k in rng.sample(range(len(words)), max(1, round(fraction * len(words)))):
-        words[k] = rng.choice(vocab)
-    return " ".join(words)
+    """Replaces ``fraction`` of the words (as the stage counts them: ``foo.bar(x)`` is three) by random
+    words of ``vocab``, keeping the punctuation and spacing between them."""
+    spans = [m.span() for m in WORD.finditer(text)]
+    out, last = [], 0
+    for k in sorted(rng.sample(range(len(spans)), max(1, round(fraction * len(spans))))):
+        a, b = spans[k]
+        out += [text[last:a], rng.choice(vocab)]
+        last = b
+    return "".join([*out, text[last:]])
 
 
 def language_reference_chunks(min_words: int = 80) -> list[str]:
@@ -145,12 +163,12 @@ def language_reference_chunks(min_words: int = 80) -> list[str]:
 
 
 def test_near_duplicates_recall_on_edited_copies(tmp_path: Path):
-    """Copies of real documents with 5% of their words replaced: at least 95% are found; unrelated
-    documents are not merged."""
+    """Copies of real documents with 5% of their words replaced: the ``near_duplicates`` preset
+    (verification at Jaccard 0.7) finds at least 95% of them; unrelated documents are not merged."""
     rng = random.Random(0)
     originals = language_reference_chunks()
     assert len(originals) >= 300
-    vocab = sorted({w for text in originals for w in text.split()})
+    vocab = sorted({w for text in originals for w in WORD.findall(text.lower())})
     docs = [Doc(f"ref{i}", text, "prose", (0, 0, i)) for i, text in enumerate(originals)]
     copies = [
         Doc(f"{d.id}#copy", edit_words(d.text, 0.05, vocab, rng), "prose", (1, 0, i))
@@ -249,7 +267,7 @@ def test_partitioned_bucket_sort_matches_in_memory(tmp_path: Path):
 
 def test_presets_fill_unset_fields():
     p = Params(preset="near_duplicates")
-    assert (p.ngram, p.bands, p.rows, p.threshold, p.verify) == (3, 20, 5, 0.6, "exact")
+    assert (p.ngram, p.bands, p.rows, p.threshold, p.verify) == (3, 20, 5, 0.7, "exact")
     p = Params(preset="near_duplicates", bands=10)
     assert (p.ngram, p.bands) == (3, 10)
     p = Params()
