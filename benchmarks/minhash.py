@@ -74,7 +74,9 @@ def run_datatrove(docs: list[Doc], whitespace: bool) -> tuple[float, float, int]
         MinhashDedupCluster,
         MinhashDedupSignature,
     )
+    from loguru import logger
 
+    logger.remove()  # datatrove logs every step to stderr (its modules add the handler on import)
     config = MinhashConfig()  # 5-grams, 14 buckets x 8 hashes, xxhash 64-bit
     with tempfile.TemporaryDirectory() as work:
         w = Path(work)
@@ -114,9 +116,6 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=1, help="edited copies per original document")
     args = ap.parse_args()
     try:
-        from loguru import logger
-
-        logger.remove()  # datatrove logs every step to stderr
         import datatrove  # noqa: F401
 
         have_datatrove = True
