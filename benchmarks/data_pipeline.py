@@ -1,5 +1,6 @@
-"""Throughput of lmforge's per-document quality filters against datatrove's filter blocks.
+"""Throughput of lmforge's quality filters and MinHash deduplication against datatrove's blocks.
 
+Part 1, filters:
 Both sides see the same prose documents (``lmforge.data.pystdlib``: module docstrings and the language
 reference topics) in one process on one core, in the same run: first each filter alone over every
 document, then the chain gopher_quality -> gopher_repetition -> c4 -> fineweb (a document stops at
@@ -13,7 +14,10 @@ datatrove's fourth "list ratio" rule at 0.3), so both do the same checks. datatr
 spaCy's blank English tokenizer (``pip install spacy``; no model download); without spaCy its Gopher
 and C4 blocks cannot run and are reported as skipped.
 
-    python benchmarks/data_pipeline.py [--docs 1000] [--rounds 3]
+Part 2, MinHash signatures and bucketing: ``benchmarks/minhash.py`` (see its docstring), run in the
+same process after the filters (``--no-minhash`` skips it).
+
+    python benchmarks/data_pipeline.py [--docs 1000] [--rounds 3] [--no-minhash]
 
 The last line printed is one JSON object.
 """
@@ -29,6 +33,8 @@ import statistics
 import time
 from collections.abc import Callable
 from typing import Any
+
+from minhash import bench_minhash
 
 from lmforge.data.pystdlib import read_pystdlib
 from lmforge.data.stages.base import Doc, DocStage, Drop
@@ -170,6 +176,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--docs", type=int, default=1000, help="prose documents from the built-in corpus")
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (median reported)")
+    parser.add_argument("--no-minhash", action="store_true", help="time the quality filters only")
     args = parser.parse_args()
 
     figures = bench_filters(args.docs, args.rounds)
@@ -185,6 +192,9 @@ def main() -> None:
         )
     for name, why in figures.get("datatrove_skipped", {}).items():
         print(f"datatrove {name} skipped: {why}")
+    if not args.no_minhash:
+        print()
+        figures["minhash"] = bench_minhash(args.rounds, copies=1)
     print(json.dumps(figures))
 
 
