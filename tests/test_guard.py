@@ -74,6 +74,15 @@ def test_guard_verdicts_and_state():
     assert off.check(1, t(float("nan")), t(1.0)) is Action.STEP
 
 
+def test_nonfinite_loss_is_skipped():
+    events = []
+    guard = Guard(GuardConfig(max_bad_steps=3), events.append)
+    t = torch.tensor
+    assert guard.check(1, t(float("nan")), t(1.0)) is Action.SKIP
+    assert guard.check(1, t(float("-inf")), t(1.0)) is Action.SKIP
+    assert [e["event"] for e in events] == ["skip_nonfinite"] * 2 and guard.losses == []
+
+
 def test_skipped_step_leaves_optimizer_untouched():
     torch.manual_seed(0)
     m = Transformer(ModelConfig(n_layers=1, d_model=32, n_heads=4), 50, 8)
@@ -148,6 +157,27 @@ def undisturbed(guard_overrides, tmp_path_factory):
     run = tmp_path_factory.mktemp("undisturbed")
     summary = train(load_config(None, guard_overrides), run, progress_bar=False)
     return summary, _lines(run)
+
+
+def test_pre_clip_norm_and_clip_events_in_metrics(undisturbed):
+    """grad_norm is the norm before clipping: clip_ratio = min(1, grad_clip / grad_norm), and
+    clipped_steps counts the steps of the logging window (here 1 step) that were clipped."""
+    _, lines = undisturbed
+    steps = _train_lines(lines)
+    ratios = [x["clip_ratio"] for x in steps]
+    assert min(ratios) < 1 and max(ratios) == 1  # the run has clipped and unclipped steps
+    for x in steps:
+        assert x["clip_threshold"] == 1.0
+        assert x["clip_ratio"] == pytest.approx(min(1.0, 1.0 / (x["grad_norm"] + 1e-6)), rel=1e-5)
+        assert x["clipped_steps"] == int(x["clip_ratio"] < 1)
+
+
+def test_without_the_guard_nan_gradients_ruin_the_run(guard_overrides, tmp_path):
+    """The disturbance of the tests below is real: unguarded, one NaN gradient ends the run in NaN."""
+    cfg = load_config(None, {**guard_overrides, "guard.enabled": False, "train.steps": 10})
+    summary = train(cfg, tmp_path / "run", progress_bar=False, hooks=TrainHooks(grads=nan_grads({7})))
+    assert math.isnan(summary["val_loss"]) and summary["skipped_steps"] == 0
+    assert not _events(_lines(tmp_path / "run"))
 
 
 def test_nan_gradients_are_skipped(guard_overrides, undisturbed, tmp_path, caplog):
