@@ -175,10 +175,75 @@ class TrainConfig(_Section):
     checkpoint_interval: int = Field(250, ge=0, description="steps between checkpoints (0: only at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept on disk")
     log_interval: int = Field(10, ge=1, description="steps between metrics lines")
-    grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip (0: off)")
+    grad_clip: float = Field(
+        1.0,
+        ge=0,
+        description="gradient-norm threshold: of all gradients (norm), of each optimizer group (group_norm), "
+        "during clip_warmup (adaptive); 0: off",
+    )
+    clip_mode: Literal["norm", "value", "group_norm", "adaptive"] = Field(
+        "norm",
+        description="gradient clipping: norm (global norm), value (each element to +-clip_value), "
+        "group_norm (each optimizer group's norm), adaptive (clip_factor x running mean of recent norms)",
+    )
+    clip_value: float = Field(0.0, ge=0, description="value: largest absolute gradient element kept")
+    clip_factor: float = Field(
+        2.0, gt=0, description="adaptive: threshold as a multiple of the running mean of gradient norms"
+    )
+    clip_beta: float = Field(
+        0.98, ge=0, lt=1, description="adaptive: decay of the running (exponential) mean of gradient norms"
+    )
+    clip_warmup: int = Field(
+        20,
+        ge=1,
+        description="adaptive: steps measured before the adaptive threshold applies (grad_clip until then)",
+    )
     seed: int = Field(1337, description="seed for init, data order and sampling")
     sample_tokens: int = Field(120, ge=0, description="tokens sampled at the end of training (0: none)")
     sample_prompt: str = Field("def ", description="prompt of the end-of-training sample")
+
+    @model_validator(mode="after")
+    def _clip(self) -> TrainConfig:
+        if self.clip_mode == "value" and self.clip_value == 0:
+            raise ValueError("train.clip_value: clip_mode 'value' needs a clip_value above 0, e.g. 0.01")
+        return self
+
+
+class GuardConfig(_Section):
+    """Stability guard: skip steps with a non-finite or spiking loss, roll back after repeated ones.
+
+    Each event is a line of ``metrics.jsonl``; the logic is in ``lmforge/train/guard.py``.
+    """
+
+    enabled: bool = Field(
+        True,
+        description="skip optimizer steps whose loss or gradient norm is NaN/Inf, and spikes (one host sync per step)",
+    )
+    spike_sigmas: float = Field(
+        6.0,
+        ge=0,
+        description="a loss above mean + spike_sigmas x std of the recent accepted losses is a spike (0: off)",
+    )
+    spike_window: int = Field(100, ge=2, description="recent accepted losses kept for the spike statistics")
+    spike_min_history: int = Field(20, ge=2, description="accepted losses needed before spikes are detected")
+    max_bad_steps: int = Field(
+        3, ge=1, description="consecutive skipped steps that trigger a rollback to the last checkpoint"
+    )
+    max_rollbacks: int = Field(
+        3, ge=0, description="rollbacks allowed in a run; one more stops it with an error"
+    )
+    rollback_lr_factor: float = Field(
+        1.0, gt=0, le=1, description="learning-rate multiplier applied at each rollback (1: unchanged)"
+    )
+
+    @model_validator(mode="after")
+    def _window(self) -> GuardConfig:
+        if self.spike_min_history > self.spike_window:
+            raise ValueError(
+                f"guard.spike_min_history: {self.spike_min_history} exceeds guard.spike_window "
+                f"({self.spike_window}); lower it or widen the window"
+            )
+        return self
 
 
 PARAM_KINDS = {"embedding", "matrix", "norm", "bias"}
@@ -281,6 +346,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
 
     def to_toml(self) -> str:
         """The resolved configuration as TOML (round-trips through :func:`load_config`)."""

@@ -2,8 +2,10 @@
 
 A step (``train_step``) is: for each micro-batch, forward in the precision policy, take the summed
 token loss divided by the number of target tokens of the *whole* step, backward (gradients
-accumulate); then clip by global norm, take the optimizer step at the scheduled learning rate, and clear
-gradients. The loop around it evaluates, checkpoints, logs and resumes.
+accumulate); then measure the gradient norm, let the stability guard (``guard.py``) accept the step or
+reject it (NaN/Inf, loss spike), clip (``optim/clip.py``), take the optimizer step at the scheduled
+learning rate, and clear gradients. The loop around it evaluates, checkpoints, logs, rolls back when the
+guard asks, and resumes.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,15 +29,24 @@ from lmforge.errors import ConfigError, UserError
 from lmforge.model.sampling import generate
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer
-from lmforge.optim.clip import clip_global_norm
+from lmforge.optim.clip import Clipper, ClipStats
 from lmforge.optim.schedules import Schedule
 from lmforge.precision import autocast, resolve_precision
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial, save_checkpoint
 from lmforge.train.evaluate import eval_targets, evaluate, perplexity, unigram_loss
+from lmforge.train.guard import Action, Guard, LastGood
 from lmforge.train.metrics import MetricsWriter, ProgressBar
 from lmforge.train.runtime import pick_device, rng_state, seed_all, set_rng_state
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean token loss of the step
+    grad_norm: torch.Tensor  # global gradient norm before clipping
+    clip: ClipStats | None  # clip ratio and threshold (None: no step taken)
+    action: Action  # STEP, or SKIP / ROLLBACK when the guard rejected the step
 
 
 def train_step(
@@ -41,11 +54,21 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     batches: list[Batch],
     lr: float,
-    grad_clip: float,
+    clip: Clipper | float,
     precision: str,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over ``batches`` (the micro-batches). Returns (mean token loss, pre-clip grad norm)."""
+    *,
+    guard: Guard | None = None,
+    step: int = 0,
+    grad_hook: Callable[[Transformer], None] | None = None,
+) -> StepResult:
+    """One optimizer step over ``batches`` (the micro-batches) unless ``guard`` rejects it.
+
+    ``clip``: a :class:`Clipper`, or a global-norm threshold (0: none). ``step``: the number this step
+    will have (for the guard's events). A rejected step drops its gradients and leaves the optimizer as
+    it was.
+    """
+    clipper = clip if isinstance(clip, Clipper) else Clipper("norm", clip)
     n_targets = sum(b.n_targets for b in batches)
     loss_total = torch.zeros((), device=device)
     for batch in batches:
@@ -55,12 +78,32 @@ def train_step(
         loss = loss_sum / n_targets
         loss.backward()
         loss_total += loss.detach()
-    grad_norm = clip_global_norm(model.parameters(), grad_clip)
-    for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_mult", 1.0)
-    optimizer.step()
+    if grad_hook is not None:
+        grad_hook(model)
+    groups = [group["params"] for group in optimizer.param_groups]
+    grad_norm = clipper.measure(groups)
+    action = guard.check(step, loss_total, grad_norm) if guard is not None else Action.STEP
+    clip_stats = None
+    if action is Action.STEP:
+        clip_stats = clipper.clip(groups, grad_norm)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_total, grad_norm
+    return StepResult(loss_total, grad_norm, clip_stats, action)
+
+
+@dataclass
+class TrainHooks:
+    """Points where a caller may disturb a real run (tests of the stability guard); not configurable.
+
+    ``attempt`` counts step attempts from 0 in this process, skipped and rolled-back ones included, so
+    each value comes once. ``batches`` may return changed micro-batches; ``grads`` may change the
+    gradients after the backward pass.
+    """
+
+    batches: Callable[[int, list[Batch]], list[Batch]] | None = None
+    grads: Callable[[int, Transformer], None] | None = None
 
 
 @dataclass
@@ -139,11 +182,13 @@ def train(
     resume: bool = False,
     progress_bar: bool | None = None,
     stop_at: int | None = None,
+    hooks: TrainHooks | None = None,
 ) -> dict:
     """Run (or resume) training as configured; returns the summary also written to ``summary.json``.
 
     ``stop_at`` ends this process early, after the checkpoint of that step, as an interruption would
-    (the schedule still spans ``train.steps``); a later ``resume`` continues from there.
+    (the schedule still spans ``train.steps``); a later ``resume`` continues from there. ``hooks``: see
+    :class:`TrainHooks`.
     """
     run_dir = Path(run_dir)
     accum = accumulation_steps(cfg)
@@ -163,16 +208,30 @@ def train(
     val = TokenStream(data.val)
     schedule = Schedule(cfg.schedule, cfg.train.steps)
     prog = Progress()
+    clipper = Clipper.from_config(cfg.train)
+    hooks = hooks or TrainHooks()
+
+    def restore(state: dict) -> None:
+        """What both a resume and a rollback restore (the loader and the guard differ; see guard.py)."""
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        prog.load_state_dict(state["progress"])
+        schedule.load_state_dict(state["scheduler"])
+        if "clip" in state:
+            clipper.load_state_dict(state["clip"])
+
+    state = None
     if ckpt_path is not None:
         state = load_checkpoint(ckpt_path)
         check_same_model(cfg, state["config"])
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        restore(state)
         loader.load_state_dict(state["loader"])
-        prog.load_state_dict(state["progress"])
-        schedule.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         log.info("resumed from %s at step %d", ckpt_path, prog.step)
+    metrics = MetricsWriter(run_dir, resume_step=prog.step if ckpt_path is not None else None)
+    guard = Guard(cfg.guard, metrics.write)
+    if state is not None and "guard" in state:
+        guard.load_state_dict(state["guard"])
     log.info(
         "model: %s, %.2fM parameters; %d micro-batches of %d x %d per step",
         cfg.model.arch,
@@ -190,46 +249,81 @@ def train(
                 model, val, cfg.data.seq_len, t.micro_batch_size, t.eval_tokens, precision, device
             )
 
-    def checkpoint() -> None:
-        state = {
+    def state_dict() -> dict:
+        return {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "loader": loader.state_dict(),
             "progress": prog.state_dict(),
             "scheduler": schedule.state_dict(),
+            "clip": clipper.state_dict(),
+            "guard": guard.state_dict(),
             "rng": rng_state(),
             "config": cfg.model_dump(mode="json", exclude_none=True),
         }
-        save_checkpoint(run_dir, prog.step, state, cfg.to_toml(), t.keep_checkpoints)
 
-    metrics = MetricsWriter(run_dir, resume_step=prog.step if ckpt_path is not None else None)
+    last_good = LastGood()
+
+    def checkpoint() -> None:
+        state = state_dict()
+        save_checkpoint(run_dir, prog.step, state, cfg.to_toml(), t.keep_checkpoints)
+        if cfg.guard.enabled:
+            last_good.save(state)
+
+    def rollback(step: int) -> None:
+        """Back to the last checkpoint's state; the loader reads on, skipping the batches since then."""
+        good = last_good.restore()
+        guard.rollback(
+            step, good["guard"], good["progress"]["step"], good["loader"]["position"], loader.position
+        )
+        restore(good)
+
+    if cfg.guard.enabled:
+        last_good.save(state_dict())
     bar = ProgressBar(t.steps, prog.step, progress_bar)
     tokens_per_step = accum * t.micro_batch_size * cfg.data.seq_len
     start_wall = time.perf_counter()
-    window_t, window_tokens = time.perf_counter(), 0
+    window_t, window_tokens, clipped = time.perf_counter(), 0, 0
+    attempt = 0
     try:
         while prog.step < t.steps:
-            lr = cfg.optim.lr * schedule(prog.step)
+            lr = cfg.optim.lr * schedule(prog.step) * guard.lr_scale
             batches = [loader.next_batch() for _ in range(accum)]
-            loss, grad_norm = train_step(model, optimizer, batches, lr, t.grad_clip, precision, device)
+            if hooks.batches is not None:
+                batches = hooks.batches(attempt, batches)
+            grad_hook = partial(hooks.grads, attempt) if hooks.grads is not None else None
+            attempt += 1
+            out = train_step(
+                model, optimizer, batches, lr, clipper, precision, device,
+                guard=guard, step=prog.step + 1, grad_hook=grad_hook,
+            )  # fmt: skip
+            if out.action is Action.ROLLBACK:
+                rollback(prog.step + 1)
+            if out.action is not Action.STEP:
+                continue
             prog.step += 1
             prog.tokens_seen += tokens_per_step
             window_tokens += tokens_per_step
+            clipped = clipped + (out.clip.ratio < 1)  # stays on the device until logged
             if prog.step % t.log_interval == 0 or prog.step == t.steps:
                 now = time.perf_counter()
                 record = {
                     "step": prog.step,
-                    "loss": float(loss),
+                    "loss": float(out.loss),
                     "lr": lr,
-                    "grad_norm": float(grad_norm),
+                    "grad_norm": float(out.grad_norm),
+                    "clip_ratio": float(out.clip.ratio),
+                    "clipped_steps": int(clipped),
                     "tokens_per_s": window_tokens / (now - window_t),
                     "tokens_seen": prog.tokens_seen,
                     "epoch": loader.epoch,
                 }
                 if isinstance(loader, MixtureLoader):  # phase, per-domain share and epochs
                     record.update(loader.report())
+                if out.clip.threshold is not None:
+                    record["clip_threshold"] = float(out.clip.threshold)
                 metrics.write(record)
-                window_t, window_tokens = now, 0
+                window_t, window_tokens, clipped = now, 0, 0
                 bar.update(
                     prog.step, f"loss {record['loss']:.3f} lr {lr:.2e} {record['tokens_per_s']:,.0f} tok/s"
                 )
@@ -259,6 +353,7 @@ def train(
     summary["precision"] = precision
     if isinstance(loader, MixtureLoader):
         summary["domains"] = loader.summary()
+    summary["skipped_steps"], summary["rollbacks"] = guard.skipped, guard.rollbacks
     if t.sample_tokens:
         summary["sample"] = sample_text(model, data, t.sample_prompt, t.sample_tokens, t.seed)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

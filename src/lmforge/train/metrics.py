@@ -39,9 +39,10 @@ class MetricsWriter:
         self._fh.flush()
         if self._tb is not None:
             step = record["step"]
+            prefix = f"{record['event']}/" if "event" in record else ""  # keep events off the main curves
             for key, value in record.items():
                 if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+                    self._tb.add_scalar(prefix + key, value, step)
 
     def close(self) -> None:
         self._fh.close()
