@@ -115,12 +115,7 @@ def shared_data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("optim-data")
 
 
-@pytest.mark.parametrize(
-    "name",
-    # adamw8bit through the loop takes ~20 s (torchao's eager step); its state's exact save / load /
-    # continue is checked fast by test_adamw8bit_state_bytes_and_save_load
-    ["adam", "sgd", "lion", "adafactor", pytest.param("adamw8bit", marks=pytest.mark.slow), "muon"],
-)
+@pytest.mark.parametrize("name", ["adam", "sgd", "lion", "adafactor", "adamw8bit", "muon"])
 def test_optimizer_state_survives_resume(name, tiny_config, tmp_path, shared_data_cache, caplog):
     """8 steps straight vs 4 + resume + 4: bitwise equal parameters and optimizer state (fp32, CPU)."""
     caplog.set_level(logging.INFO, logger="lmforge")
