@@ -250,9 +250,10 @@ PARAM_KINDS = {"embedding", "matrix", "norm", "bias"}
 
 
 class OptimConfig(_Section):
-    name: Literal["adamw", "adam", "sgd", "lion", "adafactor"] = Field(
+    name: Literal["adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon"] = Field(
         "adamw",
-        description="adamw (decoupled decay), adam and sgd (L2 decay), lion (use ~3-10x lower lr), adafactor",
+        description="adamw (decoupled decay), adam and sgd (L2 decay), lion (use ~3-10x lower lr), adafactor, "
+        "adamw8bit (block-wise 8-bit moments, torchao), muon (hidden matrices; AdamW for the rest)",
     )
     lr: float = Field(3e-3, gt=0, description="peak learning rate")
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay of matrices")
@@ -276,6 +277,21 @@ class OptimConfig(_Section):
     )
     momentum: float = Field(0.9, ge=0, lt=1, description="sgd: momentum")
     nesterov: bool = Field(False, description="sgd: Nesterov momentum")
+    muon_lr: float | None = Field(
+        None,
+        gt=0,
+        description="muon: peak lr of the Muon matrices (default: 0.02, or optim.lr with muon_scale=moonlight)",
+    )
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon: momentum of the Muon matrices")
+    muon_nesterov: bool = Field(True, description="muon: Nesterov momentum")
+    muon_ns_steps: int = Field(
+        5, ge=1, le=50, description="muon: Newton-Schulz iterations (quintic, in BF16) per update"
+    )
+    muon_scale: Literal["none", "original", "mup", "moonlight"] = Field(
+        "original",
+        description="muon: update scale per (d_out, d_in) matrix: none 1, original max(1, d_out/d_in)^0.5, "
+        "mup (d_out/d_in)^0.5, moonlight 0.2 max(d_out, d_in)^0.5 (matches AdamW's update RMS)",
+    )
 
     @model_validator(mode="after")
     def _betas(self) -> OptimConfig:
@@ -289,6 +305,8 @@ class OptimConfig(_Section):
                 )
         if self.name == "sgd" and self.nesterov and self.momentum == 0:
             raise ValueError("optim.nesterov: Nesterov needs optim.momentum above 0")
+        if self.name == "muon" and self.muon_nesterov and self.muon_momentum == 0:
+            raise ValueError("optim.muon_nesterov: Nesterov needs optim.muon_momentum above 0")
         return self
 
 

@@ -145,12 +145,18 @@ def maybe_compile(model: Transformer, enabled: bool, device: torch.device) -> No
     for sampling are unchanged. Measured on 2 CPU cores (4 x 256 Llama, 4096 vocab, batch 8 x 256):
     eager 3,540 tokens/s, compiled per block 3,350, compiled whole loss 4,070.
     """
+    if can_compile(enabled, device):
+        model.loss = torch.compile(model.loss)
+
+
+def can_compile(enabled: bool, device: torch.device) -> bool:
+    """``train.compile``, unless on CPU without a C++ compiler (then a warning, and eager)."""
     if not enabled:
-        return
+        return False
     if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++")):
         log.warning("train.compile: no C++ compiler found, running eager (install g++ to compile on CPU)")
-        return
-    model.loss = torch.compile(model.loss)
+        return False
+    return True
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
@@ -203,7 +209,8 @@ def train(
     shutil.copyfile(data.tokenizer.path, run_dir / "tokenizer.json")
 
     model = build_model(cfg, data.tokenizer.vocab_size, device)
-    optimizer = build_optimizer(model, cfg.optim, device)
+    compile_ok = can_compile(cfg.train.compile, device)
+    optimizer = build_optimizer(model, cfg.optim, device, compile=compile_ok)
     loader = build_train_loader(cfg, data, accum)
     val = TokenStream(data.val)
     schedule = Schedule(cfg.schedule, cfg.train.steps)
@@ -240,7 +247,7 @@ def train(
         cfg.train.micro_batch_size,
         cfg.data.seq_len,
     )
-    maybe_compile(model, cfg.train.compile, device)
+    maybe_compile(model, compile_ok, device)
     t = cfg.train
 
     def eval_fn() -> float:  # eager: a second compiled graph for no-grad would cost more than it saves

@@ -1,0 +1,29 @@
+"""Bytes of optimizer state: what an optimizer keeps in memory besides the parameters themselves."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes held by ``t``; a tensor subclass (e.g. torchao's 8-bit state) counts its inner tensors."""
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Sum of the bytes of every tensor in ``optimizer.state`` (moments, step counters, code books)."""
+    return sum(
+        tensor_bytes(v)
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
+    """``state_bytes / number of parameters`` over all groups (8 for AdamW's two FP32 moments, plus steps)."""
+    n = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    return state_bytes(optimizer) / n
