@@ -10,7 +10,11 @@ Every parameter has a kind: ``embedding`` (token / position embeddings, and a he
   so with layer-wise decay the output end trains at the full rate and each layer below at ``decay`` times
   the one above it.
 
-One optimizer group is made per (kind, depth) when layer-wise decay is on, else per kind.
+* muP: a model with ``param_lr_scales()`` (name -> multiplier; see ``lmforge/model/init.py``) gets those
+  multipliers on top, e.g. ``1 / width_mult`` for hidden matrices.
+
+One optimizer group is made per (kind, depth, muP multiplier) when layer-wise decay is on, else per
+(kind, muP multiplier).
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     n_layers = len(getattr(model, "blocks", []))
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     norms = {id(m.weight) for m in model.modules() if isinstance(m, nn.LayerNorm | nn.RMSNorm)}
-    buckets: dict[tuple[str, int], list[torch.Tensor]] = defaultdict(list)
+    scales = model.param_lr_scales() if hasattr(model, "param_lr_scales") else {}
+    buckets: dict[tuple[str, int, float], list[torch.Tensor]] = defaultdict(list)
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
@@ -60,21 +65,24 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
         seen.add(id(p))
         kind = param_kind(p, embeddings, norms)
         depth = param_depth(name, kind, n_layers) if cfg.layer_lr_decay != 1.0 else 0
-        buckets[(kind, depth)].append(p)
+        buckets[(kind, depth, scales.get(name, 1.0))].append(p)
     groups = []
-    for (kind, depth), params in sorted(buckets.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (kind, depth, scale), params in sorted(
+        buckets.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])
+    ):
         default_wd = (
             cfg.weight_decay if kind == "matrix" or (kind == "embedding" and cfg.decay_embeddings) else 0.0
         )
-        mult = cfg.group_lr_mult.get(kind, 1.0)
+        mult = cfg.group_lr_mult.get(kind, 1.0) * scale
         if cfg.layer_lr_decay != 1.0:
             mult *= cfg.layer_lr_decay ** (n_layers + 1 - depth)
+        name = kind if cfg.layer_lr_decay == 1.0 else f"{kind}@{depth}"
         groups.append(
             {
                 "params": params,
                 "weight_decay": cfg.group_weight_decay.get(kind, default_wd),
                 "lr_mult": mult,
-                "name": kind if cfg.layer_lr_decay == 1.0 else f"{kind}@{depth}",
+                "name": name if scale == 1.0 else f"{name}/mup",
             }
         )
     return groups
