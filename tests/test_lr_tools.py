@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import subprocess
@@ -10,12 +11,17 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+import torch
 
 from lmforge.charts import schedule_chart
 from lmforge.config import ScheduleConfig, load_config
+from lmforge.data.loader import PackedLoader, TokenStream
 from lmforge.data.prepare import prepare_data
+from lmforge.optim.build import build_optimizer
 from lmforge.optim.schedules import Schedule, lr_curve
 from lmforge.plan.lr_finder import diverged, smooth, suggest, sweep_lr
+from lmforge.train.loop import build_model, train_step
+from lmforge.train.lr_find import range_test
 from tests.conftest import tiny_overrides
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -104,9 +110,11 @@ def test_cli_lr_find_sweeps_suggests_and_leaves_nothing_behind(prepared, tmp_pat
     work = tmp_path / "work"
     work.mkdir()
     (work / "keep.txt").write_text("untouched")
+    (work / "runs" / "old" / "step_00000010").mkdir(parents=True)  # an earlier run: must stay as it is
+    (work / "runs" / "old" / "step_00000010" / "model.pt").write_bytes(b"weights")
     cache = Path(prepared["data.cache_dir"])
     before_work, before_cache = _tree(work), _tree(cache)
-    start, end = 1e-5, 10.0
+    start, end = 1e-5, 100.0
     over = {**prepared, "lr_find.steps": 60, "lr_find.start_lr": start, "lr_find.end_lr": end}
     r = _cli("lr-find", *_args(over), "--out", "sweep", cwd=work)
     assert r.returncode == 0, r.stderr
@@ -121,7 +129,34 @@ def test_cli_lr_find_sweeps_suggests_and_leaves_nothing_behind(prepared, tmp_pat
     assert math.isfinite(lr) and start <= lr <= end
     assert f"--optim.lr={lr:.3g}" in r.stdout
     assert curve["lrs"][0] == pytest.approx(start)
-    assert curve["stopped_early"]  # lr 10 on a tiny Adam model diverges before the end of the sweep
+    assert curve["stopped_early"]  # lr 100 on a tiny Adam model diverges before the end of the sweep
     assert len(curve["lrs"]) < 60 and curve["stop_lr"] <= end
     assert curve["smoothed"] == pytest.approx(smooth(curve["losses"], 0.9))
     assert min(curve["smoothed"]) < curve["smoothed"][0] - 0.2  # the sweep did train
+
+
+def test_range_test_puts_model_and_optimizer_back(prepared):
+    cfg = load_config(
+        None, {**prepared, "lr_find.steps": 12, "lr_find.start_lr": 1e-4, "lr_find.end_lr": 1.0}
+    )
+    data = prepare_data(cfg.data)
+    device = torch.device("cpu")
+    model = build_model(cfg, data.tokenizer.vocab_size, device)
+    optimizer = build_optimizer(model, cfg.optim, device)
+    loader = PackedLoader(TokenStream(data.train), cfg.data.seq_len, cfg.train.micro_batch_size, 0)
+    train_step(model, optimizer, [loader.next_batch()], 1e-3, 1.0, "fp32", device)  # optimizer has state
+    model_before = copy.deepcopy(model.state_dict())
+    optim_before = copy.deepcopy(optimizer.state_dict())
+    rng_before = torch.get_rng_state()
+    result = range_test(model, optimizer, lambda: [loader.next_batch()], cfg.lr_find, 1.0, "fp32", device)
+    assert len(result.lrs) == 12 and result.lrs[-1] == pytest.approx(1.0)
+    assert len(set(result.losses)) > 1  # it did train
+    after = model.state_dict()
+    assert all(torch.equal(model_before[k], after[k]) for k in model_before)
+    optim_after = optimizer.state_dict()
+    assert [g["lr"] for g in optim_after["param_groups"]] == [g["lr"] for g in optim_before["param_groups"]]
+    for k, st in optim_before["state"].items():
+        for name, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(optim_after["state"][k][name])), name
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert all(p.grad is None for p in model.parameters())

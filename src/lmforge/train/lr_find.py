@@ -9,23 +9,28 @@ recipe's data cache as for training (and is reused from there).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from lmforge.charts import lr_find_chart
-from lmforge.config import Config
-from lmforge.data.loader import PackedLoader, TokenStream
+from lmforge.config import Config, LRFindConfig
+from lmforge.data.loader import Batch, PackedLoader, TokenStream
 from lmforge.data.prepare import input_files, prepare_data
 from lmforge.errors import UserError
+from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer
 from lmforge.plan.lr_finder import Suggestion, diverged, smooth, suggest, sweep_lr
 from lmforge.precision import resolve_precision
 from lmforge.train.loop import accumulation_steps, build_model, maybe_compile, train_step
-from lmforge.train.runtime import pick_device
+from lmforge.train.runtime import pick_device, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +53,55 @@ class LRFindResult:
         return out
 
 
+def range_test(
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    next_batches: Callable[[], list[Batch]],
+    f: LRFindConfig,
+    grad_clip: float,
+    precision: str,
+    device: torch.device,
+) -> LRFindResult:
+    """Train ``f.steps`` steps at geometrically growing learning rates on ``next_batches()`` (one list of
+    micro-batches per step); stop on divergence. ``model`` and ``optimizer`` are put back as they were
+    (parameters, buffers, optimizer state and learning rates, random generators), so a live model can be
+    probed."""
+    model_state = copy.deepcopy(model.state_dict())
+    optim_state = copy.deepcopy(optimizer.state_dict())
+    rng = rng_state()
+    lrs: list[float] = []
+    losses: list[float] = []
+    smoothed: list[float] = []
+    stop_lr = None
+    try:
+        for i in range(f.steps):
+            lr = sweep_lr(i, f.steps, f.start_lr, f.end_lr)
+            loss_t, _ = train_step(model, optimizer, next_batches(), lr, grad_clip, precision, device)
+            loss = float(loss_t)
+            if not math.isfinite(loss):
+                stop_lr = lr
+                break
+            lrs.append(lr)
+            losses.append(loss)
+            smoothed = smooth(losses, f.smoothing)
+            log.info("lr-find: step %d lr %.3g loss %.4f smoothed %.4f", i, lr, loss, smoothed[-1])
+            if diverged(loss, smoothed, f.diverge_factor):
+                stop_lr = lr
+                break
+    finally:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+        optimizer.zero_grad(set_to_none=True)
+        set_rng_state(rng)
+    if len(lrs) < 3:
+        raise UserError(
+            f"lr_find.start_lr: the loss diverged after {len(lrs)} steps at {f.start_lr:g}; lower it"
+        )
+    return LRFindResult(lrs, losses, smoothed, suggest(lrs, smoothed), stop_lr is not None, stop_lr)
+
+
 def sweep(cfg: Config) -> LRFindResult:
-    """Train ``lr_find.steps`` steps at geometrically growing learning rates; stop on divergence."""
-    f = cfg.lr_find
+    """:func:`range_test` on a fresh model and optimizer of the recipe, fed by its training loader."""
     accum = accumulation_steps(cfg)
     input_files(cfg.data)
     device = pick_device(cfg.train.device)
@@ -62,30 +113,15 @@ def sweep(cfg: Config) -> LRFindResult:
         TokenStream(data.train), cfg.data.seq_len, cfg.train.micro_batch_size, cfg.train.seed
     )
     maybe_compile(model, cfg.train.compile, device)
-    lrs: list[float] = []
-    losses: list[float] = []
-    smoothed: list[float] = []
-    stop_lr = None
-    for i in range(f.steps):
-        lr = sweep_lr(i, f.steps, f.start_lr, f.end_lr)
-        batches = [loader.next_batch() for _ in range(accum)]
-        loss_t, _ = train_step(model, optimizer, batches, lr, cfg.train.grad_clip, precision, device)
-        loss = float(loss_t)
-        if not math.isfinite(loss):
-            stop_lr = lr
-            break
-        lrs.append(lr)
-        losses.append(loss)
-        smoothed = smooth(losses, f.smoothing)
-        log.info("lr-find: step %d lr %.3g loss %.4f smoothed %.4f", i, lr, loss, smoothed[-1])
-        if diverged(loss, smoothed, f.diverge_factor):
-            stop_lr = lr
-            break
-    if len(lrs) < 3:
-        raise UserError(
-            f"lr_find.start_lr: the loss diverged after {len(lrs)} steps at {f.start_lr:g}; lower it"
-        )
-    return LRFindResult(lrs, losses, smoothed, suggest(lrs, smoothed), stop_lr is not None, stop_lr)
+    return range_test(
+        model,
+        optimizer,
+        lambda: [loader.next_batch() for _ in range(accum)],
+        cfg.lr_find,
+        cfg.train.grad_clip,
+        precision,
+        device,
+    )
 
 
 def _replace_write(path: Path, write) -> None:
