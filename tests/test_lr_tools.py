@@ -17,6 +17,7 @@ from lmforge.charts import schedule_chart
 from lmforge.config import ScheduleConfig, load_config
 from lmforge.data.loader import PackedLoader, TokenStream
 from lmforge.data.prepare import prepare_data
+from lmforge.errors import ConfigError
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.schedules import Schedule, lr_curve
 from lmforge.plan.lr_finder import diverged, smooth, suggest, sweep_lr
@@ -85,6 +86,10 @@ def test_lr_finder_rules():
     got = suggest(lrs, loss)
     assert got.lr == pytest.approx(1e-3, rel=0.3)
     assert 0.05 < got.min_lr < 0.2 and got.min_over_10 == pytest.approx(got.min_lr / 10)
+    with pytest.raises(ValueError, match="three points"):
+        suggest(lrs[:2], loss[:2])
+    with pytest.raises(ConfigError, match=r"lr_find\.end_lr"):
+        load_config(None, {"lr_find.start_lr": 1e-2, "lr_find.end_lr": 1e-3})
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +120,7 @@ def test_cli_lr_find_sweeps_suggests_and_leaves_nothing_behind(prepared, tmp_pat
     cache = Path(prepared["data.cache_dir"])
     before_work, before_cache = _tree(work), _tree(cache)
     start, end = 1e-5, 100.0
-    over = {**prepared, "lr_find.steps": 60, "lr_find.start_lr": start, "lr_find.end_lr": end}
+    over = {**prepared, "lr_find.steps": 40, "lr_find.start_lr": start, "lr_find.end_lr": end}
     r = _cli("lr-find", *_args(over), "--out", "sweep", cwd=work)
     assert r.returncode == 0, r.stderr
     assert "suggested lr" in r.stdout
@@ -130,7 +135,7 @@ def test_cli_lr_find_sweeps_suggests_and_leaves_nothing_behind(prepared, tmp_pat
     assert f"--optim.lr={lr:.3g}" in r.stdout
     assert curve["lrs"][0] == pytest.approx(start)
     assert curve["stopped_early"]  # lr 100 on a tiny Adam model diverges before the end of the sweep
-    assert len(curve["lrs"]) < 60 and curve["stop_lr"] <= end
+    assert len(curve["lrs"]) < 40 and curve["stop_lr"] <= end
     assert curve["smoothed"] == pytest.approx(smooth(curve["losses"], 0.9))
     assert min(curve["smoothed"]) < curve["smoothed"][0] - 0.2  # the sweep did train
 
