@@ -84,6 +84,13 @@ def width_config(model: ModelConfig, width: int, mup: bool) -> ModelConfig:
         raise ConfigError(f"--widths: width {width} does not fit the recipe ({msg})") from None
 
 
+def width_configs(model: ModelConfig, widths: list[int]) -> dict[tuple[str, int], ModelConfig]:
+    """``(parametrisation, width) -> ModelConfig`` for every pair; ConfigError for unusable widths."""
+    if len(widths) < 2 or sorted(set(widths)) != sorted(widths):
+        raise ConfigError("--widths: give at least two different widths, e.g. --widths 64,128,256,512")
+    return {(p, w): width_config(model, w, p == "mup") for p in PARAMETRISATIONS for w in widths}
+
+
 @torch.no_grad()
 def activation_sizes(model: Transformer, batch: Batch, precision: str, device: torch.device) -> dict:
     """Mean |x| of the embedding output, each block's output and the logits on ``batch``."""
@@ -122,9 +129,7 @@ def coord_check(
 ) -> CoordCheck:
     """Run the check (see the module docstring). ``batches()`` gives ``steps`` micro-batches, the first
     of which is also the measurement batch; it is called once per model so every model sees the same."""
-    if len(widths) < 2 or sorted(set(widths)) != sorted(widths):
-        raise ConfigError("--widths: give at least two different widths, e.g. --widths 64,128,256,512")
-    models = {(p, w): width_config(cfg.model, w, p == "mup") for p in PARAMETRISATIONS for w in widths}
+    models = width_configs(cfg.model, widths)
     layers = ["embedding", *(f"block{i}" for i in range(cfg.model.n_layers)), "logits"]
     check = CoordCheck(sorted(widths), steps, layers, cfg.optim.lr, cfg.model.mup_base_width)
     lr = cfg.optim.lr
@@ -156,6 +161,7 @@ def run_mup_check(cfg: Config, widths: list[int], steps: int, out_dir: Path) -> 
     to ``out_dir/mup_check.json`` (sizes and spreads) and ``out_dir/mup_check.png``."""
     if steps < 1:
         raise ConfigError("--steps: give at least 1 training step")
+    width_configs(cfg.model, widths)  # fail on a bad width before preparing data
     input_files(cfg.data)
     device = pick_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
