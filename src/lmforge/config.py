@@ -54,6 +54,14 @@ class ModelConfig(_Section):
     loss_chunk: int = Field(
         1024, ge=0, description="tokens per chunk of the output head + loss (0: all at once)"
     )
+    mup: bool = Field(
+        False,
+        description="muP (Tensor Programs V): width-aware init, hidden-matrix lr / width_mult, "
+        "logits / width_mult, attention 1/d_head; equals the standard model at mup_base_width",
+    )
+    mup_base_width: int = Field(
+        256, ge=8, description="muP: d_model at which the recipe was tuned (width_mult = d_model / this)"
+    )
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
@@ -68,6 +76,10 @@ class ModelConfig(_Section):
             )
         if self.arch == "llama" and (self.d_model // self.n_heads) % 2:
             raise ValueError("model.n_heads: RoPE needs an even head dimension (d_model / n_heads)")
+        if self.mup and self.mup_base_width % self.n_heads:
+            raise ValueError(
+                f"model.mup_base_width: {self.mup_base_width} must be divisible by n_heads ({self.n_heads})"
+            )
         return self
 
 
@@ -358,6 +370,28 @@ class ScheduleConfig(_Section):
         return self
 
 
+class LRFindConfig(_Section):
+    """``lmforge lr-find``: an exponential learning-rate sweep; rules in ``lmforge/plan/lr_finder.py``."""
+
+    start_lr: float = Field(1e-6, gt=0, description="learning rate of the first sweep step")
+    end_lr: float = Field(1.0, gt=0, description="learning rate of the last sweep step")
+    steps: int = Field(100, ge=5, description="optimizer steps of the sweep (the rate grows geometrically)")
+    smoothing: float = Field(
+        0.9, ge=0, lt=1, description="beta of the bias-corrected exponential moving average of the loss"
+    )
+    diverge_factor: float = Field(
+        4.0, gt=1, description="stop once the smoothed loss exceeds this factor times its minimum"
+    )
+
+    @model_validator(mode="after")
+    def _range(self) -> LRFindConfig:
+        if self.end_lr <= self.start_lr:
+            raise ValueError(
+                f"lr_find.end_lr: {self.end_lr:g} must be above lr_find.start_lr ({self.start_lr:g})"
+            )
+        return self
+
+
 class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -365,6 +399,7 @@ class Config(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
+    lr_find: LRFindConfig = Field(default_factory=LRFindConfig)
 
     def to_toml(self) -> str:
         """The resolved configuration as TOML (round-trips through :func:`load_config`)."""

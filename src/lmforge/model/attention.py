@@ -1,6 +1,7 @@
 """Causal self-attention kernels and rotary position embeddings.
 
-Three paths, all computing ``softmax(q k^T / sqrt(d) + M) v`` with ``M`` the causal mask, optionally
+Three paths, all computing ``softmax(s q k^T + M) v`` (``s = 1 / sqrt(d)`` unless given; muP passes
+its ``1 / d`` form) with ``M`` the causal mask, optionally
 intersected with the document mask (token ``i`` sees token ``j`` only if ``j <= i`` and both lie in the
 same document of the packed sequence):
 
@@ -68,15 +69,17 @@ def attend(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     block_mask=None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Attention over (B, H, T, D) tensors; ``k`` and ``v`` may have fewer heads (GQA)."""
+    """Attention over (B, H, T, D) tensors; ``k`` and ``v`` may have fewer heads (GQA); ``scale`` of the
+    logits (None: ``1 / sqrt(D)``)."""
     gqa = k.shape[1] != q.shape[1]
     if block_mask is not None:
         flex, _ = _flex()
-        return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+        return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     if gqa:  # repeat kv heads: SDPA's enable_gqa falls back to slow paths on some backends
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -1,8 +1,30 @@
-"""Initialisation schemes.
+"""Initialisation schemes: the standard (GPT-2) parametrisation and muP.
 
 Standard (GPT-2): every linear and embedding weight ~ N(0, std^2); the projections that write into the
 residual stream (``o_proj``, ``down_proj``, ``fc_out``) ~ N(0, (std / sqrt(2 * n_layers))^2), so the
 residual variance stays O(1) over depth; biases 0; norm weights 1.
+
+muP, the maximal-update parametrisation (G. Yang, E. Hu et al., "Tensor Programs V: Tuning Large Neural
+Networks via Zero-Shot Hyperparameter Transfer", 2022, arXiv:2203.03466; Adam rules of its Tables 3 and
+8, written relative to a base shape). With ``m = d_model / mup_base_width`` (the width multiplier):
+
+* input weights (token and position embeddings): init std ``std``, Adam learning rate ``x 1``;
+* hidden weights (every matrix inside a block, fan-in and fan-out both growing with width): init std
+  ``std / sqrt(m)`` (variance proportional to 1 / fan_in; residual outputs keep their extra
+  ``1 / sqrt(2 n_layers)``), Adam learning rate ``x 1 / m``;
+* output weights: logits ``= (W_out h) / m``, init std ``std``, Adam learning rate ``x 1``;
+* attention logits: ``q . k * sqrt(d_head_base) / d_head`` with ``d_head_base = mup_base_width / n_heads``
+  (1 / d_head instead of 1 / sqrt(d_head): q and k become correlated during training, so their dot
+  product grows like d_head, not sqrt(d_head));
+* norm weights and biases: unchanged (init 1 / 0, learning rate ``x 1``).
+
+At ``m = 1`` every rule is the standard parametrisation, so hyperparameters tuned at the base width carry
+over to wider models. Widths are meant to grow at a fixed number of heads (``d_head`` grows with
+``d_model``), and the MLP width in proportion to ``d_model`` (the default ``d_ff`` does).
+
+Tied embeddings: the shared matrix is both the input and the output weight. In this formulation both roles
+want init std ``std`` and an unscaled Adam learning rate, so sharing stays consistent; the output role
+gets its ``1 / m`` from the logit multiplier, not from the weight.
 """
 
 from __future__ import annotations
@@ -13,6 +35,7 @@ import torch
 from torch import nn
 
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj", "fc_out")
+OUTPUT_HEAD = "lm_head"
 
 
 def residual_std(std: float, n_layers: int) -> float:
@@ -20,12 +43,47 @@ def residual_std(std: float, n_layers: int) -> float:
     return std / math.sqrt(2 * n_layers)
 
 
+def width_mult(d_model: int, base_width: int, mup: bool) -> float:
+    """muP width multiplier ``m = d_model / base_width`` (1 without muP)."""
+    return d_model / base_width if mup else 1.0
+
+
+def hidden_std(std: float, m: float) -> float:
+    """muP init std of a hidden matrix: ``std / sqrt(m)`` (variance proportional to 1 / fan_in)."""
+    return std / math.sqrt(m)
+
+
+def hidden_lr_scale(m: float) -> float:
+    """muP Adam learning-rate multiplier of a hidden matrix: ``1 / m``."""
+    return 1.0 / m
+
+
+def logit_scale(m: float) -> float:
+    """muP output multiplier: ``logits = (W_out h) / m``."""
+    return 1.0 / m
+
+
+def attention_scale(head_dim: int, base_head_dim: int, mup: bool) -> float | None:
+    """Softmax scale of ``q . k``: ``sqrt(base_head_dim) / head_dim`` under muP, else None (the kernel's
+    default ``1 / sqrt(head_dim)``); the two agree at ``head_dim = base_head_dim``."""
+    return math.sqrt(base_head_dim) / head_dim if mup else None
+
+
+def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
+    """A matrix inside a block (``blocks.<i>.``...): the weights muP treats as hidden."""
+    return p.ndim >= 2 and (name.startswith("blocks.") or ".blocks." in name)
+
+
 @torch.no_grad()
-def init_weights(model: nn.Module, std: float, n_layers: int) -> None:
+def init_weights(model: nn.Module, std: float, n_layers: int, m: float = 1.0) -> None:
+    """Standard init for ``m = 1``; with a muP width multiplier ``m``, hidden matrices get ``std / sqrt(m)``
+    (the output head and embeddings keep ``std``). See the module docstring."""
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             short = name.rsplit(".", 1)[-1]
             s = residual_std(std, n_layers) if short in RESIDUAL_OUTPUTS else std
+            if short != OUTPUT_HEAD:
+                s = hidden_std(s, m)
             if module.weight is not getattr(getattr(model, "embed", None), "weight", None):
                 nn.init.normal_(module.weight, 0.0, s)
             if module.bias is not None:
@@ -37,3 +95,11 @@ def init_weights(model: nn.Module, std: float, n_layers: int) -> None:
                 nn.init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
+
+
+def mup_lr_scales(model: nn.Module, m: float) -> dict[str, float]:
+    """Learning-rate multiplier per parameter name under muP: ``1 / m`` for hidden matrices (see
+    :func:`is_hidden_matrix`), nothing listed (1) for the rest. Empty when ``m == 1``."""
+    if m == 1.0:
+        return {}
+    return {n: hidden_lr_scale(m) for n, p in model.named_parameters() if is_hidden_matrix(n, p)}

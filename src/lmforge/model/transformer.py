@@ -5,6 +5,11 @@ own ``nn.Linear`` with a clear name (``q_proj``, ``k_proj``, ``v_proj``, ``o_pro
 ``up_proj``, ``down_proj`` or ``fc_in``, ``fc_out``), so parallelism and checkpointing can be applied
 from outside. Nothing here assumes it sees the whole batch or the whole weight.
 
+With ``model.mup`` the model follows muP (formulas and reference in ``lmforge/model/init.py``): hidden
+matrices are initialised by width, attention logits are scaled by ``1 / d_head`` and output logits by
+``1 / width_mult``; :meth:`Transformer.param_lr_scales` gives the optimizer the per-matrix learning-rate
+multipliers.
+
 ``loss`` returns the *sum* of token cross-entropies and the number of target tokens; the trainer
 divides by the number of target tokens of the whole optimizer step (all micro-batches, all ranks).
 """
@@ -19,7 +24,7 @@ from torch import nn
 
 from lmforge.config import ModelConfig
 from lmforge.model.attention import apply_rope, attend, document_causal_mask, flex_block_mask, rope_cache
-from lmforge.model.init import init_weights
+from lmforge.model.init import attention_scale, init_weights, logit_scale, mup_lr_scales, width_mult
 
 
 def ff_width(cfg: ModelConfig) -> int:
@@ -46,6 +51,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=bias)
+        self.scale = attention_scale(self.head_dim, cfg.mup_base_width // cfg.n_heads, cfg.mup)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask, block_mask):
         b, t, _ = x.shape
@@ -55,7 +61,7 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = attend(q, k, v, mask=mask, block_mask=block_mask)
+        y = attend(q, k, v, mask=mask, block_mask=block_mask, scale=self.scale)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -122,7 +128,13 @@ class Transformer(nn.Module):
             cos, sin = rope_cache(cfg.d_model // cfg.n_heads, max_seq_len, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        init_weights(self, cfg.init_std, cfg.n_layers)
+        self.width_mult = width_mult(cfg.d_model, cfg.mup_base_width, cfg.mup)
+        self.logit_scale = logit_scale(self.width_mult)
+        init_weights(self, cfg.init_std, cfg.n_layers, self.width_mult)
+
+    def param_lr_scales(self) -> dict[str, float]:
+        """Learning-rate multiplier per parameter name where it is not 1 (muP's hidden matrices)."""
+        return mup_lr_scales(self, self.width_mult)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count (shared tensors once); by default without input token/position embeddings."""
@@ -158,7 +170,9 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """``lm_head(hidden)``, times ``1 / width_mult`` under muP."""
+        out = self.lm_head(hidden)
+        return out * self.logit_scale if self.logit_scale != 1.0 else out
 
     def loss(
         self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None
@@ -173,6 +187,6 @@ class Transformer(nn.Module):
         chunk = self.cfg.loss_chunk or hidden.shape[0]
         total = hidden.new_zeros((), dtype=torch.float32)
         for h, y in zip(hidden.split(chunk), targets.split(chunk), strict=True):
-            logits = self.lm_head(h).float()
+            logits = self.logits(h).float()
             total = total + F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
         return total, (targets != -100).sum()

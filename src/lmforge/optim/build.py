@@ -9,8 +9,11 @@ Every parameter has a kind: ``embedding`` (token / position embeddings, and a he
 * Learning rate: ``lr * lr_mult`` with ``lr_mult = group_lr_mult[kind] * layer_lr_decay ^ (L + 1 - depth)``,
   so with layer-wise decay the output end trains at the full rate and each layer below at ``decay`` times
   the one above it.
+* muP: a model with ``param_lr_scales()`` (name -> multiplier; see ``lmforge/model/init.py``) gets those
+  multipliers on top, e.g. ``1 / width_mult`` for hidden matrices.
 
-One optimizer group is made per (kind, depth) when layer-wise decay is on, else per kind.
+One optimizer group is made per (kind, depth, route, muP multiplier) when layer-wise decay is on,
+else per (kind, route, muP multiplier).
 
 With ``optim.name = "muon"`` each group is also marked with the optimizer that moves it: Muon takes the
 hidden matrices (2-D weights inside blocks: the attention and MLP projections), AdamW everything else
@@ -71,7 +74,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     n_layers = len(getattr(model, "blocks", []))
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     norms = {id(m.weight) for m in model.modules() if isinstance(m, nn.LayerNorm | nn.RMSNorm)}
-    buckets: dict[tuple[str, int, str], list[torch.Tensor]] = defaultdict(list)
+    scales = model.param_lr_scales() if hasattr(model, "param_lr_scales") else {}
+    buckets: dict[tuple[str, int, str, float], list[torch.Tensor]] = defaultdict(list)
     routed: dict[str, list[tuple[str, torch.Tensor]]] = defaultdict(list)
     seen: set[int] = set()
     for name, p in model.named_parameters():
@@ -84,22 +88,23 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
         if cfg.name == "muon":
             route = "muon" if muon_routed(name, p, kind) else "adamw"
             routed[route].append((name, p))
-        buckets[(kind, depth, route)].append(p)
+        buckets[(kind, depth, route, scales.get(name, 1.0))].append(p)
     for route, named in routed.items():
         log.info("optim: %s", describe_route(route, named))
     groups = []
-    for (kind, depth, route), params in sorted(
-        buckets.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])
+    for (kind, depth, route, scale), params in sorted(
+        buckets.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2], kv[0][3])
     ):
         default_wd = (
             cfg.weight_decay if kind == "matrix" or (kind == "embedding" and cfg.decay_embeddings) else 0.0
         )
-        mult = cfg.group_lr_mult.get(kind, 1.0)
+        mult = cfg.group_lr_mult.get(kind, 1.0) * scale
         if cfg.layer_lr_decay != 1.0:
             mult *= cfg.layer_lr_decay ** (n_layers + 1 - depth)
         if route == "muon":
             mult *= muon_peak_lr(cfg) / cfg.lr
         name = kind if cfg.layer_lr_decay == 1.0 else f"{kind}@{depth}"
+        name = name if scale == 1.0 else f"{name}/mup"
         group = {
             "params": params,
             "weight_decay": cfg.group_weight_decay.get(kind, default_wd),

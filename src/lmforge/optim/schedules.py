@@ -100,6 +100,13 @@ def lr_multiplier(cfg: ScheduleConfig, step: int, total: int) -> float:
     return f if f is not None else _decayed(cfg, step, total, w)
 
 
+def lr_curve(cfg: ScheduleConfig, peak: float, total: int) -> list[float]:
+    """``peak * m(s)`` for ``s = 0 .. total - 1``, through :class:`Schedule` (``plateau``: as if the
+    validation loss kept improving, so warmup then flat)."""
+    schedule = Schedule(cfg, total)
+    return [peak * schedule(s) for s in range(total)]
+
+
 class Schedule:
     """The schedule of a run: ``schedule(step)`` gives the multiplier; ``observe(val_loss)`` feeds
     ``plateau``. ``state_dict`` holds the plateau state (pure schedules have none beyond the step)."""

@@ -1,0 +1,103 @@
+"""PNG charts (matplotlib, Agg canvas, no pyplot state): the learning-rate schedule of a recipe, the
+learning-rate sweep of ``lr-find`` and the muP coordinate check. Each function draws one figure from
+the values it is given and writes it to ``path`` as PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from lmforge.config import Config
+from lmforge.optim.schedules import lr_curve, warmup_steps
+
+
+def _save(fig: Figure, path: Path) -> None:
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+
+
+def schedule_chart(lrs: list[float], path: Path, title: str) -> Figure:
+    """Learning rate (y) at each optimizer step (x, 0-based). Returns the figure (its line holds ``lrs``)."""
+    fig = Figure(figsize=(7, 3.5))
+    ax = fig.add_subplot()
+    ax.plot(range(len(lrs)), lrs, color="tab:blue")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("learning rate")
+    ax.set_title(title, fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    _save(fig, path)
+    return fig
+
+
+def lr_find_chart(
+    lrs: list[float], losses: list[float], smoothed: list[float], suggestion, path: Path
+) -> Figure:
+    """Loss against learning rate (log x): raw, smoothed, and the suggested rate as a marker."""
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot()
+    ax.plot(lrs, losses, color="tab:gray", alpha=0.4, label="loss")
+    ax.plot(lrs, smoothed, color="tab:blue", label="smoothed loss")
+    ax.axvline(suggestion.lr, color="tab:red", ls="--", label=f"suggestion {suggestion.lr:.2g}")
+    ax.axvline(
+        suggestion.min_over_10, color="tab:orange", ls=":", label=f"min / 10 {suggestion.min_over_10:.2g}"
+    )
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("training loss (nats)")
+    low = min(min(losses), min(smoothed))
+    top = max(smoothed[0], losses[0])  # the divergent tail is cut at the starting loss
+    ax.set_ylim(low - 0.05 * (top - low), top + 0.15 * (top - low))
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    _save(fig, path)
+    return fig
+
+
+def coord_check_chart(check: Any, path: Path) -> Figure:
+    """One row per parametrisation, one panel per recorded step: mean |activation| against width
+    (log-log), a line per layer. Flat lines mean width-independent activations."""
+    params = list(check.sizes)
+    n_t = check.steps + 1
+    shown = sorted({round(i * (n_t - 1) / 3) for i in range(4)}) if n_t > 4 else list(range(n_t))
+    fig = Figure(figsize=(3.2 * len(shown), 3.0 * len(params)))
+    axes = fig.subplots(len(params), len(shown), squeeze=False, sharey="row")
+    colors = {layer: f"C{i % 10}" for i, layer in enumerate(check.layers)}
+    for r, param in enumerate(params):
+        for c, t in enumerate(shown):
+            ax = axes[r][c]
+            for layer in check.layers:
+                ys = [check.sizes[param][w][layer][t] for w in check.widths]
+                ax.plot(check.widths, ys, marker="o", ms=3, color=colors[layer], label=layer)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{param}, step {t}", fontsize=9)
+            ax.grid(alpha=0.3, which="both")
+            if r == len(params) - 1:
+                ax.set_xlabel("width (d_model)")
+            if c == 0:
+                ax.set_ylabel("mean |activation|")
+    axes[0][-1].legend(fontsize=7, loc="best")
+    _save(fig, path)
+    return fig
+
+
+def write_schedule(cfg: Config, out: Path) -> list[float]:
+    """The learning rate of every step of ``cfg`` (:func:`lr_curve`) drawn to ``out`` (PNG) and written
+    beside it as ``<out stem>.json`` (``{"step": [...], "lr": [...]}``); returns the rates."""
+    lrs = lr_curve(cfg.schedule, cfg.optim.lr, cfg.train.steps)
+    s = cfg.schedule
+    title = f"{s.name}: peak {cfg.optim.lr:g}, warmup {warmup_steps(s.warmup, cfg.train.steps)}, {cfg.train.steps} steps"
+    if s.name == "plateau":
+        title += " (as if the validation loss kept improving)"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    schedule_chart(lrs, out, title)
+    out.with_suffix(".json").write_text(
+        json.dumps({"schedule": s.model_dump(mode="json"), "step": list(range(len(lrs))), "lr": lrs}) + "\n"
+    )
+    return lrs
