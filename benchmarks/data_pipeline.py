@@ -37,7 +37,7 @@ from typing import Any
 from minhash import bench_minhash
 
 from lmforge.data.pystdlib import read_pystdlib
-from lmforge.data.stages.base import Doc, DocStage, Drop
+from lmforge.data.stages.base import Doc, DocStage, run_doc_stages
 from lmforge.data.stages.quality import (
     C4Filter,
     FineWebFilter,
@@ -88,15 +88,7 @@ def datatrove_filters() -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def run_lmforge(stages: list[DocStage], docs: list[Doc]) -> list[bool]:
-    kept = []
-    for doc in docs:
-        out: Doc | Drop = doc
-        for stage in stages:
-            out = stage.process(out)
-            if isinstance(out, Drop):
-                break
-        kept.append(isinstance(out, Doc))
-    return kept
+    return [isinstance(out, Doc) for out in run_doc_stages(stages, docs)]
 
 
 def run_datatrove(blocks: list[Any], docs: list[Any]) -> list[bool]:

@@ -494,18 +494,24 @@ def build_config(tree: dict[str, Any]) -> Config:
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Defaults <- TOML recipe at ``path`` <- dotted ``overrides``; validated."""
+    return build_config(read_recipe(path, overrides, "the path of a TOML recipe (see configs/)"))
+
+
+def read_recipe(path: str | Path | None, overrides: dict[str, Any] | None, what: str) -> dict[str, Any]:
+    """The TOML tree at ``path`` (empty without one) with dotted ``overrides`` set; ConfigError naming
+    ``--config`` and ``what`` to give instead when the file is missing or not TOML."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"--config {path}: no such file; give the path of a TOML recipe (see configs/)")
+            raise ConfigError(f"--config {path}: no such file; give {what}")
         try:
             tree = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
     for key, value in (overrides or {}).items():
         _set_dotted(tree, key, value)
-    return build_config(tree)
+    return tree
 
 
 def dump_toml(tree: dict[str, Any]) -> str:

@@ -26,13 +26,12 @@ import difflib
 import hashlib
 import json
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from lmforge.config import _describe, _set_dotted, config_keys, dump_toml
+from lmforge.config import _describe, config_keys, dump_toml, read_recipe
 from lmforge.data.stages.registry import STAGES, available, stage_class
 from lmforge.errors import ConfigError
 
@@ -198,16 +197,7 @@ def build_pipeline_config(tree: dict[str, Any]) -> PipelineConfig:
 
 def load_pipeline_config(path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """A pipeline recipe at ``path`` with dotted ``overrides`` (``execution.workers``) applied."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--config {path}: no such file; give a pipeline recipe (see configs/data/)")
-    try:
-        tree = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
-    for key, value in (overrides or {}).items():
-        _set_dotted(tree, key, value)
-    return build_pipeline_config(tree)
+    return build_pipeline_config(read_recipe(path, overrides, "a pipeline recipe (see configs/data/)"))
 
 
 def reference_markdown() -> str:

@@ -398,12 +398,7 @@ class MinHashDedup(CorpusStage):
         p: Params = self.params  # type: ignore[assignment]
         h = hasher_for(p)
         workdir = Path(workdir)
-        scratch = workdir / "dedup_minhash.scratch"
-        shutil.rmtree(scratch, ignore_errors=True)
-        scratch.mkdir(parents=True)
-        db_path = workdir / self.DB
-        docindex.forget(db_path)
-        index = docindex.DocIndexWriter(db_path, self.name)
+        scratch, index = docindex.begin_plan(workdir, self.DB, self.name)
         try:
             n, empty, sorted_keys = self._write_records(signatures, scratch, index, h)
             rank = None if sorted_keys else self._corpus_rank(scratch, n)

@@ -171,12 +171,7 @@ class SubstringDedup(CorpusStage):
     def plan(self, signatures: Iterable[tuple[Doc | None, Any]], workdir: Path) -> dict[str, Any]:
         p: Params = self.params  # type: ignore[assignment]
         workdir = Path(workdir)
-        scratch = workdir / "dedup_substring.scratch"
-        shutil.rmtree(scratch, ignore_errors=True)
-        scratch.mkdir(parents=True)
-        db_path = workdir / self.DB
-        docindex.forget(db_path)
-        index = docindex.DocIndexWriter(db_path, self.name)
+        scratch, index = docindex.begin_plan(workdir, self.DB, self.name)
         starts_path = workdir / self.STARTS
         try:
             corpus_path = scratch / "corpus.u8"

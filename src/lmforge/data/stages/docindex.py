@@ -11,6 +11,7 @@ would otherwise be ambiguous).
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
@@ -84,3 +85,14 @@ def forget(path: Path) -> None:
     conn = _READERS.pop((os.getpid(), str(path)), None)
     if conn is not None:
         conn.close()
+
+
+def begin_plan(workdir: Path, db_name: str, stage: str) -> tuple[Path, DocIndexWriter]:
+    """A fresh ``<stage>.scratch`` folder under ``workdir`` and a new document index ``db_name`` for a
+    corpus stage's ``plan`` (a previous plan's scratch and open reader are discarded)."""
+    scratch = workdir / f"{stage}.scratch"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    db_path = workdir / db_name
+    forget(db_path)
+    return scratch, DocIndexWriter(db_path, stage)
