@@ -8,6 +8,7 @@ local Ray instance always does).
 
 from __future__ import annotations
 
+import abc
 import logging
 import multiprocessing
 import os
@@ -30,7 +31,7 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-class Executor:
+class Executor(abc.ABC):
     """Runs a batch of tasks to completion (a failing task stops the batch with its exception)."""
 
     def __enter__(self) -> Executor:
@@ -39,11 +40,12 @@ class Executor:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @abc.abstractmethod
     def run(self, fn: Task, args: Sequence[tuple[Any, ...]]) -> None:
-        raise NotImplementedError
+        """Call ``fn(*a)`` for every ``a`` in ``args``; return when all have finished."""
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - executors without resources keep this no-op
+        """Release workers (process pools, a Ray connection); a no-op for executors that hold none."""
 
 
 class InlineExecutor(Executor):
