@@ -40,7 +40,6 @@ of candidate pairs while verifying. Signatures, bucket records, ids and decision
 from __future__ import annotations
 
 import logging
-import shutil
 from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -398,8 +397,7 @@ class MinHashDedup(CorpusStage):
         p: Params = self.params  # type: ignore[assignment]
         h = hasher_for(p)
         workdir = Path(workdir)
-        scratch, index = docindex.begin_plan(workdir, self.DB, self.name)
-        try:
+        with docindex.begin_plan(workdir, self.DB, self.name) as (scratch, index):
             n, empty, sorted_keys = self._write_records(signatures, scratch, index, h)
             rank = None if sorted_keys else self._corpus_rank(scratch, n)
             uf = _UnionFind(n, rank)
@@ -418,13 +416,6 @@ class MinHashDedup(CorpusStage):
             roots = uf.roots() if n else np.zeros(0, dtype=np.int64)
             dropped = np.flatnonzero(roots != np.arange(n))
             index.add_links(zip(dropped.tolist(), roots[dropped].tolist(), strict=True))
-            index.close()
-        except BaseException:
-            index.conn.close()
-            index.tmp.unlink(missing_ok=True)
-            raise
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
         clusters = int(np.unique(roots[dropped]).size)
         log.info("dedup_minhash: %d documents, %d duplicates in %d clusters", n, dropped.size, clusters)
         return {

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import shutil
 from array import array
 from collections.abc import Iterable
 from pathlib import Path
@@ -171,9 +170,8 @@ class SubstringDedup(CorpusStage):
     def plan(self, signatures: Iterable[tuple[Doc | None, Any]], workdir: Path) -> dict[str, Any]:
         p: Params = self.params  # type: ignore[assignment]
         workdir = Path(workdir)
-        scratch, index = docindex.begin_plan(workdir, self.DB, self.name)
         starts_path = workdir / self.STARTS
-        try:
+        with docindex.begin_plan(workdir, self.DB, self.name) as (scratch, index):
             corpus_path = scratch / "corpus.u8"
             doc_starts = array("q")
             n_docs = 0
@@ -202,13 +200,6 @@ class SubstringDedup(CorpusStage):
             starts.flush()
             del starts
             starts_path.with_suffix(".tmp").replace(starts_path)
-            index.close()
-        except BaseException:
-            index.conn.close()
-            index.tmp.unlink(missing_ok=True)
-            raise
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
         text_bytes = n - n_docs
         log.info("dedup_substring: %d of %d bytes are repeats", dup_bytes, text_bytes)
         return {

@@ -10,10 +10,11 @@ would otherwise be ambiguous).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from lmforge.errors import DataError
@@ -57,8 +58,7 @@ class DocIndexWriter:
             dup = self.conn.execute("SELECT id FROM docs GROUP BY id HAVING COUNT(*) > 1 LIMIT 1").fetchone()[
                 0
             ]
-            self.conn.close()
-            self.tmp.unlink(missing_ok=True)
+            self.abort()
             raise DataError(
                 f"{self.stage}: document id {dup!r} occurs more than once; give every document a unique id "
                 "(the source's id field) before this stage"
@@ -66,6 +66,11 @@ class DocIndexWriter:
         self.conn.commit()
         self.conn.close()
         os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        """Discards the unfinished table (idempotent)."""
+        self.conn.close()
+        self.tmp.unlink(missing_ok=True)
 
 
 def lookup(path: Path, doc_id: str, sql: str) -> tuple | None:
@@ -87,12 +92,25 @@ def forget(path: Path) -> None:
         conn.close()
 
 
-def begin_plan(workdir: Path, db_name: str, stage: str) -> tuple[Path, DocIndexWriter]:
+@contextlib.contextmanager
+def begin_plan(workdir: Path, db_name: str, stage: str) -> Iterator[tuple[Path, DocIndexWriter]]:
     """A fresh ``<stage>.scratch`` folder under ``workdir`` and a new document index ``db_name`` for a
-    corpus stage's ``plan`` (a previous plan's scratch and open reader are discarded)."""
+    corpus stage's ``plan`` (a previous plan's scratch and open reader are discarded).
+
+    On a normal exit the index is closed into place; on an exception it is discarded, so no partial
+    index ever looks complete. The scratch folder is removed either way.
+    """
     scratch = workdir / f"{stage}.scratch"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     db_path = workdir / db_name
     forget(db_path)
-    return scratch, DocIndexWriter(db_path, stage)
+    index = DocIndexWriter(db_path, stage)
+    try:
+        yield scratch, index
+        index.close()
+    except BaseException:
+        index.abort()
+        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
