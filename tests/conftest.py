@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmforge.config import Config, load_config
+from lmforge.config import Config, ModelConfig, load_config
 from lmforge.data.pystdlib import stdlib_root
+from lmforge.model.loss import NextTokenLoss
+from lmforge.model.transformer import Transformer
 
 CORPUS_MODULES = [
     "abc.py", "bisect.py", "calendar.py", "colorsys.py", "copy.py", "csv.py", "difflib.py", "fnmatch.py",
@@ -17,6 +19,18 @@ CORPUS_MODULES = [
     "operator.py", "queue.py", "random.py", "sched.py", "shlex.py", "statistics.py", "string.py",
     "textwrap.py", "timeit.py", "tokenize.py", "types.py", "uuid.py", "weakref.py",
 ]  # fmt: skip
+
+
+def model_of(cfg: ModelConfig, vocab_size: int, seq_len: int, **kw) -> Transformer:
+    """A model built and initialised (from the global RNG) on the CPU, as tests use it."""
+    model = Transformer(cfg, vocab_size, seq_len, **kw)
+    model.init_weights()
+    return model
+
+
+def loss_of(model: Transformer, *args, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token losses, targets) of ``model`` on ``args = (inputs, targets[, doc_ids])``."""
+    return NextTokenLoss(model, chunk)(*args)
 
 
 @pytest.fixture(autouse=True)

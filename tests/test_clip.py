@@ -9,9 +9,9 @@ import torch
 
 from lmforge.config import ModelConfig, OptimConfig, load_config
 from lmforge.errors import ConfigError
-from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper
+from tests.conftest import model_of
 
 
 def _params(*grads: list[float]) -> list[torch.Tensor]:
@@ -68,7 +68,7 @@ def test_group_norm_mode():
 
 def test_group_norm_on_real_optimizer_groups():
     torch.manual_seed(0)
-    m = Transformer(ModelConfig(n_layers=1, d_model=32, n_heads=4), 50, 8)
+    m = model_of(ModelConfig(n_layers=1, d_model=32, n_heads=4), 50, 8)
     opt = build_optimizer(m, OptimConfig(), torch.device("cpu"))
     for p in m.parameters():
         p.grad = torch.randn_like(p)

@@ -1,4 +1,4 @@
-"""The stability guard: unit checks, and real runs disturbed through ``TrainHooks`` (NaN gradients,
+"""The stability guard: unit checks, and real runs disturbed through a callback (NaN gradients,
 batches whose targets are a token the training data never contains) that must recover."""
 
 from __future__ import annotations
@@ -14,12 +14,18 @@ import torch
 from lmforge.config import GuardConfig, ModelConfig, OptimConfig, load_config
 from lmforge.data.loader import Batch, PackedLoader, TokenStream
 from lmforge.data.prepare import prepare_data
+from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer
+from lmforge.optim.clip import Clipper
+from lmforge.precision import PrecisionPolicy
+from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import load_checkpoint
 from lmforge.train.guard import Action, Guard, TrainingDiverged, spike_limit
-from lmforge.train.loop import TrainHooks, train, train_step
-from tests.conftest import tiny_overrides
+from lmforge.train.launch import train
+from lmforge.train.step import train_step
+from tests.conftest import model_of, tiny_overrides
 
 CPU = torch.device("cpu")
 
@@ -83,22 +89,54 @@ def test_nonfinite_loss_is_skipped():
     assert [e["event"] for e in events] == ["skip_nonfinite"] * 2 and guard.losses == []
 
 
+class GuardAt:
+    """A step observer that asks ``guard`` about step ``step`` (and runs ``on_grads`` after backward)."""
+
+    def __init__(self, guard: Guard, step: int, on_grads=None):
+        self.guard, self.step, self.on_grads = guard, step, on_grads
+
+    def after_backward(self) -> None:
+        if self.on_grads is not None:
+            self.on_grads()
+
+    def veto(self, loss, grad_norm) -> Action:
+        return self.guard.check(self.step, loss, grad_norm)
+
+
+class Disturb(Callback):
+    """Disturbs a real run: ``batches(attempt, micro_batches)`` may return changed micro-batches,
+    ``grads(attempt, model)`` may change the gradients after the backward pass. ``attempt`` counts step
+    attempts from 0 in this process, skipped and rolled-back ones included."""
+
+    def __init__(self, batches=None, grads=None):
+        self.batches, self.grads = batches, grads
+
+    def on_batches(self, trainer, batches):
+        return self.batches(trainer.attempt, batches) if self.batches is not None else batches
+
+    def after_backward(self, trainer) -> None:
+        if self.grads is not None:
+            self.grads(trainer.attempt, trainer.run.model)
+
+
 def test_skipped_step_leaves_optimizer_untouched():
     torch.manual_seed(0)
-    m = Transformer(ModelConfig(n_layers=1, d_model=32, n_heads=4), 50, 8)
+    m = model_of(ModelConfig(n_layers=1, d_model=32, n_heads=4), 50, 8)
     opt = build_optimizer(m, OptimConfig(), CPU)
     guard = Guard(GuardConfig())
     x = torch.randint(0, 50, (2, 8))
     batch = [Batch(x, x, torch.zeros_like(x))]
+    fp32, clipper, objective = PrecisionPolicy("fp32", CPU), Clipper("norm", 1.0), NextTokenLoss(m)
     for step in (1, 2):
-        assert train_step(m, opt, batch, 1e-3, 1.0, "fp32", CPU, guard=guard, step=step).action is Action.STEP
+        out = train_step(objective, opt, batch, 1e-3, clipper, fp32, [GuardAt(guard, step)])
+        assert out.action is Action.STEP
     opt_before = copy.deepcopy(opt.state_dict())
     params_before = {n: p.detach().clone() for n, p in m.named_parameters()}
 
-    def poison(model):
-        model.blocks[0].mlp.up_proj.weight.grad[0, 0] = float("nan")
+    def poison():
+        m.blocks[0].mlp.up_proj.weight.grad[0, 0] = float("nan")
 
-    out = train_step(m, opt, batch, 1e-3, 1.0, "fp32", CPU, guard=guard, step=3, grad_hook=poison)
+    out = train_step(objective, opt, batch, 1e-3, clipper, fp32, [GuardAt(guard, 3, poison)])
     assert out.action is Action.SKIP and out.clip is None and not math.isfinite(out.grad_norm.item())
     after = opt.state_dict()
     assert after["param_groups"] == opt_before["param_groups"]
@@ -175,7 +213,7 @@ def test_pre_clip_norm_and_clip_events_in_metrics(undisturbed):
 def test_without_the_guard_nan_gradients_ruin_the_run(guard_overrides, tmp_path):
     """The disturbance of the tests below is real: unguarded, one NaN gradient ends the run in NaN."""
     cfg = load_config(None, {**guard_overrides, "guard.enabled": False, "train.steps": 10})
-    summary = train(cfg, tmp_path / "run", progress_bar=False, hooks=TrainHooks(grads=nan_grads({7})))
+    summary = train(cfg, tmp_path / "run", progress_bar=False, callbacks=[Disturb(grads=nan_grads({7}))])
     assert math.isnan(summary["val_loss"]) and summary["skipped_steps"] == 0
     assert not _events(_lines(tmp_path / "run"))
 
@@ -188,7 +226,7 @@ def test_nan_gradients_are_skipped(guard_overrides, undisturbed, tmp_path, caplo
             load_config(None, guard_overrides),
             run,
             progress_bar=False,
-            hooks=TrainHooks(grads=nan_grads({7, 15})),
+            callbacks=[Disturb(grads=nan_grads({7, 15}))],
         )
     lines = _lines(run)
     events = _events(lines)
@@ -208,7 +246,7 @@ def test_loss_spike_is_skipped(guard_overrides, undisturbed, tmp_path):
     base, base_lines = undisturbed
     cfg = load_config(None, guard_overrides)
     summary = train(
-        cfg, tmp_path / "run", progress_bar=False, hooks=TrainHooks(batches=rare_targets(cfg, {20}))
+        cfg, tmp_path / "run", progress_bar=False, callbacks=[Disturb(batches=rare_targets(cfg, {20}))]
     )
     lines = _lines(tmp_path / "run")
     (event,) = _events(lines)
@@ -220,7 +258,7 @@ def test_loss_spike_is_skipped(guard_overrides, undisturbed, tmp_path):
     assert summary["val_loss"] == pytest.approx(base["val_loss"], rel=0.02)
 
 
-def _rollback_hooks(cfg, seen: dict) -> TrainHooks:
+def _rollback_hooks(cfg, seen: dict) -> Disturb:
     """Attempt 13 gets NaN gradients, 14 and 15 poisoned batches: three bad steps in a row at step 14.
     Records the parameters and the batch of attempt 16, the first after the rollback."""
     poison = rare_targets(cfg, {14, 15})
@@ -235,14 +273,14 @@ def _rollback_hooks(cfg, seen: dict) -> TrainHooks:
         if attempt == 16:  # gradients computed, parameters not yet stepped
             seen["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    return TrainHooks(batches=batches, grads=grads)
+    return Disturb(batches=batches, grads=grads)
 
 
 def test_consecutive_bad_steps_roll_back(guard_overrides, undisturbed, tmp_path):
     base, base_lines = undisturbed
     cfg = load_config(None, {**guard_overrides, "guard.rollback_lr_factor": 0.5})
     run, seen = tmp_path / "run", {}
-    summary = train(cfg, run, progress_bar=False, hooks=_rollback_hooks(cfg, seen))
+    summary = train(cfg, run, progress_bar=False, callbacks=[_rollback_hooks(cfg, seen)])
     lines = _lines(run)
     events = _events(lines)
     assert [(e["step"], e["event"]) for e in events] == [
@@ -281,8 +319,8 @@ def test_consecutive_bad_steps_roll_back(guard_overrides, undisturbed, tmp_path)
 def test_rollback_run_resumes_exactly_with_adaptive_clipping(guard_overrides, tmp_path):
     over = {**guard_overrides, "train.clip_mode": "adaptive", "train.clip_warmup": 5}
     cfg = load_config(None, {**over, "guard.rollback_lr_factor": 0.5})
-    straight = train(cfg, tmp_path / "straight", progress_bar=False, hooks=_rollback_hooks(cfg, {}))
-    train(cfg, tmp_path / "resumed", progress_bar=False, hooks=_rollback_hooks(cfg, {}), stop_at=20)
+    straight = train(cfg, tmp_path / "straight", progress_bar=False, callbacks=[_rollback_hooks(cfg, {})])
+    train(cfg, tmp_path / "resumed", progress_bar=False, callbacks=[_rollback_hooks(cfg, {}), StopAfter(20)])
     resumed = train(cfg, tmp_path / "resumed", resume=True, progress_bar=False)
     a = load_checkpoint(tmp_path / "straight" / "checkpoints" / "step_00000030")
     b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "step_00000030")
@@ -303,4 +341,4 @@ def test_rollback_run_resumes_exactly_with_adaptive_clipping(guard_overrides, tm
 def test_too_many_rollbacks_stop_the_run(guard_overrides, tmp_path):
     cfg = load_config(None, {**guard_overrides, "guard.max_bad_steps": 2, "guard.max_rollbacks": 0})
     with pytest.raises(TrainingDiverged, match=r"guard\.max_rollbacks: 2 bad steps in a row at step 4"):
-        train(cfg, tmp_path / "run", progress_bar=False, hooks=TrainHooks(grads=nan_grads({3, 4})))
+        train(cfg, tmp_path / "run", progress_bar=False, callbacks=[Disturb(grads=nan_grads({3, 4}))])

@@ -18,11 +18,15 @@ from lmforge.config import ScheduleConfig, load_config
 from lmforge.data.loader import PackedLoader, TokenStream
 from lmforge.data.prepare import prepare_data
 from lmforge.errors import ConfigError
+from lmforge.model.loss import NextTokenLoss
 from lmforge.optim.build import build_optimizer
+from lmforge.optim.clip import Clipper
 from lmforge.optim.schedules import Schedule, lr_curve
 from lmforge.plan.lr_finder import diverged, smooth, suggest, sweep_lr
-from lmforge.train.loop import build_model, train_step
+from lmforge.precision import PrecisionPolicy
+from lmforge.train.build import build_model
 from lmforge.train.lr_find import range_test
+from lmforge.train.step import train_step
 from tests.conftest import tiny_overrides
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -149,11 +153,16 @@ def test_range_test_puts_model_and_optimizer_back(prepared):
     model = build_model(cfg, data.tokenizer.vocab_size, device)
     optimizer = build_optimizer(model, cfg.optim, device)
     loader = PackedLoader(TokenStream(data.train), cfg.data.seq_len, cfg.train.micro_batch_size, 0)
-    train_step(model, optimizer, [loader.next_batch()], 1e-3, 1.0, "fp32", device)  # optimizer has state
+    objective, fp32 = NextTokenLoss(model), PrecisionPolicy("fp32", device)
+    clipper = Clipper("adaptive", 1.0, warmup=2)
+    train_step(objective, optimizer, [loader.next_batch()], 1e-3, clipper, fp32)  # optimizer has state
+    clip_before = copy.deepcopy(clipper.state_dict())
     model_before = copy.deepcopy(model.state_dict())
     optim_before = copy.deepcopy(optimizer.state_dict())
     rng_before = torch.get_rng_state()
-    result = range_test(model, optimizer, lambda: [loader.next_batch()], cfg.lr_find, 1.0, "fp32", device)
+    result = range_test(
+        model, objective, optimizer, lambda: [loader.next_batch()], cfg.lr_find, clipper, fp32
+    )
     assert len(result.lrs) == 12 and result.lrs[-1] == pytest.approx(1.0)
     assert len(set(result.losses)) > 1  # it did train
     after = model.state_dict()
@@ -165,3 +174,5 @@ def test_range_test_puts_model_and_optimizer_back(prepared):
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(optim_after["state"][k][name])), name
     assert torch.equal(torch.get_rng_state(), rng_before)
     assert all(p.grad is None for p in model.parameters())
+    after_clip = clipper.state_dict()
+    assert after_clip["count"] == clip_before["count"] and torch.equal(after_clip["ema"], clip_before["ema"])

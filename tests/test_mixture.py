@@ -22,8 +22,9 @@ from lmforge.data.mixture import (
 from lmforge.data.prepare import prepare_data
 from lmforge.data.shards import Shard
 from lmforge.errors import ConfigError
+from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint
-from lmforge.train.loop import train
+from lmforge.train.launch import train
 from tests.conftest import tiny_overrides
 
 BASE = {"a": 0, "b": 100_000, "c": 200_000}  # token values encode the domain: value // 100_000
@@ -222,7 +223,7 @@ def test_training_resumes_exactly_across_a_phase_boundary(two_domains, tmp_path)
     over = {"data.phases": phases, "train.steps": 16, "train.log_interval": 4, "train.eval_interval": 0}
     cfg = _mixture_config(two_domains, tmp_path / "data", **over)
     straight = train(cfg, tmp_path / "straight", progress_bar=False)
-    train(cfg, tmp_path / "resumed", progress_bar=False, stop_at=8)  # stop before the boundary
+    train(cfg, tmp_path / "resumed", progress_bar=False, callbacks=[StopAfter(8)])  # stop before the boundary
     resumed = train(cfg, tmp_path / "resumed", resume=True, progress_bar=False)  # ... and go past it
     a, b = _final_params(tmp_path / "straight"), _final_params(tmp_path / "resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -9,13 +9,14 @@ from lmforge.config import ModelConfig
 from lmforge.model.attention import document_causal_mask
 from lmforge.model.sampling import filter_logits, generate
 from lmforge.model.transformer import Transformer, ff_width
+from tests.conftest import loss_of, model_of
 
 V, T = 97, 24
 
 
 def _model(**kw) -> Transformer:
     torch.manual_seed(0)
-    return Transformer(ModelConfig(n_layers=2, d_model=32, n_heads=4, **kw), V, T)
+    return model_of(ModelConfig(n_layers=2, d_model=32, n_heads=4, **kw), V, T)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -24,7 +25,7 @@ def test_forward_shapes_and_loss(arch, tie):
     m = _model(arch=arch, tie_embeddings=tie)
     x = torch.randint(0, V, (3, T))
     assert m.logits(m(x)).shape == (3, T, V)
-    loss_sum, n = m.loss(x, torch.randint(0, V, (3, T)))  # at init: close to uniform, log(V)
+    loss_sum, n = loss_of(m, x, torch.randint(0, V, (3, T)))  # at init: close to uniform, log(V)
     assert int(n) == 3 * T and math.isclose(loss_sum.item() / int(n), math.log(V), rel_tol=0.05)
     assert (m.lm_head.weight is m.embed.weight) == tie
 
@@ -47,7 +48,7 @@ def test_grouped_query_attention():
 
 def test_initialisation():
     torch.manual_seed(0)
-    m = Transformer(ModelConfig(arch="gpt2", n_layers=8, d_model=256, n_heads=4), 1000, 16)
+    m = model_of(ModelConfig(arch="gpt2", n_layers=8, d_model=256, n_heads=4), 1000, 16)
     assert abs(m.blocks[0].attn.q_proj.weight.std().item() - 0.02) < 1e-3
     assert abs(m.blocks[0].attn.o_proj.weight.std().item() - 0.02 / math.sqrt(16)) < 2e-4
     assert abs(m.blocks[3].mlp.fc_out.weight.std().item() - 0.02 / math.sqrt(16)) < 2e-4
@@ -89,10 +90,10 @@ def test_doc_mask_matches_plain_causal_for_one_document():
 
 
 def test_chunked_loss_equals_full_loss():
-    m = _model(loss_chunk=7)
+    m = _model()
     x, y = torch.randint(0, V, (2, T)), torch.randint(0, V, (2, T))
     y[0, :3] = -100
-    s, n = m.loss(x, y)
+    s, n = loss_of(m, x, y, chunk=7)
     ref = torch.nn.functional.cross_entropy(m.logits(m(x)).flatten(0, 1), y.flatten(), reduction="sum")
     torch.testing.assert_close(s, ref, rtol=1e-5, atol=1e-4)
     assert int(n) == 2 * T - 3
@@ -114,12 +115,12 @@ def test_sampling_filters_and_is_seeded():
 def test_flex_attention_matches_sdpa_mask_on_cuda():
     torch.manual_seed(0)
     cfg = dict(n_layers=2, d_model=64, n_heads=4)
-    flex = Transformer(ModelConfig(attention="flex", **cfg), V, 128).cuda()
-    sdpa = Transformer(ModelConfig(attention="sdpa", **cfg), V, 128).cuda()
+    flex = model_of(ModelConfig(**cfg), V, 128, attention="flex").cuda()
+    sdpa = model_of(ModelConfig(**cfg), V, 128, attention="sdpa").cuda()
     sdpa.load_state_dict(flex.state_dict())
     x = torch.randint(0, V, (2, 128), device="cuda")
     doc = torch.cumsum(torch.rand(2, 128, device="cuda") < 0.05, dim=1)
-    a, b = flex.loss(x, x, doc)[0], sdpa.loss(x, x, doc)[0]
+    a, b = loss_of(flex, x, x, doc)[0], loss_of(sdpa, x, x, doc)[0]
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
     a.backward()
     b.backward()

@@ -14,14 +14,14 @@ import torch
 from lmforge.config import ModelConfig, OptimConfig
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import param_groups
-from tests.conftest import tiny_overrides
+from tests.conftest import model_of, tiny_overrides
 
 V, T = 97, 16
 
 
 def _model(**kw) -> Transformer:
     torch.manual_seed(0)
-    return Transformer(ModelConfig(n_layers=2, n_heads=4, **kw), V, T)
+    return model_of(ModelConfig(n_layers=2, n_heads=4, **kw), V, T)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -38,7 +38,7 @@ def test_mup_at_the_base_width_is_the_standard_model(arch):
 def test_mup_init_scales_attention_logits_and_lr_multipliers():
     torch.manual_seed(0)
     cfg = ModelConfig(arch="gpt2", n_layers=2, d_model=512, n_heads=4, mup=True, mup_base_width=128)
-    m = Transformer(cfg, 1000, T)  # width_mult 4
+    m = model_of(cfg, 1000, T)  # width_mult 4
     assert m.width_mult == 4.0 and m.logit_scale == 0.25
     assert m.blocks[0].attn.q_proj.weight.std().item() == pytest.approx(0.02 / 2, rel=0.02)
     assert m.blocks[1].mlp.fc_in.weight.std().item() == pytest.approx(0.02 / 2, rel=0.02)

@@ -10,14 +10,15 @@ import torch
 
 from lmforge.config import ModelConfig, OptimConfig, load_config
 from lmforge.errors import ConfigError
-from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw8bit import AdamW8bit
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.lion import Lion
 from lmforge.optim.muon import NS_COEFFICIENTS, Muon, newton_schulz, update_scale
 from lmforge.optim.state_size import state_bytes_per_param
+from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint
-from lmforge.train.loop import train
+from lmforge.train.launch import train
+from tests.conftest import loss_of, model_of
 
 
 def _one_param(values, grads_seq, make):
@@ -81,12 +82,12 @@ def test_sgd_nesterov_hand_computed():
 @pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon"])
 def test_build_each_optimizer_and_step(name):
     torch.manual_seed(0)
-    m = Transformer(ModelConfig(n_layers=1, d_model=32, n_heads=4), 64, 16)
+    m = model_of(ModelConfig(n_layers=1, d_model=32, n_heads=4), 64, 16)
     opt = build_optimizer(m, OptimConfig(name=name, lr=1e-2), torch.device("cpu"), compile=False)
     x = torch.randint(0, 64, (4, 16))
     losses = []
     for _ in range(5):
-        s, n = m.loss(x, x)
+        s, n = loss_of(m, x, x)
         (s / n).backward()
         opt.step()
         opt.zero_grad()
@@ -127,7 +128,7 @@ def test_optimizer_state_survives_resume(name, tiny_config, tmp_path, shared_dat
     cfg.train.eval_interval = 0
     cfg.train.sample_tokens = 0
     train(cfg, tmp_path / "a", progress_bar=False)
-    train(cfg, tmp_path / "b", progress_bar=False, stop_at=4)
+    train(cfg, tmp_path / "b", progress_bar=False, callbacks=[StopAfter(4)])
     train(cfg, tmp_path / "b", resume=True, progress_bar=False)
     a = torch.load(latest_checkpoint(tmp_path / "a") / "state.pt", weights_only=False)
     b = torch.load(latest_checkpoint(tmp_path / "b") / "state.pt", weights_only=False)
@@ -317,8 +318,8 @@ def test_muon_matches_torch_muon():
 def test_muon_with_adamw_matches_torch_pair_and_routes_hidden_matrices(caplog):
     torch.manual_seed(0)
     cfg = ModelConfig(arch="gpt2", n_layers=2, d_model=32, n_heads=4, tie_embeddings=False)
-    m = Transformer(cfg, 64, 16)
-    ref_model = Transformer(cfg, 64, 16)
+    m = model_of(cfg, 64, 16)
+    ref_model = model_of(cfg, 64, 16)
     ref_model.load_state_dict(m.state_dict())
     with caplog.at_level(logging.INFO, logger="lmforge.optim.build"):
         opt = build_optimizer(m, OptimConfig(name="muon", lr=1e-3), torch.device("cpu"))
@@ -349,7 +350,7 @@ def test_muon_with_adamw_matches_torch_pair_and_routes_hidden_matrices(caplog):
     x = torch.randint(0, 64, (2, 16))
     for _ in range(3):
         for model, step in [(m, opt.step), (ref_model, lambda: (ref_muon.step(), ref_adamw.step()))]:
-            s, n = model.loss(x, x)
+            s, n = loss_of(model, x, x)
             (s / n).backward()
             for g in opt.param_groups:
                 g["lr"] = 1e-3 * g["lr_mult"]
@@ -361,13 +362,13 @@ def test_muon_with_adamw_matches_torch_pair_and_routes_hidden_matrices(caplog):
 
 def test_muon_state_dict_round_trip_and_moonlight_lr():
     torch.manual_seed(0)
-    m = Transformer(ModelConfig(n_layers=1, d_model=32, n_heads=4), 64, 16)
+    m = model_of(ModelConfig(n_layers=1, d_model=32, n_heads=4), 64, 16)
     opt = build_optimizer(m, OptimConfig(name="muon", muon_scale="moonlight"), torch.device("cpu"))
     assert all(g["lr_mult"] == 1.0 for g in opt.param_groups)  # moonlight reuses optim.lr
     x = torch.randint(0, 64, (2, 16))
 
     def step(model, optimizer):
-        s, n = model.loss(x, x)
+        s, n = loss_of(model, x, x)
         (s / n).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -377,7 +378,7 @@ def test_muon_state_dict_round_trip_and_moonlight_lr():
     torch.save({"model": m.state_dict(), "optim": opt.state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
-    m2 = Transformer(ModelConfig(n_layers=1, d_model=32, n_heads=4), 64, 16)
+    m2 = model_of(ModelConfig(n_layers=1, d_model=32, n_heads=4), 64, 16)
     m2.load_state_dict(saved["model"])
     opt2 = build_optimizer(m2, OptimConfig(name="muon", muon_scale="moonlight"), torch.device("cpu"))
     opt2.load_state_dict(saved["optim"])
@@ -390,7 +391,7 @@ def test_muon_state_dict_round_trip_and_moonlight_lr():
 
 def _loop_steps(model, opt, x, n, lr=3e-3):
     for _ in range(n):
-        s, c = model.loss(x, x)
+        s, c = loss_of(model, x, x)
         (s / c).backward()
         for g in opt.param_groups:
             g["lr"] = lr * g["lr_mult"]  # a float, as the training loop sets it
@@ -404,7 +405,7 @@ def test_adamw8bit_state_bytes_and_save_load():
     per_param = {}
     for name in ["adamw", "adamw8bit"]:
         torch.manual_seed(0)
-        model = Transformer(cfg, 512, 16)
+        model = model_of(cfg, 512, 16)
         opt = build_optimizer(model, OptimConfig(name=name), torch.device("cpu"), compile=False)
         _loop_steps(model, opt, x, 2)
         per_param[name] = state_bytes_per_param(opt)
@@ -416,7 +417,7 @@ def test_adamw8bit_state_bytes_and_save_load():
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)  # torchao registers its state class as safe
-    model2 = Transformer(cfg, 512, 16)
+    model2 = model_of(cfg, 512, 16)
     model2.load_state_dict(saved["model"])
     opt2 = build_optimizer(model2, OptimConfig(name="adamw8bit"), torch.device("cpu"), compile=False)
     opt2.load_state_dict(saved["optim"])
@@ -438,7 +439,7 @@ def test_built_optimizer_matches_reference(name):
     Adam's normalisation turns into noise of size lr.)"""
     torch.manual_seed(0)
     cfg = ModelConfig(n_layers=1, d_model=32, n_heads=4, tie_embeddings=False)
-    m, ref_model = Transformer(cfg, 64, 16), Transformer(cfg, 64, 16)
+    m, ref_model = model_of(cfg, 64, 16), model_of(cfg, 64, 16)
     ref_model.load_state_dict(m.state_dict())
     opt = build_optimizer(m, OptimConfig(name=name, lr=1e-2, nesterov=name == "sgd"), torch.device("cpu"))
     matrices = [p for n, p in ref_model.named_parameters() if p.ndim == 2 and "embed" not in n]
@@ -454,7 +455,7 @@ def test_built_optimizer_matches_reference(name):
     x = torch.randint(0, 64, (2, 16))
     for _ in range(3):
         for model, o in [(m, opt), (ref_model, ref)]:
-            s, n = model.loss(x, x)
+            s, n = loss_of(model, x, x)
             (s / n).backward()
             o.step()
             o.zero_grad()

@@ -434,7 +434,7 @@ def test_ray_executor_equals_local(tmp_path):
 
 
 def test_output_trains_with_domains(tmp_path):
-    from lmforge.train.loop import train
+    from lmforge.train.launch import train
     from tests.conftest import tiny_overrides
 
     _write_corpus(tmp_path / "web", files=1, docs=150)

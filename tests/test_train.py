@@ -10,17 +10,24 @@ import torch
 from lmforge.config import Config, ModelConfig, OptimConfig, load_config
 from lmforge.data.loader import Batch
 from lmforge.errors import ConfigError, UserError
-from lmforge.model.transformer import Transformer
+from lmforge.model.loss import NextTokenLoss
 from lmforge.optim.build import build_optimizer, param_groups
+from lmforge.optim.clip import Clipper
 from lmforge.optim.schedules import lr_multiplier
+from lmforge.precision import PrecisionPolicy
+from lmforge.train.build import accumulation_steps
+from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, list_checkpoints
-from lmforge.train.loop import accumulation_steps, train, train_step
-from tests.conftest import tiny_overrides
+from lmforge.train.launch import train
+from lmforge.train.step import train_step
+from tests.conftest import model_of, tiny_overrides
+
+FP32 = PrecisionPolicy("fp32", torch.device("cpu"))
 
 
 def _grads_after(batches, seed=0):
     torch.manual_seed(seed)
-    m = Transformer(ModelConfig(n_layers=2, d_model=32, n_heads=4, loss_chunk=16), 101, 16)
+    m = model_of(ModelConfig(n_layers=2, d_model=32, n_heads=4), 101, 16)
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     # lr 0 and no clipping: gradients are what train_step accumulated before its optimizer step
     grads = {}
@@ -29,7 +36,7 @@ def _grads_after(batches, seed=0):
         for n, p in m.named_parameters()
     ]
     n_calls = len(batches)
-    loss = train_step(m, opt, batches, 0.0, 0.0, "fp32", torch.device("cpu")).loss
+    loss = train_step(NextTokenLoss(m, 16), opt, batches, 0.0, Clipper("norm", 0.0), FP32).loss
     for h in hooks:
         h.remove()
     return loss, grads, n_calls
@@ -70,7 +77,7 @@ def _wd_and_mult(model, cfg):
 
 
 def test_no_decay_for_biases_norms_embeddings():
-    m = Transformer(ModelConfig(arch="gpt2", n_layers=1, d_model=32, n_heads=4, tie_embeddings=False), 50, 8)
+    m = model_of(ModelConfig(arch="gpt2", n_layers=1, d_model=32, n_heads=4, tie_embeddings=False), 50, 8)
     wd = _wd_and_mult(m, OptimConfig())
     assert len(wd) == len(list(m.parameters()))
     assert wd[id(m.blocks[0].attn.q_proj.weight)][0] == 0.1 and wd[id(m.lm_head.weight)][0] == 0.1
@@ -82,7 +89,7 @@ def test_no_decay_for_biases_norms_embeddings():
 
 
 def test_per_kind_settings_and_layerwise_decay():
-    m = Transformer(ModelConfig(n_layers=3, d_model=32, n_heads=4, tie_embeddings=False), 50, 8)
+    m = model_of(ModelConfig(n_layers=3, d_model=32, n_heads=4, tie_embeddings=False), 50, 8)
     cfg = OptimConfig(group_lr_mult={"embedding": 0.5}, group_weight_decay={"norm": 0.01}, layer_lr_decay=0.5)
     got = _wd_and_mult(m, cfg)
     assert got[id(m.embed.weight)] == (0.0, 0.5 * 0.5**4)  # depth 0 of L + 1 = 4
@@ -92,7 +99,7 @@ def test_per_kind_settings_and_layerwise_decay():
     assert got[id(m.lm_head.weight)] == (0.1, 1.0) and got[id(m.norm.weight)] == (0.01, 1.0)
     opt = build_optimizer(m, cfg, torch.device("cpu"))
     x = torch.randint(0, 50, (2, 8))
-    train_step(m, opt, [Batch(x, x, torch.zeros_like(x))], 0.01, 1.0, "fp32", torch.device("cpu"))
+    train_step(NextTokenLoss(m), opt, [Batch(x, x, torch.zeros_like(x))], 0.01, Clipper("norm", 1.0), FP32)
     for g in opt.param_groups:
         assert g["lr"] == pytest.approx(0.01 * g["lr_mult"])
     with pytest.raises(ConfigError, match="unknown kind 'heads'"):
@@ -116,7 +123,9 @@ def _params(run_dir):
 
 def test_resume_is_bitwise_exact(tiny_config, tmp_path):
     straight = train(tiny_config, tmp_path / "straight", progress_bar=False)
-    train(tiny_config, tmp_path / "resumed", progress_bar=False, stop_at=10)  # as if killed after step 10
+    train(
+        tiny_config, tmp_path / "resumed", progress_bar=False, callbacks=[StopAfter(10)]
+    )  # as if killed after step 10
     resumed = train(tiny_config, tmp_path / "resumed", resume=True, progress_bar=False)
     a, oa = _params(tmp_path / "straight")
     b, ob = _params(tmp_path / "resumed")
@@ -156,7 +165,7 @@ def test_run_outputs(tiny_config, tmp_path):
 def test_interrupted_checkpoint_is_ignored(tiny_config, tmp_path):
     run = tmp_path / "run"
     cfg = tiny_config
-    train(cfg, run, progress_bar=False, stop_at=10)
+    train(cfg, run, progress_bar=False, callbacks=[StopAfter(10)])
     partial = run / "checkpoints" / "step_00000015.tmp"
     partial.mkdir()
     (partial / "state.pt").write_bytes(b"half a file")

@@ -39,7 +39,7 @@ def _newest_run(runs: Path) -> Path | None:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from lmforge.train.loop import train
+    from lmforge.train.launch import train
 
     cfg = load_config(args.config, parse_overrides(extra))
     if args.run_dir:
@@ -70,26 +70,9 @@ def _device(name: str):
 
 
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
-    from lmforge.data.loader import TokenStream
-    from lmforge.data.prepare import prepare_data
-    from lmforge.precision import resolve_precision
-    from lmforge.train.evaluate import evaluate, perplexity
-    from lmforge.train.run_loading import load_run
+    from lmforge.train.run_loading import evaluate_run
 
-    device = _device(args.device)
-    cfg, _, model, step = load_run(args.run, device)
-    data = prepare_data(cfg.data)
-    max_tokens = args.tokens or cfg.train.eval_tokens
-    loss = evaluate(
-        model,
-        TokenStream(data.val),
-        cfg.data.seq_len,
-        cfg.train.micro_batch_size,
-        max_tokens,
-        resolve_precision(cfg.train.precision, device),
-        device,
-    )
-    print(json.dumps({"step": step, "val_loss": loss, "val_ppl": perplexity(loss)}))
+    print(json.dumps(evaluate_run(args.run, _device(args.device), args.tokens)))
     return 0
 
 

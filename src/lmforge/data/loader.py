@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -88,6 +89,30 @@ def stack(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Batch:
     return Batch(*(torch.from_numpy(np.stack(col)) for col in zip(*rows, strict=True)))
 
 
+class TrainLoader(Protocol):
+    """What training reads: a resumable source of micro-batches (plain :class:`PackedLoader` or the
+    mixture loader of ``mixture.py``)."""
+
+    position: int  # global sequence number of the next micro-step, over all ranks
+
+    @property
+    def epoch(self) -> float: ...
+
+    def next_batch(self) -> Batch: ...
+
+    def report(self) -> dict[str, float | int | str]:
+        """Metrics since the previous report (merged into the step's metrics line)."""
+        ...
+
+    def summary(self) -> dict:
+        """What the run summary records about the data read."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 class PackedLoader:
     """Shuffled packed sequences for training; resumable via ``state_dict``."""
 
@@ -130,6 +155,13 @@ class PackedLoader:
     def __iter__(self) -> Iterator[Batch]:
         while True:
             yield self.next_batch()
+
+    def report(self) -> dict[str, float | int | str]:
+        """Nothing beyond the step's ``epoch``: one stream, no mix to report."""
+        return {}
+
+    def summary(self) -> dict:
+        return {}
 
     def state_dict(self) -> dict:
         return {"position": self.position, "seed": self.seed, "seq_len": self.seq_len, "world": self.world}

@@ -10,8 +10,12 @@ matrices are initialised by width, attention logits are scaled by ``1 / d_head``
 ``1 / width_mult``; :meth:`Transformer.param_lr_scales` gives the optimizer the per-matrix learning-rate
 multipliers.
 
-``loss`` returns the *sum* of token cross-entropies and the number of target tokens; the trainer
-divides by the number of target tokens of the whole optimizer step (all micro-batches, all ranks).
+The model is only the network: ``forward`` returns the final hidden states, ``logits`` applies the
+output head; the loss is its own module (``lmforge/model/loss.py``). Construction allocates but does not
+initialise: build on the meta device, :meth:`Transformer.materialize` on the target device, then
+:meth:`Transformer.init_weights` (or load a checkpoint). Blocks live in an ``nn.ModuleDict`` keyed by
+their index, so a pipeline stage can drop the blocks it does not own (and the embedding or the head)
+and keep the parameter names of the whole model (:func:`keep_stage`).
 """
 
 from __future__ import annotations
@@ -113,24 +117,58 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class Blocks(nn.ModuleDict):
+    """The blocks, keyed by their index in the whole model (``"0"``, ``"1"``, ...); ``blocks[i]`` also
+    takes an int. A pipeline stage deletes the ones it does not own; the rest keep their names."""
+
+    def __getitem__(self, key: str | int) -> nn.Module:
+        return super().__getitem__(str(key))
+
+
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_len: int):
+    """Decoder-only transformer. ``attention`` (an execution setting, ``train.attention``) picks the
+    kernel: ``auto`` = FlexAttention on CUDA with a document mask, else SDPA."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_len: int, attention: str = "auto"):
         super().__init__()
         self.cfg, self.vocab_size, self.max_seq_len = cfg, vocab_size, max_seq_len
-        self.embed = nn.Embedding(vocab_size, cfg.d_model)
+        self.attention = attention
+        self.embed: nn.Embedding | None = nn.Embedding(vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(max_seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
-        if cfg.arch == "llama":
-            cos, sin = rope_cache(cfg.d_model // cfg.n_heads, max_seq_len, cfg.rope_theta)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+        self.blocks = Blocks({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.Module | None = make_norm(cfg)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self.tie_weights()
         self.width_mult = width_mult(cfg.d_model, cfg.mup_base_width, cfg.mup)
         self.logit_scale = logit_scale(self.width_mult)
-        init_weights(self, cfg.init_std, cfg.n_layers, self.width_mult)
+        self.reset_buffers()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head (``model.tie_embeddings``) when the model has both."""
+        if self.cfg.tie_embeddings and self.embed is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed.weight
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the non-persistent buffers (RoPE tables) on the model's device."""
+        if self.cfg.arch != "llama":
+            return
+        device = next(self.parameters()).device
+        cos, sin = rope_cache(self.cfg.d_model // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def materialize(self, device: torch.device | str) -> Transformer:
+        """Allocate a meta-device model's storage on ``device`` (values undefined until
+        :meth:`init_weights` or ``load_state_dict``), re-tie shared weights and compute the buffers."""
+        self.to_empty(device=device)
+        self.tie_weights()
+        self.reset_buffers()
+        return self
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter from the global RNG (standard or muP; ``lmforge/model/init.py``)."""
+        init_weights(self, self.cfg.init_std, self.cfg.n_layers, self.width_mult)
 
     def param_lr_scales(self) -> dict[str, float]:
         """Learning-rate multiplier per parameter name where it is not 1 (muP's hidden matrices)."""
@@ -140,53 +178,59 @@ class Transformer(nn.Module):
         """Parameter count (shared tensors once); by default without input token/position embeddings."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            if not self.cfg.tie_embeddings:
+            if self.embed is not None and not (self.cfg.tie_embeddings and self.lm_head is not None):
                 n -= self.embed.weight.numel()
             if self.pos_embed is not None:
                 n -= self.pos_embed.weight.numel()
         return n
 
     def use_flex(self, device: torch.device) -> bool:
-        kind = self.cfg.attention
-        return kind == "flex" or (kind == "auto" and device.type == "cuda")
+        return self.attention == "flex" or (self.attention == "auto" and device.type == "cuda")
 
-    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states (B, T, d_model) after the last norm."""
-        t = input_ids.shape[1]
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> hidden states (B, T, d_model), after the final norm where the model has it.
+
+        A pipeline stage without the embedding takes hidden states (B, T, d_model) instead of ids and,
+        without the final norm, returns its last block's output.
+        """
+        t = x.shape[1]
         if t > self.max_seq_len:
             raise ValueError(f"sequence of {t} tokens exceeds max_seq_len {self.max_seq_len}")
-        x = self.embed(input_ids)
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(t, device=input_ids.device))
+        device = x.device
+        if self.embed is not None:
+            x = self.embed(x)
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(torch.arange(t, device=device))
         rope = (self.rope_cos[:t], self.rope_sin[:t]) if self.cfg.arch == "llama" else None
         mask = block_mask = None
         if doc_ids is not None and self.cfg.doc_mask:
-            if self.use_flex(input_ids.device):
+            if self.use_flex(device):
                 block_mask = flex_block_mask(doc_ids)
             else:
                 mask = document_causal_mask(doc_ids)
-        for block in self.blocks:
+        for block in self.blocks.values():
             x = block(x, rope, mask, block_mask)
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(hidden)``, times ``1 / width_mult`` under muP."""
+        if self.lm_head is None:
+            raise RuntimeError("this pipeline stage has no output head")
         out = self.lm_head(hidden)
         return out * self.logit_scale if self.logit_scale != 1.0 else out
 
-    def loss(
-        self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of token cross-entropies in FP32, number of targets != -100).
 
-        The output head and softmax run over chunks of ``loss_chunk`` tokens so the full (tokens x
-        vocab) logits never exist in FP32 at once.
-        """
-        hidden = self(input_ids, doc_ids).flatten(0, 1)
-        targets = targets.flatten()
-        chunk = self.cfg.loss_chunk or hidden.shape[0]
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for h, y in zip(hidden.split(chunk), targets.split(chunk), strict=True):
-            logits = self.logits(h).float()
-            total = total + F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
-        return total, (targets != -100).sum()
+def keep_stage(model: Transformer, layers: range) -> Transformer:
+    """Cut ``model`` in place down to one pipeline stage owning the blocks ``layers``: the embedding
+    stays only with block 0, the final norm and head only with the last block. Parameter names do not
+    change (block ``i`` stays ``blocks.<i>``), so a stage's state dict is a slice of the whole one."""
+    n = model.cfg.n_layers
+    if not layers or layers.start < 0 or layers.stop > n or layers.step != 1:
+        raise ValueError(f"stage layers {layers} must be a non-empty contiguous slice of 0..{n - 1}")
+    for key in [k for k in model.blocks if int(k) not in layers]:
+        del model.blocks[key]
+    if layers.start > 0:
+        model.embed = model.pos_embed = None
+    if layers.stop < n:
+        model.norm = model.lm_head = None
+    return model

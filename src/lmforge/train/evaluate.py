@@ -6,33 +6,33 @@ import math
 
 import numpy as np
 import torch
+from torch import nn
 
 from lmforge.data.loader import TokenStream, eval_batches
-from lmforge.model.transformer import Transformer
-from lmforge.precision import autocast
+from lmforge.precision import PrecisionPolicy
 
 
 @torch.no_grad()
 def evaluate(
-    model: Transformer,
+    objective: nn.Module,
     stream: TokenStream,
     seq_len: int,
     batch_size: int,
     max_tokens: int,
-    precision: str,
-    device: torch.device,
+    precision: PrecisionPolicy,
 ) -> float:
-    """Mean next-token cross-entropy (nats) over the first ``max_tokens`` of ``stream``."""
-    was_training = model.training
-    model.eval()
+    """Mean next-token cross-entropy (nats) over the first ``max_tokens`` of ``stream``;
+    ``objective(inputs, targets, doc_ids) -> (loss_sum, n_targets)`` (``model/loss.py``)."""
+    was_training = objective.training
+    objective.eval()
     total, count = 0.0, 0
     for batch in eval_batches(stream, seq_len, batch_size, max_tokens):
-        batch = batch.to(device)
-        with autocast(precision, device):
-            loss_sum, n = model.loss(batch.inputs, batch.targets, batch.doc_ids)
+        batch = batch.to(precision.device)
+        with precision.autocast():
+            loss_sum, n = objective(batch.inputs, batch.targets, batch.doc_ids)
         total += float(loss_sum)
         count += int(n)
-    model.train(was_training)
+    objective.train(was_training)
     return total / max(count, 1)
 
 

@@ -1,6 +1,7 @@
 """The stability guard: skip steps with a non-finite or spiking loss, roll back after repeated ones.
 
-Before each optimizer step the loop hands the guard the step's loss and pre-clip gradient norm
+Before each optimizer step the step hands (through the ``StabilityGuard`` callback,
+``train/callbacks/guard.py``) the guard the step's loss and pre-clip gradient norm
 (:meth:`Guard.check`); both come to the host in one transfer, the only device sync the guard adds per
 step (the norm is already a single fused reduction over all gradients, so one NaN or Inf anywhere
 shows in it). The verdict is one of:
@@ -12,7 +13,7 @@ shows in it). The verdict is one of:
   starts once ``W`` holds ``spike_min_history`` losses. The gradients are dropped: no optimizer step, the
   optimizer state and the step counter (hence the learning-rate schedule) stay as they were; the batch
   is consumed, so the next attempt sees new data.
-* ``ROLLBACK``: the ``max_bad_steps``-th skip in a row. The loop restores the last good state (model,
+* ``ROLLBACK``: the ``max_bad_steps``-th skip in a row. The callback restores the last good state (model,
   optimizer, schedule position, progress counters, clipping statistics and the guard's loss window) from
   :class:`LastGood`, and calls :meth:`Guard.rollback`, which multiplies the learning rate by
   ``rollback_lr_factor`` and reports the data skipped: the loader is *not* rewound, so the batches read
@@ -30,7 +31,6 @@ every rank decides the same.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 from collections.abc import Callable
@@ -40,14 +40,9 @@ import torch
 
 from lmforge.config import GuardConfig
 from lmforge.errors import UserError
+from lmforge.train.step import Action
 
 log = logging.getLogger(__name__)
-
-
-class Action(enum.Enum):
-    STEP = "step"
-    SKIP = "skip"
-    ROLLBACK = "rollback"
 
 
 class TrainingDiverged(UserError):

@@ -1,7 +1,8 @@
 """``lmforge lr-find``: run the learning-rate sweep of ``lmforge/plan/lr_finder.py`` on a recipe.
 
-The recipe's model, optimizer (with its parameter groups and multipliers, muP's included), data,
-micro-batching, clipping and precision are used as in training; only the learning rate differs: step
+The run is built by the training build path (``train/build.py``): the recipe's model, optimizer (with
+its parameter groups and multipliers, muP's included), training loader (mixture and phases included),
+micro-batching, clipping mode and precision are those of training; only the learning rate differs: step
 ``i`` runs at ``sweep_lr(i)`` instead of the schedule. Nothing is written but the two outputs
 (``lr_find.json``, ``lr_find.png``): no run folder, no checkpoint, no metrics. Prepared data goes to the
 recipe's data cache as for training (and is reused from there).
@@ -19,18 +20,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from lmforge.charts import lr_find_chart
 from lmforge.config import Config, LRFindConfig
-from lmforge.data.loader import Batch, PackedLoader, TokenStream
-from lmforge.data.prepare import input_files, prepare_data
+from lmforge.data.loader import Batch
 from lmforge.errors import UserError
-from lmforge.model.transformer import Transformer
-from lmforge.optim.build import build_optimizer
+from lmforge.optim.clip import Clipper
 from lmforge.plan.lr_finder import Suggestion, diverged, smooth, suggest, sweep_lr
-from lmforge.precision import resolve_precision
-from lmforge.train.loop import accumulation_steps, build_model, maybe_compile, train_step
-from lmforge.train.runtime import pick_device, rng_state, set_rng_state
+from lmforge.precision import PrecisionPolicy
+from lmforge.train.build import Run, build_run
+from lmforge.train.runtime import rng_state, set_rng_state
+from lmforge.train.step import train_step
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +55,21 @@ class LRFindResult:
 
 
 def range_test(
-    model: Transformer,
+    model: nn.Module,
+    objective: nn.Module,
     optimizer: torch.optim.Optimizer,
     next_batches: Callable[[], list[Batch]],
     f: LRFindConfig,
-    grad_clip: float,
-    precision: str,
-    device: torch.device,
+    clipper: Clipper,
+    precision: PrecisionPolicy,
 ) -> LRFindResult:
     """Train ``f.steps`` steps at geometrically growing learning rates on ``next_batches()`` (one list of
-    micro-batches per step); stop on divergence. ``model`` and ``optimizer`` are put back as they were
-    (parameters, buffers, optimizer state and learning rates, random generators), so a live model can be
-    probed."""
+    micro-batches per step); stop on divergence. ``model``, ``optimizer`` and ``clipper`` are put back as
+    they were (parameters, buffers, optimizer state and learning rates, clipping statistics, random
+    generators), so a live model can be probed. ``objective`` computes the loss of ``model``."""
     model_state = copy.deepcopy(model.state_dict())
     optim_state = copy.deepcopy(optimizer.state_dict())
+    clip_state = copy.deepcopy(clipper.state_dict())
     rng = rng_state()
     lrs: list[float] = []
     losses: list[float] = []
@@ -76,7 +78,7 @@ def range_test(
     try:
         for i in range(f.steps):
             lr = sweep_lr(i, f.steps, f.start_lr, f.end_lr)
-            out = train_step(model, optimizer, next_batches(), lr, grad_clip, precision, device)
+            out = train_step(objective, optimizer, next_batches(), lr, clipper, precision)
             loss = float(out.loss)
             if not math.isfinite(loss):
                 stop_lr = lr
@@ -92,6 +94,7 @@ def range_test(
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
         optimizer.zero_grad(set_to_none=True)
+        clipper.load_state_dict(clip_state)
         set_rng_state(rng)
     if len(lrs) < 3:
         raise UserError(
@@ -101,26 +104,16 @@ def range_test(
 
 
 def sweep(cfg: Config) -> LRFindResult:
-    """:func:`range_test` on a fresh model and optimizer of the recipe, fed by its training loader."""
-    accum = accumulation_steps(cfg)
-    input_files(cfg.data)
-    device = pick_device(cfg.train.device)
-    precision = resolve_precision(cfg.train.precision, device)
-    data = prepare_data(cfg.data)
-    model = build_model(cfg, data.tokenizer.vocab_size, device)
-    optimizer = build_optimizer(model, cfg.optim, device)
-    loader = PackedLoader(
-        TokenStream(data.train), cfg.data.seq_len, cfg.train.micro_batch_size, cfg.train.seed
-    )
-    maybe_compile(model, cfg.train.compile, device)
+    """:func:`range_test` on the run that ``lmforge train`` would build from the recipe."""
+    run: Run = build_run(cfg)
     return range_test(
-        model,
-        optimizer,
-        lambda: [loader.next_batch() for _ in range(accum)],
+        run.model,
+        run.objective,
+        run.optimizer,
+        lambda: [run.loader.next_batch() for _ in range(run.accum)],
         cfg.lr_find,
-        cfg.train.grad_clip,
-        precision,
-        device,
+        run.clipper,
+        run.precision,
     )
 
 

@@ -26,14 +26,16 @@ from pydantic import ValidationError
 
 from lmforge.charts import coord_check_chart
 from lmforge.config import Config, ModelConfig
-from lmforge.data.loader import Batch, PackedLoader, TokenStream
-from lmforge.data.prepare import input_files, prepare_data
+from lmforge.data.loader import Batch
+from lmforge.data.mixture import build_train_loader
+from lmforge.data.prepare import prepare_data
 from lmforge.errors import ConfigError
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer
-from lmforge.precision import autocast, resolve_precision
-from lmforge.train.loop import train_step
-from lmforge.train.runtime import pick_device, seed_all
+from lmforge.optim.clip import Clipper
+from lmforge.precision import PrecisionPolicy
+from lmforge.train.build import build_model, training_objective, validate
+from lmforge.train.step import train_step
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ def width_configs(model: ModelConfig, widths: list[int]) -> dict[tuple[str, int]
 
 
 @torch.no_grad()
-def activation_sizes(model: Transformer, batch: Batch, precision: str, device: torch.device) -> dict:
+def activation_sizes(model: Transformer, batch: Batch, precision: PrecisionPolicy) -> dict:
     """Mean |x| of the embedding output, each block's output and the logits on ``batch``."""
     sizes: dict[str, float] = {}
 
@@ -103,12 +105,12 @@ def activation_sizes(model: Transformer, batch: Batch, precision: str, device: t
         return record
 
     handles = [model.embed.register_forward_hook(hook("embedding"))]
-    handles += [b.register_forward_hook(hook(f"block{i}")) for i, b in enumerate(model.blocks)]
+    handles += [b.register_forward_hook(hook(f"block{i}")) for i, b in enumerate(model.blocks.values())]
     was_training = model.training
     model.eval()
     try:
-        batch = batch.to(device)
-        with autocast(precision, device):
+        batch = batch.to(precision.device)
+        with precision.autocast():
             logits = model.logits(model(batch.inputs, batch.doc_ids))
         sizes["logits"] = float(logits.float().abs().mean())
     finally:
@@ -124,11 +126,13 @@ def coord_check(
     steps: int,
     batches: Callable[[], list[Batch]],
     vocab_size: int,
-    precision: str,
-    device: torch.device,
+    precision: PrecisionPolicy,
 ) -> CoordCheck:
     """Run the check (see the module docstring). ``batches()`` gives ``steps`` micro-batches, the first
-    of which is also the measurement batch; it is called once per model so every model sees the same."""
+    of which is also the measurement batch; it is called once per model so every model sees the same.
+
+    Each model is built by the training build path (meta device, init from ``train.seed``, the recipe's
+    optimizer and clipping), eager: compiling each of the models would cost more than its few steps."""
     models = width_configs(cfg.model, widths)
     layers = ["embedding", *(f"block{i}" for i in range(cfg.model.n_layers)), "logits"]
     check = CoordCheck(sorted(widths), steps, layers, cfg.optim.lr, cfg.model.mup_base_width)
@@ -136,16 +140,19 @@ def coord_check(
     for param in PARAMETRISATIONS:
         check.sizes[param] = {}
         for width in check.widths:
-            seed_all(cfg.train.seed)
-            model = Transformer(models[(param, width)], vocab_size, cfg.data.seq_len).to(device)
-            optimizer = build_optimizer(model, cfg.optim, device)
+            eager = cfg.train.model_copy(update={"compile": False})
+            wcfg = cfg.model_copy(update={"model": models[(param, width)], "train": eager})
+            model = build_model(wcfg, vocab_size, precision.device)
+            objective = training_objective(model, wcfg, precision.device)
+            optimizer = build_optimizer(model, cfg.optim, precision.device, compile=False)
+            clipper = Clipper.from_config(cfg.train)
             data = batches()
             per_layer: dict[str, list[float]] = {name: [] for name in layers}
             for t in range(steps + 1):
-                for name, value in activation_sizes(model, data[0], precision, device).items():
+                for name, value in activation_sizes(model, data[0], precision).items():
                     per_layer[name].append(value)
                 if t < steps:
-                    train_step(model, optimizer, [data[t]], lr, cfg.train.grad_clip, precision, device)
+                    train_step(objective, optimizer, [data[t]], lr, clipper, precision)
             check.sizes[param][width] = per_layer
             log.info(
                 "mup-check: %s width %d: %s",
@@ -157,23 +164,20 @@ def coord_check(
 
 
 def run_mup_check(cfg: Config, widths: list[int], steps: int, out_dir: Path) -> CoordCheck:
-    """The check on the recipe's training data (first ``steps`` micro-batches of its packed loader), written
+    """The check on the recipe's training data (first ``steps`` micro-batches of its training loader), written
     to ``out_dir/mup_check.json`` (sizes and spreads) and ``out_dir/mup_check.png``."""
     if steps < 1:
         raise ConfigError("--steps: give at least 1 training step")
     width_configs(cfg.model, widths)  # fail on a bad width before preparing data
-    input_files(cfg.data)
-    device = pick_device(cfg.train.device)
-    precision = resolve_precision(cfg.train.precision, device)
+    device = validate(cfg)
+    precision = PrecisionPolicy.resolve(cfg.train.precision, device)
     data = prepare_data(cfg.data)
 
     def batches() -> list[Batch]:
-        loader = PackedLoader(
-            TokenStream(data.train), cfg.data.seq_len, cfg.train.micro_batch_size, cfg.train.seed
-        )
+        loader = build_train_loader(cfg, data, 1)
         return [loader.next_batch() for _ in range(steps)]
 
-    check = coord_check(cfg, widths, steps, batches, data.tokenizer.vocab_size, precision, device)
+    check = coord_check(cfg, widths, steps, batches, data.tokenizer.vocab_size, precision)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "mup_check.json").write_text(json.dumps(check.to_json(), indent=1) + "\n")
     coord_check_chart(check, out_dir / "mup_check.png")

@@ -1,4 +1,4 @@
-"""Open a finished or running run folder: its config, tokenizer and newest checkpoint's model."""
+"""Open a finished or running run folder: its config, tokenizer and newest checkpoint's model; score it."""
 
 from __future__ import annotations
 
@@ -7,10 +7,16 @@ from pathlib import Path
 import torch
 
 from lmforge.config import Config, load_config
+from lmforge.data.loader import TokenStream
+from lmforge.data.prepare import prepare_data
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
+from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
+from lmforge.precision import PrecisionPolicy
+from lmforge.train.build import build_model
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
+from lmforge.train.evaluate import evaluate, perplexity
 
 
 def load_run(run_dir: str | Path, device: torch.device) -> tuple[Config, Tokenizer, Transformer, int]:
@@ -26,6 +32,23 @@ def load_run(run_dir: str | Path, device: torch.device) -> tuple[Config, Tokeniz
     cfg = load_config(ckpt / "config.toml")
     tok = Tokenizer(run_dir / "tokenizer.json")
     state = load_checkpoint(ckpt)
-    model = Transformer(cfg.model, tok.vocab_size, cfg.data.seq_len)
+    model = build_model(cfg, tok.vocab_size, device, init=False)
     model.load_state_dict(state["model"])
-    return cfg, tok, model.to(device), int(state["progress"]["step"])
+    return cfg, tok, model, int(state["progress"]["step"])
+
+
+def evaluate_run(run_dir: str | Path, device: torch.device, tokens: int = 0) -> dict:
+    """Validation loss and perplexity of the newest checkpoint of ``run_dir`` over ``tokens`` validation
+    tokens (0: the run's ``train.eval_tokens``), in the run's precision, as training evaluates."""
+    cfg, _, model, step = load_run(run_dir, device)
+    data = prepare_data(cfg.data)
+    precision = PrecisionPolicy.resolve(cfg.train.precision, device)
+    loss = evaluate(
+        NextTokenLoss(model, cfg.train.loss_chunk),
+        TokenStream(data.val),
+        cfg.data.seq_len,
+        cfg.train.micro_batch_size,
+        tokens or cfg.train.eval_tokens,
+        precision,
+    )
+    return {"step": step, "val_loss": loss, "val_ppl": perplexity(loss)}

@@ -38,3 +38,14 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def configure_determinism(enabled: bool) -> None:
+    """``train.deterministic``: make a run a pure function of its config and data on this machine.
+
+    Turns on PyTorch's deterministic algorithms (ops without a deterministic implementation raise) and
+    inductor's deterministic mode; see the README's "Reproducibility" section for what is bitwise.
+    """
+    if not enabled:
+        return
+    torch.use_deterministic_algorithms(True)

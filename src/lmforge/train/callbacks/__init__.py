@@ -1,0 +1,1 @@
+"""Everything that happens during a run besides the step itself: each a :class:`Callback`."""

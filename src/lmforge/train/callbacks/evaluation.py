@@ -1,0 +1,52 @@
+"""Periodic and final evaluation on the validation stream, and the summary's loss figures."""
+
+from __future__ import annotations
+
+import logging
+
+from lmforge.train.callbacks.base import Callback
+from lmforge.train.evaluate import eval_targets, evaluate, perplexity, unigram_loss
+from lmforge.train.step import Action, StepResult
+from lmforge.train.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def validation_loss(trainer: Trainer) -> float:
+    """Mean validation loss over ``train.eval_tokens`` tokens, in the run's precision, eager."""
+    run, t = trainer.run, trainer.run.cfg.train
+    return evaluate(
+        run.eval_objective, run.val, run.cfg.data.seq_len, t.micro_batch_size, t.eval_tokens, run.precision
+    )
+
+
+class Evaluation(Callback):
+    """Every ``train.eval_interval`` steps (not at the last, which :meth:`on_train_end` covers): the
+    validation loss, logged and shown to the schedule (``plateau`` reacts to it)."""
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        interval, step = trainer.run.cfg.train.eval_interval, trainer.progress.step
+        if result.action is Action.STEP and interval and step % interval == 0 and step < trainer.total_steps:
+            val_loss = self._evaluate(trainer)
+            trainer.run.schedule.observe(val_loss)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        run = trainer.run
+        val_loss = self._evaluate(trainer)
+        targets = eval_targets(run.val, run.cfg.data.seq_len, run.cfg.train.eval_tokens)
+        uni = unigram_loss(run.data.unigram_counts, targets)
+        trainer.summary.update(
+            {
+                "val_loss": val_loss,
+                "val_ppl": perplexity(val_loss),
+                "unigram_loss": uni,
+                "val_loss_over_unigram": val_loss / uni,
+            }
+        )
+
+    def _evaluate(self, trainer: Trainer) -> float:
+        val_loss = validation_loss(trainer)
+        step = trainer.progress.step
+        trainer.log({"step": step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)})
+        log.info("step %d: val_loss %.4f", step, val_loss)
+        return val_loss

@@ -1,0 +1,94 @@
+"""One optimizer step, readable in one screen.
+
+For each micro-batch: forward in the precision policy's autocast, take the summed token loss divided by
+the number of target tokens of the *whole* step, backward (gradients accumulate). Then bring gradients
+to their true scale, measure their norm, ask the step's observers whether to go on (the stability
+guard may veto: skip, or roll back), clip (``optim/clip.py``), set the scheduled learning rate and take
+the optimizer step through the policy; gradients are cleared either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from lmforge.data.loader import Batch
+from lmforge.optim.clip import Clipper, ClipStats
+from lmforge.precision import PrecisionPolicy
+
+
+class Action(Enum):
+    """What happens to a step whose gradients are ready."""
+
+    STEP = "step"
+    SKIP = "skip"
+    ROLLBACK = "rollback"
+
+
+SEVERITY = {Action.STEP: 0, Action.SKIP: 1, Action.ROLLBACK: 2}
+
+
+class StepObserver(Protocol):
+    """What a step calls back into (the trainer passes its callbacks)."""
+
+    def after_backward(self) -> None: ...
+
+    def veto(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> Action: ...
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean token loss of the step
+    grad_norm: torch.Tensor  # global gradient norm before clipping
+    clip: ClipStats | None  # clip ratio and threshold (None: no step taken)
+    action: Action  # STEP, or SKIP / ROLLBACK when an observer vetoed the step
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's rate is ``lr`` times its ``lr_mult`` (muP, per-kind and layer-wise multipliers)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+
+
+def train_step(
+    objective: nn.Module | Callable,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[Batch],
+    lr: float,
+    clipper: Clipper,
+    precision: PrecisionPolicy,
+    observers: Sequence[StepObserver] = (),
+) -> StepResult:
+    """One optimizer step over ``batches`` (the micro-batches) unless an observer vetoes it.
+
+    ``objective(inputs, targets, doc_ids) -> (loss_sum, n_targets)``. A vetoed step drops its gradients
+    and leaves the optimizer as it was.
+    """
+    n_targets = sum(b.n_targets for b in batches)
+    loss_total = torch.zeros((), device=precision.device)
+    for batch in batches:
+        batch = batch.to(precision.device)
+        with precision.autocast():
+            loss_sum, _ = objective(batch.inputs, batch.targets, batch.doc_ids)
+        loss = loss_sum / n_targets
+        precision.backward(loss)
+        loss_total += loss.detach()
+    for obs in observers:
+        obs.after_backward()
+    precision.unscale_(optimizer)
+    groups = [group["params"] for group in optimizer.param_groups]
+    grad_norm = clipper.measure(groups)
+    verdicts = [obs.veto(loss_total, grad_norm) for obs in observers]
+    action = max(verdicts, key=SEVERITY.__getitem__, default=Action.STEP)
+    clip_stats = None
+    if action is Action.STEP:
+        clip_stats = clipper.clip(groups, grad_norm)
+        set_lr(optimizer, lr)
+        precision.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_total, grad_norm, clip_stats, action)

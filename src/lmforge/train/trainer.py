@@ -1,0 +1,151 @@
+"""The trainer: it only sequences. Next batches, one step, callbacks; everything else is a callback
+(``train/callbacks/``): evaluation, checkpoints, metrics, the progress bar, the stability guard, the
+end-of-run sample.
+
+State that survives a restart is :meth:`Trainer.state_dict`: the model, optimizer, loader, progress,
+schedule, clipper, precision policy, random generators, and each stateful callback's state under its
+``state_key``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lmforge.data.loader import Batch
+from lmforge.train.build import Run
+from lmforge.train.callbacks.base import Callback
+from lmforge.train.runtime import rng_state, set_rng_state
+from lmforge.train.step import SEVERITY, Action, StepResult, train_step
+
+
+@dataclass
+class Progress:
+    """Counters that survive a restart."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    elapsed_s: float = 0.0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_s}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens_seen, self.elapsed_s = state["step"], state["tokens_seen"], state["elapsed_s"]
+
+
+class Trainer:
+    """Runs ``run`` to ``train.steps`` optimizer steps, calling ``callbacks`` in their list order."""
+
+    def __init__(self, run: Run, callbacks: Sequence[Callback] = ()):
+        self.run = run
+        self.callbacks = list(callbacks)
+        self.progress = Progress()
+        self.total_steps = run.cfg.train.steps
+        self.attempt = 0  # step attempts in this process, vetoed ones included; each value comes once
+        self.lr = 0.0  # learning rate of the current attempt
+        self.lr_scale = 1.0  # set by callbacks that change the rate (the guard's rollbacks)
+        self.resumed = False
+        self.stop_requested = False
+        self.summary: dict = {}  # filled by callbacks at the end of the run
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        """Train until ``train.steps`` or until a callback asks to stop."""
+        self._emit("on_train_start")
+        try:
+            last = time.perf_counter()
+            while self.progress.step < self.total_steps and not self.stop_requested:
+                result = self._attempt(self._next_batches())
+                self._emit("on_step_end", result)
+                now = time.perf_counter()
+                self.progress.elapsed_s, last = self.progress.elapsed_s + now - last, now
+            self._emit("on_stop" if self.stop_requested else "on_train_end")
+        finally:
+            self._emit("on_close")
+
+    def _next_batches(self) -> list[Batch]:
+        batches = [self.run.loader.next_batch() for _ in range(self.run.accum)]
+        for cb in self.callbacks:
+            batches = cb.on_batches(self, batches)
+        return batches
+
+    def _attempt(self, batches: list[Batch]) -> StepResult:
+        run = self.run
+        self.lr = run.cfg.optim.lr * run.schedule(self.progress.step) * self.lr_scale
+        result = train_step(
+            run.objective, run.optimizer, batches, self.lr, run.clipper, run.precision, observers=[self]
+        )
+        self.attempt += 1
+        if result.action is Action.STEP:
+            self.progress.step += 1
+            self.progress.tokens_seen += run.tokens_per_step
+        return result
+
+    # -- what the step calls back (train/step.py's StepObserver) -------------------------------------
+
+    def after_backward(self) -> None:
+        self._emit("after_backward")
+
+    def veto(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> Action:
+        verdicts = [cb.veto(self, loss, grad_norm) for cb in self.callbacks]
+        return max(verdicts, key=SEVERITY.__getitem__, default=Action.STEP)
+
+    # -- for callbacks -------------------------------------------------------------------------------
+
+    def log(self, record: dict) -> None:
+        """Hand a metrics record to every callback's ``on_log`` (the sinks)."""
+        for cb in self.callbacks:
+            cb.on_log(self, record)
+
+    def request_stop(self) -> None:
+        """End the run after the current step, resumably (``on_stop`` instead of ``on_train_end``)."""
+        self.stop_requested = True
+
+    def _emit(self, hook: str, *args) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, *args)
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        run = self.run
+        state = {
+            "model": run.model.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "loader": run.loader.state_dict(),
+            "progress": self.progress.state_dict(),
+            "scheduler": run.schedule.state_dict(),
+            "clip": run.clipper.state_dict(),
+            "precision": run.precision.state_dict(),
+            "rng": rng_state(),
+        }
+        for cb in self.callbacks:
+            if cb.state_key is not None:
+                state[cb.state_key] = cb.state_dict()
+        return state
+
+    def restore(self, state: dict) -> None:
+        """The training state proper (model, optimizer, progress, schedule, clipping, precision): what
+        both a resume and a rollback restore. The loader, RNG and callbacks are :meth:`load_state_dict`'s."""
+        run = self.run
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        self.progress.load_state_dict(state["progress"])
+        run.schedule.load_state_dict(state["scheduler"])
+        run.clipper.load_state_dict(state["clip"])
+        run.precision.load_state_dict(state.get("precision", {}))
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from a checkpoint's state."""
+        self.restore(state)
+        self.run.loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        for cb in self.callbacks:
+            if cb.state_key is not None and cb.state_key in state:
+                cb.load_state_dict(state[cb.state_key])
+        self.resumed = True
