@@ -24,8 +24,10 @@ from lmforge.config import Config, GuardConfig
 from lmforge.data.loader import Batch
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper
-from lmforge.train.guard import Guard, LastGood
-from lmforge.train.loop import build_model, train_step
+from lmforge.precision import PrecisionPolicy
+from lmforge.train.build import build_model, training_objective
+from lmforge.train.guard import Guard, GuardObserver, LastGood
+from lmforge.train.step import train_step
 
 VARIANTS = {
     "norm, no guard": ("norm", False),
@@ -43,8 +45,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args()
     cfg, device = Config(), torch.device("cpu")
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
     vocab, seq = cfg.data.vocab_size, cfg.data.seq_len
     model = build_model(cfg, vocab, device)
+    objective, fp32 = training_objective(model, cfg, device), PrecisionPolicy("fp32", device)
     opt = build_optimizer(model, cfg.optim, device)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (args.batch, seq + 1), generator=g)
@@ -54,10 +58,14 @@ def main() -> None:
         for name, (mode, guarded) in VARIANTS.items():
             clipper = Clipper(mode, 1.0, value=1e-3, warmup=1)
             guard = Guard(GuardConfig()) if guarded else None
-            train_step(model, opt, batch, 1e-4, clipper, "fp32", device, guard=guard)  # warm-up
+
+            def observe(step: int, guard: Guard | None = guard) -> list[GuardObserver]:
+                return [GuardObserver(guard, step)] if guard is not None else []
+
+            train_step(objective, opt, batch, 1e-4, clipper, fp32, observe(0))  # warm-up
             start = time.perf_counter()
             for step in range(args.steps):
-                train_step(model, opt, batch, 1e-4, clipper, "fp32", device, guard=guard, step=step)
+                train_step(objective, opt, batch, 1e-4, clipper, fp32, observe(step))
             if round_:  # round 0 warms up
                 times[name].append((time.perf_counter() - start) / args.steps)
     base = statistics.median(times["norm, no guard"])

@@ -35,11 +35,12 @@ from pathlib import Path
 
 import torch
 
-from lmforge.config import ModelConfig, OptimConfig, load_config, parse_overrides
-from lmforge.model.transformer import Transformer
+from lmforge.config import Config, ModelConfig, OptimConfig, load_config, parse_overrides
+from lmforge.model.loss import NextTokenLoss
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.state_size import state_bytes_per_param
-from lmforge.train.loop import train
+from lmforge.train.build import build_model
+from lmforge.train.launch import train
 
 
 def steps_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
@@ -66,11 +67,11 @@ def val_curve(run_dir: Path) -> list[tuple[int, float]]:
 
 def state_bytes_after_one_step(model_cfg: ModelConfig, vocab: int, name: str) -> float:
     """Optimizer-state bytes per parameter of ``name`` on this model after one step on random tokens."""
-    torch.manual_seed(0)
-    model = Transformer(model_cfg, vocab, 64)
-    opt = build_optimizer(model, OptimConfig(name=name), torch.device("cpu"), compile=False)
+    cfg = Config(model=model_cfg, data={"seq_len": 64}, optim=OptimConfig(name=name), train={"seed": 0})
+    model = build_model(cfg, vocab, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"), compile=False)
     x = torch.randint(0, vocab, (2, 64))
-    s, n = model.loss(x, x)
+    s, n = NextTokenLoss(model)(x, x)
     (s / n).backward()
     for g in opt.param_groups:
         g["lr"] = 1e-3 * g["lr_mult"]

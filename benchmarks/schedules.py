@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from lmforge.config import load_config, parse_overrides
-from lmforge.train.loop import train
+from lmforge.train.launch import train
 
 SMALL = {
     "model.n_layers": 4,

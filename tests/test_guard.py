@@ -22,7 +22,7 @@ from lmforge.precision import PrecisionPolicy
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import load_checkpoint
-from lmforge.train.guard import Action, Guard, TrainingDiverged, spike_limit
+from lmforge.train.guard import Action, Guard, GuardObserver, TrainingDiverged, spike_limit
 from lmforge.train.launch import train
 from lmforge.train.step import train_step
 from tests.conftest import model_of, tiny_overrides
@@ -89,18 +89,16 @@ def test_nonfinite_loss_is_skipped():
     assert [e["event"] for e in events] == ["skip_nonfinite"] * 2 and guard.losses == []
 
 
-class GuardAt:
-    """A step observer that asks ``guard`` about step ``step`` (and runs ``on_grads`` after backward)."""
+class GuardAt(GuardObserver):
+    """The guard's step observer, also running ``on_grads`` after the backward pass."""
 
     def __init__(self, guard: Guard, step: int, on_grads=None):
-        self.guard, self.step, self.on_grads = guard, step, on_grads
+        super().__init__(guard, step)
+        self.on_grads = on_grads
 
     def after_backward(self) -> None:
         if self.on_grads is not None:
             self.on_grads()
-
-    def veto(self, loss, grad_norm) -> Action:
-        return self.guard.check(self.step, loss, grad_norm)
 
 
 class Disturb(Callback):

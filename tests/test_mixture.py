@@ -22,9 +22,11 @@ from lmforge.data.mixture import (
 from lmforge.data.prepare import prepare_data
 from lmforge.data.shards import Shard
 from lmforge.errors import ConfigError
+from lmforge.train.build import build_run
 from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint
 from lmforge.train.launch import train
+from lmforge.train.lr_find import range_test, sweep
 from tests.conftest import tiny_overrides
 
 BASE = {"a": 0, "b": 100_000, "c": 200_000}  # token values encode the domain: value // 100_000
@@ -260,3 +262,25 @@ def test_no_weights_keeps_the_plain_packed_stream(two_domains, tmp_path):
     assert isinstance(mixed, MixtureLoader) and mixed.domains == ["a", "b"]
     with pytest.raises(Exception, match="trained with a mixture"):
         plain.load_state_dict(mixed.state_dict())
+
+
+def test_lr_find_reads_the_mixture(two_domains, tmp_path):
+    """lr-find builds its run through the training build path, so it reads the configured mixture: its
+    losses are those of a sweep fed by the training loader, and they change with ``data.weights``."""
+    over = {"lr_find.steps": 6, "lr_find.start_lr": 1e-4, "lr_find.end_lr": 1e-2}
+    only_a = _mixture_config(two_domains, tmp_path / "data", **over, **{"data.weights": {"a": 1.0}})
+    only_b = _mixture_config(two_domains, tmp_path / "data", **over, **{"data.weights": {"b": 1.0}})
+    got_a, got_b = sweep(only_a), sweep(only_b)
+    run = build_run(only_a)
+    assert isinstance(run.loader, MixtureLoader)
+    ref = range_test(
+        run.model,
+        run.objective,
+        run.optimizer,
+        lambda: [run.loader.next_batch() for _ in range(run.accum)],
+        only_a.lr_find,
+        run.clipper,
+        run.precision,
+    )
+    assert got_a.losses == ref.losses
+    assert got_a.losses[0] != got_b.losses[0]  # different domains, different first batch

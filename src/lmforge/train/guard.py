@@ -166,3 +166,17 @@ class Guard:
         self.losses = list(state["losses"])
         self.bad, self.skipped = state["bad"], state["skipped"]
         self.rollbacks, self.lr_scale = state["rollbacks"], state["lr_scale"]
+
+
+class GuardObserver:
+    """Asks ``guard`` about the attempt at ``step``: the step observer of a standalone
+    :func:`~lmforge.train.step.train_step` (a trainer uses the ``StabilityGuard`` callback instead)."""
+
+    def __init__(self, guard: Guard, step: int):
+        self.guard, self.step = guard, step
+
+    def after_backward(self) -> None:
+        return None
+
+    def veto(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> Action:
+        return self.guard.check(self.step, loss, grad_norm)
