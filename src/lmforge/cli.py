@@ -211,7 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmforge", description="Train language models from raw text.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_pipeline_commands(sub)
+    _add_run_commands(sub)
+    _add_probe_commands(sub)
+    return parser
 
+
+def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
+    """``train`` and ``data``: the commands that produce a run folder or a corpus."""
     p = sub.add_parser(
         "train",
         help="train a model from a recipe",
@@ -238,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-tokenize", action="store_true", help="stop after the documents (no token shards)")
     p.set_defaults(func=cmd_data)
 
+
+def _add_run_commands(sub: argparse._SubParsersAction) -> None:
+    """``eval`` and ``generate``: the commands that read a run folder's newest checkpoint."""
     p = sub.add_parser("eval", help="validation loss and perplexity of a run's newest checkpoint")
     p.add_argument("run", help="run folder")
     p.add_argument(
@@ -258,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=cmd_generate)
 
+
+def _add_probe_commands(sub: argparse._SubParsersAction) -> None:
+    """``plot-schedule``, ``lr-find`` and ``mup-check``: short probes of a recipe before a run."""
     recipe_help = "TOML recipe (default: the built-in defaults); then --SECTION.KEY=VALUE overrides"
     p = sub.add_parser(
         "plot-schedule",
@@ -291,7 +304,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="training steps per model")
     p.add_argument("--out", default="mup_check", help="output folder (default: mup_check)")
     p.set_defaults(func=cmd_mup_check)
-    return parser
 
 
 TAKES_OVERRIDES = {"train", "data", "plot-schedule", "lr-find", "mup-check"}
