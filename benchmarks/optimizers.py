@@ -35,10 +35,11 @@ from pathlib import Path
 
 import torch
 
-from lmforge.config import ModelConfig, OptimConfig, load_config, parse_overrides
+from lmforge.config import ModelConfig, OptimConfig
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.state_size import state_bytes_per_param
+from lmforge.recipe import load_config, parse_overrides
 from lmforge.train.loop import train
 
 

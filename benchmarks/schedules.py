@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from lmforge.config import load_config, parse_overrides
+from lmforge.recipe import load_config, parse_overrides
 from lmforge.train.loop import train
 
 SMALL = {

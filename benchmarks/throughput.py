@@ -23,12 +23,12 @@ import time
 
 import torch
 
-from lmforge.config import load_config, parse_overrides
 from lmforge.data.loader import Batch
 from lmforge.model.transformer import Transformer, ff_width
 from lmforge.optim.build import build_optimizer
 from lmforge.plan.flops import flops_per_token, mfu
 from lmforge.precision import autocast, resolve_precision
+from lmforge.recipe import load_config, parse_overrides
 from lmforge.train.loop import maybe_compile, train_step
 from lmforge.train.runtime import pick_device
 

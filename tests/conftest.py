@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmforge.config import Config, load_config
+from lmforge.config import Config
 from lmforge.data.pystdlib import stdlib_root
+from lmforge.recipe import load_config
 
 CORPUS_MODULES = [
     "abc.py", "bisect.py", "calendar.py", "colorsys.py", "copy.py", "csv.py", "difflib.py", "fnmatch.py",

@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
-from lmforge.config import ModelConfig, OptimConfig, load_config
+from lmforge.config import ModelConfig, OptimConfig
 from lmforge.errors import ConfigError
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper
+from lmforge.recipe import load_config
 
 
 def _params(*grads: list[float]) -> list[torch.Tensor]:

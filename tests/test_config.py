@@ -5,14 +5,15 @@ import sys
 
 import pytest
 
-from lmforge.config import Config, load_config, parse_overrides, reference_text
+from lmforge.config import Config
 from lmforge.errors import ConfigError
+from lmforge.recipe import load_config, parse_overrides, reference_text, to_toml
 
 
 def test_defaults_validate_and_round_trip(tmp_path):
     cfg = Config()
     path = tmp_path / "c.toml"
-    path.write_text(cfg.to_toml())
+    path.write_text(to_toml(cfg))
     assert load_config(path) == cfg
 
 
@@ -93,7 +94,7 @@ def test_train_help_lists_keys(tmp_path):
 def test_docs_reference_is_current():
     from pathlib import Path
 
-    from lmforge.config import reference_markdown
+    from lmforge.recipe import reference_markdown
 
     docs = Path(__file__).parents[1] / "docs" / "config.md"
     assert docs.read_text() == reference_markdown(), "regenerate docs/config.md (command at its top)"

@@ -11,11 +11,12 @@ import math
 import pytest
 import torch
 
-from lmforge.config import GuardConfig, ModelConfig, OptimConfig, load_config
+from lmforge.config import GuardConfig, ModelConfig, OptimConfig
 from lmforge.data.loader import Batch, PackedLoader, TokenStream
 from lmforge.data.prepare import prepare_data
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer
+from lmforge.recipe import load_config
 from lmforge.train.checkpoint import load_checkpoint
 from lmforge.train.guard import Action, Guard, TrainingDiverged, spike_limit
 from lmforge.train.loop import TrainHooks, train, train_step

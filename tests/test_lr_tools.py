@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from lmforge.charts import schedule_chart
-from lmforge.config import ScheduleConfig, load_config
+from lmforge.config import ScheduleConfig
 from lmforge.data.loader import PackedLoader, TokenStream
 from lmforge.data.prepare import prepare_data
 from lmforge.errors import ConfigError
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.schedules import Schedule, lr_curve
 from lmforge.plan.lr_finder import diverged, smooth, suggest, sweep_lr
+from lmforge.recipe import load_config
 from lmforge.train.loop import build_model, train_step
 from lmforge.train.lr_find import range_test
 from tests.conftest import tiny_overrides

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from lmforge.config import ModelConfig, OptimConfig, load_config
+from lmforge.config import ModelConfig, OptimConfig
 from lmforge.errors import ConfigError
 from lmforge.model.transformer import Transformer
 from lmforge.optim.adamw8bit import AdamW8bit
@@ -16,6 +16,7 @@ from lmforge.optim.build import build_optimizer
 from lmforge.optim.lion import Lion
 from lmforge.optim.muon import NS_COEFFICIENTS, Muon, newton_schulz, update_scale
 from lmforge.optim.state_size import state_bytes_per_param
+from lmforge.recipe import load_config
 from lmforge.train.checkpoint import latest_checkpoint
 from lmforge.train.loop import train
 

@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from lmforge.config import ScheduleConfig, load_config
+from lmforge.config import ScheduleConfig
 from lmforge.errors import ConfigError
 from lmforge.optim.schedules import SCHEDULE_NAMES, Schedule, lr_multiplier, warmup_steps
+from lmforge.recipe import load_config
 
 
 def S(name: str, **kw) -> ScheduleConfig:

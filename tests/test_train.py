@@ -7,12 +7,13 @@ import sys
 import pytest
 import torch
 
-from lmforge.config import Config, ModelConfig, OptimConfig, load_config
+from lmforge.config import Config, ModelConfig, OptimConfig
 from lmforge.data.loader import Batch
 from lmforge.errors import ConfigError, UserError
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer, param_groups
 from lmforge.optim.schedules import lr_multiplier
+from lmforge.recipe import load_config
 from lmforge.train.checkpoint import latest_checkpoint, list_checkpoints
 from lmforge.train.loop import accumulation_steps, train, train_step
 from tests.conftest import tiny_overrides

@@ -32,6 +32,7 @@ from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper, ClipStats
 from lmforge.optim.schedules import Schedule
 from lmforge.precision import autocast, resolve_precision
+from lmforge.recipe import to_toml
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial, save_checkpoint
 from lmforge.train.evaluate import eval_targets, evaluate, perplexity, unigram_loss
 from lmforge.train.guard import Action, Guard, LastGood
@@ -205,7 +206,7 @@ def train(
     precision = resolve_precision(cfg.train.precision, device)
     data = prepare_data(cfg.data)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(cfg.to_toml())
+    (run_dir / "config.toml").write_text(to_toml(cfg))
     shutil.copyfile(data.tokenizer.path, run_dir / "tokenizer.json")
 
     model = build_model(cfg, data.tokenizer.vocab_size, device)
@@ -273,7 +274,7 @@ def train(
 
     def checkpoint() -> None:
         state = state_dict()
-        save_checkpoint(run_dir, prog.step, state, cfg.to_toml(), t.keep_checkpoints)
+        save_checkpoint(run_dir, prog.step, state, to_toml(cfg), t.keep_checkpoints)
         if cfg.guard.enabled:
             last_good.save(state)
 

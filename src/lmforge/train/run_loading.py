@@ -6,10 +6,11 @@ from pathlib import Path
 
 import torch
 
-from lmforge.config import Config, load_config
+from lmforge.config import Config
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
 from lmforge.model.transformer import Transformer
+from lmforge.recipe import load_config
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
 
 
