@@ -123,7 +123,7 @@ def main() -> None:
         "adamw": {"optim.name": "adamw"},
         "adamw8bit": {"optim.name": "adamw8bit"},
         "lion": {"optim.name": "lion", "optim.lr": args.lion_lr},
-        "muon": {"optim.name": "muon", "optim.muon_lr": args.muon_lr, "optim.muon_scale": args.muon_scale},
+        "muon": {"optim.name": "muon", "optim.muon.lr": args.muon_lr, "optim.muon.scale": args.muon_scale},
     }
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
     unknown = [n for n in names if n not in per_opt]

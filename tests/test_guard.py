@@ -280,7 +280,7 @@ def test_consecutive_bad_steps_roll_back(guard_overrides, undisturbed, tmp_path)
 
 
 def test_rollback_run_resumes_exactly_with_adaptive_clipping(guard_overrides, tmp_path):
-    over = {**guard_overrides, "train.clip_mode": "adaptive", "train.clip_warmup": 5}
+    over = {**guard_overrides, "train.clip_mode": "adaptive", "train.adaptive_clip.warmup": 5}
     cfg = load_config(None, {**over, "guard.rollback_lr_factor": 0.5})
     straight = train(cfg, tmp_path / "straight", progress_bar=False, hooks=_rollback_hooks(cfg, {}))
     train(cfg, tmp_path / "resumed", progress_bar=False, hooks=_rollback_hooks(cfg, {}), stop_at=20)

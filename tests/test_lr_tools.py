@@ -46,7 +46,7 @@ def _tree(root: Path) -> dict[str, int]:
 
 
 def test_plotted_values_are_the_schedule(tmp_path):
-    cfg = ScheduleConfig(name="wsd", warmup=10, decay_fraction=0.3, min_lr_ratio=0.05)
+    cfg = ScheduleConfig(name="wsd", warmup=10, min_lr_ratio=0.05, wsd={"decay_fraction": 0.3})
     lrs = lr_curve(cfg, 2e-3, 120)
     sched = Schedule(cfg, 120)
     assert lrs == [2e-3 * sched(s) for s in range(120)]

@@ -159,6 +159,28 @@ class DataConfig(_Section):
         return self
 
 
+class ValueClipConfig(_Section):
+    """Settings of clipping each gradient element (``train.clip_mode = "value"``)."""
+
+    limit: float = Field(0.0, ge=0, description="largest absolute gradient element kept")
+
+
+class AdaptiveClipConfig(_Section):
+    """Settings of the adaptive norm threshold (``train.clip_mode = "adaptive"``)."""
+
+    factor: float = Field(
+        2.0, gt=0, description="threshold as a multiple of the running mean of gradient norms"
+    )
+    beta: float = Field(
+        0.98, ge=0, lt=1, description="decay of the running (exponential) mean of gradient norms"
+    )
+    warmup: int = Field(
+        20,
+        ge=1,
+        description="steps measured before the adaptive threshold applies (train.grad_clip until then)",
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(1050, ge=1, description="optimizer steps")
     micro_batch_size: int = Field(8, ge=1, description="sequences per forward/backward pass")
@@ -183,33 +205,30 @@ class TrainConfig(_Section):
         1.0,
         ge=0,
         description="gradient-norm threshold: of all gradients (norm), of each optimizer group (group_norm), "
-        "during clip_warmup (adaptive); 0: off",
+        "during train.adaptive_clip.warmup (adaptive); 0: off",
     )
     clip_mode: Literal["norm", "value", "group_norm", "adaptive"] = Field(
         "norm",
-        description="gradient clipping: norm (global norm), value (each element to +-clip_value), "
-        "group_norm (each optimizer group's norm), adaptive (clip_factor x running mean of recent norms)",
-    )
-    clip_value: float = Field(0.0, ge=0, description="value: largest absolute gradient element kept")
-    clip_factor: float = Field(
-        2.0, gt=0, description="adaptive: threshold as a multiple of the running mean of gradient norms"
-    )
-    clip_beta: float = Field(
-        0.98, ge=0, lt=1, description="adaptive: decay of the running (exponential) mean of gradient norms"
-    )
-    clip_warmup: int = Field(
-        20,
-        ge=1,
-        description="adaptive: steps measured before the adaptive threshold applies (grad_clip until then)",
+        description="gradient clipping: norm (global norm), value (each element to "
+        "+-train.value_clip.limit), group_norm (each optimizer group's norm), adaptive "
+        "(train.adaptive_clip.factor x running mean of recent norms)",
     )
     seed: int = Field(1337, description="seed for init, data order and sampling")
     sample_tokens: int = Field(120, ge=0, description="tokens sampled at the end of training (0: none)")
     sample_prompt: str = Field("def ", description="prompt of the end-of-training sample")
+    value_clip: ValueClipConfig = Field(
+        default_factory=ValueClipConfig, description='used when train.clip_mode = "value"'
+    )
+    adaptive_clip: AdaptiveClipConfig = Field(
+        default_factory=AdaptiveClipConfig, description='used when train.clip_mode = "adaptive"'
+    )
 
     @model_validator(mode="after")
     def _clip(self) -> TrainConfig:
-        if self.clip_mode == "value" and self.clip_value == 0:
-            raise ValueError("train.clip_value: clip_mode 'value' needs a clip_value above 0, e.g. 0.01")
+        if self.clip_mode == "value" and self.value_clip.limit == 0:
+            raise ValueError(
+                "train.value_clip.limit: clip_mode 'value' needs train.value_clip.limit above 0, e.g. 0.01"
+            )
         return self
 
 
@@ -253,6 +272,33 @@ class GuardConfig(_Section):
 PARAM_KINDS = {"embedding", "matrix", "norm", "bias"}
 
 
+class SGDConfig(_Section):
+    """Settings of ``optim.name = "sgd"``."""
+
+    momentum: float = Field(0.9, ge=0, lt=1, description="momentum")
+    nesterov: bool = Field(False, description="Nesterov momentum")
+
+
+class MuonConfig(_Section):
+    """Settings of the Muon half of ``optim.name = "muon"`` (the AdamW half uses the common keys)."""
+
+    lr: float | None = Field(
+        None,
+        gt=0,
+        description="peak lr of the Muon matrices (default: 0.02, or optim.lr with scale = moonlight)",
+    )
+    momentum: float = Field(0.95, ge=0, lt=1, description="momentum of the Muon matrices")
+    nesterov: bool = Field(True, description="Nesterov momentum")
+    ns_steps: int = Field(
+        5, ge=1, le=50, description="Newton-Schulz iterations (quintic, in BF16) per update"
+    )
+    scale: Literal["none", "original", "mup", "moonlight"] = Field(
+        "original",
+        description="update scale per (d_out, d_in) matrix: none 1, original max(1, d_out/d_in)^0.5, "
+        "mup (d_out/d_in)^0.5, moonlight 0.2 max(d_out, d_in)^0.5 (matches AdamW's update RMS)",
+    )
+
+
 class OptimConfig(_Section):
     name: Literal["adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon"] = Field(
         "adamw",
@@ -279,23 +325,8 @@ class OptimConfig(_Section):
         le=1,
         description="layer-wise lr decay: each layer below the output gets this factor more (1: off)",
     )
-    momentum: float = Field(0.9, ge=0, lt=1, description="sgd: momentum")
-    nesterov: bool = Field(False, description="sgd: Nesterov momentum")
-    muon_lr: float | None = Field(
-        None,
-        gt=0,
-        description="muon: peak lr of the Muon matrices (default: 0.02, or optim.lr with muon_scale=moonlight)",
-    )
-    muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon: momentum of the Muon matrices")
-    muon_nesterov: bool = Field(True, description="muon: Nesterov momentum")
-    muon_ns_steps: int = Field(
-        5, ge=1, le=50, description="muon: Newton-Schulz iterations (quintic, in BF16) per update"
-    )
-    muon_scale: Literal["none", "original", "mup", "moonlight"] = Field(
-        "original",
-        description="muon: update scale per (d_out, d_in) matrix: none 1, original max(1, d_out/d_in)^0.5, "
-        "mup (d_out/d_in)^0.5, moonlight 0.2 max(d_out, d_in)^0.5 (matches AdamW's update RMS)",
-    )
+    sgd: SGDConfig = Field(default_factory=SGDConfig, description='used when optim.name = "sgd"')
+    muon: MuonConfig = Field(default_factory=MuonConfig, description='used when optim.name = "muon"')
 
     @model_validator(mode="after")
     def _betas(self) -> OptimConfig:
@@ -307,11 +338,53 @@ class OptimConfig(_Section):
                 raise ValueError(
                     f"optim.{field}: unknown kind {sorted(bad)[0]!r}; kinds are {', '.join(sorted(PARAM_KINDS))}"
                 )
-        if self.name == "sgd" and self.nesterov and self.momentum == 0:
-            raise ValueError("optim.nesterov: Nesterov needs optim.momentum above 0")
-        if self.name == "muon" and self.muon_nesterov and self.muon_momentum == 0:
-            raise ValueError("optim.muon_nesterov: Nesterov needs optim.muon_momentum above 0")
+        if self.name == "sgd" and self.sgd.nesterov and self.sgd.momentum == 0:
+            raise ValueError("optim.sgd.nesterov: Nesterov needs optim.sgd.momentum above 0")
+        if self.name == "muon" and self.muon.nesterov and self.muon.momentum == 0:
+            raise ValueError("optim.muon.nesterov: Nesterov needs optim.muon.momentum above 0")
         return self
+
+
+class WSDConfig(_Section):
+    """Settings of warmup-stable-decay (``schedule.name = "wsd"``)."""
+
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="share of train.steps spent decaying at the end"
+    )
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = Field("1-sqrt", description="shape of the decay")
+
+
+class StepConfig(_Section):
+    """Settings of ``schedule.name = "step"``."""
+
+    step_size: int = Field(1000, ge=1, description="steps between multiplications by gamma")
+    gamma: float = Field(0.5, gt=0, le=1, description="multiplier applied every step_size steps")
+
+
+class PolynomialConfig(_Section):
+    """Settings of ``schedule.name = "polynomial"``."""
+
+    power: float = Field(2.0, gt=0, description="exponent of (1 - progress)")
+
+
+class CyclicConfig(_Section):
+    """Settings of ``schedule.name = "cyclic"``."""
+
+    cycle_steps: int = Field(400, ge=2, description="steps of one full triangle (up and down)")
+
+
+class OneCycleConfig(_Section):
+    """Settings of ``schedule.name = "one_cycle"``."""
+
+    div_factor: float = Field(25.0, ge=1, description="the rise starts at peak / div_factor")
+
+
+class PlateauConfig(_Section):
+    """Settings of ``schedule.name = "plateau"``."""
+
+    patience: int = Field(2, ge=0, description="evaluations without improvement before a cut")
+    factor: float = Field(0.5, gt=0, lt=1, description="multiplier of each cut")
+    threshold: float = Field(1e-3, ge=0, description="relative improvement that counts")
 
 
 class ScheduleConfig(_Section):
@@ -338,20 +411,20 @@ class ScheduleConfig(_Section):
     min_lr_ratio: float = Field(
         0.1, ge=0, le=1, description="final (or floor) learning rate as a fraction of the peak"
     )
-    decay_fraction: float = Field(
-        0.2, gt=0, le=1, description="wsd: share of train.steps spent decaying at the end"
+    wsd: WSDConfig = Field(default_factory=WSDConfig, description='used when schedule.name = "wsd"')
+    step: StepConfig = Field(default_factory=StepConfig, description='used when schedule.name = "step"')
+    polynomial: PolynomialConfig = Field(
+        default_factory=PolynomialConfig, description='used when schedule.name = "polynomial"'
     )
-    decay_shape: Literal["linear", "cosine", "1-sqrt"] = Field(
-        "1-sqrt", description="wsd: shape of the decay"
+    cyclic: CyclicConfig = Field(
+        default_factory=CyclicConfig, description='used when schedule.name = "cyclic"'
     )
-    step_size: int = Field(1000, ge=1, description="step: steps between multiplications by gamma")
-    gamma: float = Field(0.5, gt=0, le=1, description="step: multiplier applied every step_size steps")
-    power: float = Field(2.0, gt=0, description="polynomial: exponent of (1 - progress)")
-    cycle_steps: int = Field(400, ge=2, description="cyclic: steps of one full triangle (up and down)")
-    div_factor: float = Field(25.0, ge=1, description="one_cycle: the rise starts at peak / div_factor")
-    patience: int = Field(2, ge=0, description="plateau: evaluations without improvement before a cut")
-    factor: float = Field(0.5, gt=0, lt=1, description="plateau: multiplier of each cut")
-    threshold: float = Field(1e-3, ge=0, description="plateau: relative improvement that counts")
+    one_cycle: OneCycleConfig = Field(
+        default_factory=OneCycleConfig, description='used when schedule.name = "one_cycle"'
+    )
+    plateau: PlateauConfig = Field(
+        default_factory=PlateauConfig, description='used when schedule.name = "plateau"'
+    )
 
     @model_validator(mode="after")
     def _warmup(self) -> ScheduleConfig:
@@ -385,10 +458,29 @@ class LRFindConfig(_Section):
 
 
 class Config(_Section):
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
-    guard: GuardConfig = Field(default_factory=GuardConfig)
-    lr_find: LRFindConfig = Field(default_factory=LRFindConfig)
+    """A training recipe. Each field is a section (``[model]``, ...); a section's settings that belong to
+    one choice (a schedule, an optimizer, a clipping mode) sit in a sub-table named after the choice."""
+
+    model: ModelConfig = Field(
+        default_factory=ModelConfig,
+        description="the network: what is learned (vocab_size comes from the tokenizer)",
+    )
+    data: DataConfig = Field(
+        default_factory=DataConfig, description="inputs, tokenizer, sequences, domain mixture and curriculum"
+    )
+    train: TrainConfig = Field(
+        default_factory=TrainConfig,
+        description="how the run executes: steps, batch, precision, device, kernels, intervals, clipping",
+    )
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and its parameter groups")
+    schedule: ScheduleConfig = Field(
+        default_factory=ScheduleConfig,
+        description="learning-rate schedule (formulas: lmforge/optim/schedules.py)",
+    )
+    guard: GuardConfig = Field(
+        default_factory=GuardConfig,
+        description="stability guard: skip non-finite or spiking steps, roll back after repeated ones",
+    )
+    lr_find: LRFindConfig = Field(
+        default_factory=LRFindConfig, description="lmforge lr-find: the exponential learning-rate sweep"
+    )

@@ -21,15 +21,47 @@ from pydantic import BaseModel, ValidationError
 from lmforge.config import Config
 from lmforge.errors import ConfigError
 
+# Keys that moved, old -> new. A recipe or override that still uses an old key is an error naming the new
+# one (values are not carried over silently: the user sees where the setting lives now).
+MOVED: dict[str, str] = {
+    "schedule.decay_fraction": "schedule.wsd.decay_fraction",
+    "schedule.decay_shape": "schedule.wsd.decay_shape",
+    "schedule.step_size": "schedule.step.step_size",
+    "schedule.gamma": "schedule.step.gamma",
+    "schedule.power": "schedule.polynomial.power",
+    "schedule.cycle_steps": "schedule.cyclic.cycle_steps",
+    "schedule.div_factor": "schedule.one_cycle.div_factor",
+    "schedule.patience": "schedule.plateau.patience",
+    "schedule.factor": "schedule.plateau.factor",
+    "schedule.threshold": "schedule.plateau.threshold",
+    "optim.momentum": "optim.sgd.momentum",
+    "optim.nesterov": "optim.sgd.nesterov",
+    "optim.muon_lr": "optim.muon.lr",
+    "optim.muon_momentum": "optim.muon.momentum",
+    "optim.muon_nesterov": "optim.muon.nesterov",
+    "optim.muon_ns_steps": "optim.muon.ns_steps",
+    "optim.muon_scale": "optim.muon.scale",
+    "train.clip_value": "train.value_clip.limit",
+    "train.clip_factor": "train.adaptive_clip.factor",
+    "train.clip_beta": "train.adaptive_clip.beta",
+    "train.clip_warmup": "train.adaptive_clip.warmup",
+}
+
+
+def _section_model(field: Any) -> type[BaseModel] | None:
+    """The class of a field that is itself a table of settings (a section or a sub-table), else None."""
+    ann = field.annotation
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
 
 def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, Any]:
     """All dotted keys of a config class mapped to their pydantic field info (sections are recursed)."""
     out: dict[str, Any] = {}
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out.update(config_keys(ann, key + "."))
+        section = _section_model(field)
+        if section is not None:
+            out.update(config_keys(section, key + "."))
         else:
             out[key] = field
     return out
@@ -96,8 +128,21 @@ def describe_error(error: dict[str, Any], keys: list[str] | None = None) -> str:
     return f"{loc}: {msg} (got {value!r})"
 
 
+def _check_moved(tree: dict[str, Any]) -> None:
+    """ConfigError ``old: moved to new`` for the first key of :data:`MOVED` present in ``tree``."""
+    for old, new in MOVED.items():
+        *parents, last = old.split(".")
+        node: Any = tree
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            raise ConfigError(f"{old}: moved to {new}")
+
+
 def build_config(tree: dict[str, Any]) -> Config:
-    """Validate a nested dict into a :class:`Config`, raising ConfigError with the first bad key."""
+    """Validate a nested dict into a :class:`Config`, raising ConfigError with the first bad key (a key
+    that moved is named with its new place)."""
+    _check_moved(tree)
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
@@ -185,39 +230,65 @@ def _item_model(field: Any) -> type[BaseModel] | None:
     return None
 
 
-def _defaults() -> list[tuple[str, Any, str]]:
+Row = tuple[str, Any, str]  # dotted key, default (JSON-able), description
+
+
+def reference_sections() -> list[tuple[str, str, list[Row]]]:
+    """(dotted name, description, rows) of every section and sub-table, in schema order; a section's own
+    keys come before its sub-tables. Entries of a list of tables are rows ``key[].name``."""
     defaults = Config().model_dump(mode="json")
-    rows = []
-    for key, field in config_keys().items():
-        node: Any = defaults
-        for part in key.split("."):
-            node = node[part]
-        rows.append((key, node, field.description or ""))
+    out: list[tuple[str, str, list[Row]]] = []
+    for name, field in Config.model_fields.items():
+        model = _section_model(field)
+        assert model is not None, f"Config.{name} is not a section"
+        out += _sections(name, field.description or "", model, defaults[name])
+    return out
+
+
+def _sections(
+    name: str, text: str, model: type[BaseModel], defaults: dict[str, Any]
+) -> list[tuple[str, str, list[Row]]]:
+    rows: list[Row] = []
+    subs: list[tuple[str, str, list[Row]]] = []
+    for field_name, field in model.model_fields.items():
+        key = f"{name}.{field_name}"
+        sub = _section_model(field)
+        if sub is not None:
+            subs += _sections(key, field.description or "", sub, defaults[field_name])
+            continue
+        rows.append((key, defaults[field_name], field.description or ""))
         item = _item_model(field)
         if item is not None:  # the keys of one [[key]] entry, with an entry's defaults
             entry = item.model_construct().model_dump(mode="json")
-            for name, sub in item.model_fields.items():
-                rows.append((f"{key}[].{name}", entry[name], sub.description or ""))
-    return rows
+            for entry_name, entry_field in item.model_fields.items():
+                rows.append((f"{key}[].{entry_name}", entry[entry_name], entry_field.description or ""))
+    return [(name, text, rows), *subs]
 
 
 def reference_text() -> str:
-    """Every config key with its default and description (for ``lmforge train --help``)."""
-    return "\n".join(f"  --{key}={json.dumps(value)}  {text}" for key, value, text in _defaults())
+    """Every config key with its default and description, under a header line per section and sub-table
+    (for ``lmforge train --help``)."""
+    blocks = []
+    for name, text, rows in reference_sections():
+        lines = [f"[{name}]  {text}"]
+        lines += [f"  --{key}={json.dumps(value)}  {meaning}" for key, value, meaning in rows]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
 def reference_markdown() -> str:
     """The configuration reference as Markdown (``docs/config.md`` is this text)."""
-    head = [
+    out = [
         "# Configuration reference",
         "",
         "Every key, its default and its meaning. Set keys in a TOML recipe (`[section]` then `key = value`)",
         "or on the command line as `--section.key=value` (values are parsed as TOML: `--optim.betas=[0.9, 0.99]`).",
+        "Settings that belong to one choice sit in a sub-table named after it: `[schedule.wsd]` in a recipe,",
+        "`--schedule.wsd.decay_fraction=0.3` on the command line.",
         "This file is generated from `lmforge/config.py` by `lmforge/recipe.py`:",
         "`python -c \"from lmforge.recipe import reference_markdown as r; print(r(), end='')\" > docs/config.md`.",
-        "",
-        "| key | default | meaning |",
-        "|---|---|---|",
     ]
-    rows = [f"| `{key}` | `{json.dumps(value)}` | {text} |" for key, value, text in _defaults()]
-    return "\n".join(head + rows) + "\n"
+    for name, text, rows in reference_sections():
+        out += ["", f"## `[{name}]`", "", text, "", "| key | default | meaning |", "|---|---|---|"]
+        out += [f"| `{key}` | `{json.dumps(value)}` | {meaning} |" for key, value, meaning in rows]
+    return "\n".join(out) + "\n"
