@@ -115,7 +115,7 @@ def main() -> None:
         cfg.model.doc_mask = False
 
     torch.manual_seed(0)
-    ours = Transformer(cfg.model, vocab, seq).to(device)
+    ours = Transformer(cfg.model, vocab, seq, cfg.train.attention, cfg.train.loss_chunk).to(device)
     ours_opt = build_optimizer(ours, cfg.optim, device)
     maybe_compile(ours, cfg.train.compile, device)
     theirs = hf_model(cfg, vocab, seq, device)

@@ -206,3 +206,18 @@ def test_schema_module_does_not_import_recipe_tooling():
     code = "import sys, lmforge.config; print(sorted(m for m in ('tomllib', 'difflib', 'lmforge.recipe') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_execution_settings_live_in_train_and_reach_the_model():
+    import torch
+
+    from lmforge.train.loop import build_model
+
+    cfg = load_config(
+        None,
+        {"train.attention": "sdpa", "train.loss_chunk": 7, "model.n_layers": 1, "model.d_model": 32},
+    )
+    assert not cfg.train.deterministic  # schema default; wired elsewhere
+    model = build_model(cfg, 64, torch.device("cpu"))
+    assert (model.attention, model.loss_chunk) == ("sdpa", 7)
+    assert "attention" not in cfg.model.model_dump() and "loss_chunk" not in cfg.model.model_dump()

@@ -13,9 +13,9 @@ from lmforge.model.transformer import Transformer, ff_width
 V, T = 97, 24
 
 
-def _model(**kw) -> Transformer:
+def _model(loss_chunk: int = 1024, **kw) -> Transformer:
     torch.manual_seed(0)
-    return Transformer(ModelConfig(n_layers=2, d_model=32, n_heads=4, **kw), V, T)
+    return Transformer(ModelConfig(n_layers=2, d_model=32, n_heads=4, **kw), V, T, loss_chunk=loss_chunk)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -114,8 +114,8 @@ def test_sampling_filters_and_is_seeded():
 def test_flex_attention_matches_sdpa_mask_on_cuda():
     torch.manual_seed(0)
     cfg = dict(n_layers=2, d_model=64, n_heads=4)
-    flex = Transformer(ModelConfig(attention="flex", **cfg), V, 128).cuda()
-    sdpa = Transformer(ModelConfig(attention="sdpa", **cfg), V, 128).cuda()
+    flex = Transformer(ModelConfig(**cfg), V, 128, attention="flex").cuda()
+    sdpa = Transformer(ModelConfig(**cfg), V, 128, attention="sdpa").cuda()
     sdpa.load_state_dict(flex.state_dict())
     x = torch.randint(0, V, (2, 128), device="cuda")
     doc = torch.cumsum(torch.rand(2, 128, device="cuda") < 0.05, dim=1)

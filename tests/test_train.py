@@ -21,7 +21,7 @@ from tests.conftest import tiny_overrides
 
 def _grads_after(batches, seed=0):
     torch.manual_seed(seed)
-    m = Transformer(ModelConfig(n_layers=2, d_model=32, n_heads=4, loss_chunk=16), 101, 16)
+    m = Transformer(ModelConfig(n_layers=2, d_model=32, n_heads=4), 101, 16, loss_chunk=16)
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     # lr 0 and no clipping: gradients are what train_step accumulated before its optimizer step
     grads = {}

@@ -40,12 +40,6 @@ class ModelConfig(_Section):
     doc_mask: bool = Field(
         True, description="tokens attend only within their own document in a packed sequence"
     )
-    attention: Literal["auto", "sdpa", "flex"] = Field(
-        "auto", description="attention kernel: auto = FlexAttention on CUDA with doc_mask, else SDPA"
-    )
-    loss_chunk: int = Field(
-        1024, ge=0, description="tokens per chunk of the output head + loss (0: all at once)"
-    )
     mup: bool = Field(
         False,
         description="muP (Tensor Programs V): width-aware init, hidden-matrix lr / width_mult, "
@@ -194,6 +188,17 @@ class TrainConfig(_Section):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     compile: bool = Field(True, description="torch.compile the model (skipped where the platform cannot)")
+    attention: Literal["auto", "sdpa", "flex"] = Field(
+        "auto", description="attention kernel: auto = FlexAttention on CUDA with doc_mask, else SDPA"
+    )
+    loss_chunk: int = Field(
+        1024, ge=0, description="tokens per chunk of the output head + loss (0: all at once)"
+    )
+    deterministic: bool = Field(
+        False,
+        description="bitwise-reproducible runs on CPU in fp32: deterministic algorithms and fixed thread "
+        "settings (slower)",
+    )
     eval_interval: int = Field(250, ge=0, description="steps between evaluations (0: only at the end)")
     eval_tokens: int = Field(
         65536, ge=1, description="validation tokens per evaluation (capped by the split)"

@@ -24,6 +24,8 @@ from lmforge.errors import ConfigError
 # Keys that moved, old -> new. A recipe or override that still uses an old key is an error naming the new
 # one (values are not carried over silently: the user sees where the setting lives now).
 MOVED: dict[str, str] = {
+    "model.attention": "train.attention",
+    "model.loss_chunk": "train.loss_chunk",
     "schedule.decay_fraction": "schedule.wsd.decay_fraction",
     "schedule.decay_shape": "schedule.wsd.decay_shape",
     "schedule.step_size": "schedule.step.step_size",

@@ -114,9 +114,20 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_len: int):
+    """``attention`` (kernel) and ``loss_chunk`` are execution settings (``train.*``): they do not change
+    the function the model computes."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        vocab_size: int,
+        max_seq_len: int,
+        attention: str = "auto",
+        loss_chunk: int = 1024,
+    ):
         super().__init__()
         self.cfg, self.vocab_size, self.max_seq_len = cfg, vocab_size, max_seq_len
+        self.attention, self.loss_chunk = attention, loss_chunk
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(max_seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -147,7 +158,7 @@ class Transformer(nn.Module):
         return n
 
     def use_flex(self, device: torch.device) -> bool:
-        kind = self.cfg.attention
+        kind = self.attention
         return kind == "flex" or (kind == "auto" and device.type == "cuda")
 
     def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -184,7 +195,7 @@ class Transformer(nn.Module):
         """
         hidden = self(input_ids, doc_ids).flatten(0, 1)
         targets = targets.flatten()
-        chunk = self.cfg.loss_chunk or hidden.shape[0]
+        chunk = self.loss_chunk or hidden.shape[0]
         total = hidden.new_zeros((), dtype=torch.float32)
         for h, y in zip(hidden.split(chunk), targets.split(chunk), strict=True):
             logits = self.logits(h).float()

@@ -136,7 +136,8 @@ def accumulation_steps(cfg: Config, world: int = 1) -> int:
 
 def build_model(cfg: Config, vocab_size: int, device: torch.device) -> Transformer:
     seed_all(cfg.train.seed)
-    return Transformer(cfg.model, vocab_size, cfg.data.seq_len).to(device)
+    t = cfg.train
+    return Transformer(cfg.model, vocab_size, cfg.data.seq_len, t.attention, t.loss_chunk).to(device)
 
 
 def maybe_compile(model: Transformer, enabled: bool, device: torch.device) -> None:

@@ -137,7 +137,13 @@ def coord_check(
         check.sizes[param] = {}
         for width in check.widths:
             seed_all(cfg.train.seed)
-            model = Transformer(models[(param, width)], vocab_size, cfg.data.seq_len).to(device)
+            model = Transformer(
+                models[(param, width)],
+                vocab_size,
+                cfg.data.seq_len,
+                cfg.train.attention,
+                cfg.train.loss_chunk,
+            ).to(device)
             optimizer = build_optimizer(model, cfg.optim, device)
             data = batches()
             per_layer: dict[str, list[float]] = {name: [] for name in layers}

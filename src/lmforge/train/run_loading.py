@@ -27,6 +27,8 @@ def load_run(run_dir: str | Path, device: torch.device) -> tuple[Config, Tokeniz
     cfg = load_config(ckpt / "config.toml")
     tok = Tokenizer(run_dir / "tokenizer.json")
     state = load_checkpoint(ckpt)
-    model = Transformer(cfg.model, tok.vocab_size, cfg.data.seq_len)
+    model = Transformer(
+        cfg.model, tok.vocab_size, cfg.data.seq_len, cfg.train.attention, cfg.train.loss_chunk
+    )
     model.load_state_dict(state["model"])
     return cfg, tok, model.to(device), int(state["progress"]["step"])
