@@ -35,10 +35,11 @@ from pathlib import Path
 
 import torch
 
-from lmforge.config import Config, ModelConfig, OptimConfig, load_config, parse_overrides
+from lmforge.config import Config, ModelConfig, OptimConfig
 from lmforge.model.loss import NextTokenLoss
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.state_size import state_bytes_per_param
+from lmforge.recipe import load_config, parse_overrides
 from lmforge.train.build import build_model
 from lmforge.train.launch import train
 
@@ -123,7 +124,7 @@ def main() -> None:
         "adamw": {"optim.name": "adamw"},
         "adamw8bit": {"optim.name": "adamw8bit"},
         "lion": {"optim.name": "lion", "optim.lr": args.lion_lr},
-        "muon": {"optim.name": "muon", "optim.muon_lr": args.muon_lr, "optim.muon_scale": args.muon_scale},
+        "muon": {"optim.name": "muon", "optim.muon.lr": args.muon_lr, "optim.muon.scale": args.muon_scale},
     }
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
     unknown = [n for n in names if n not in per_opt]

@@ -3,7 +3,7 @@
 Both runs train the same small Llama-style model on the built-in corpus with the same seed, so the same
 initial weights and the same batches in the same order, for the same number of steps at the same peak
 learning rate; only ``schedule.name`` differs (cosine decays to ``min_lr_ratio`` of the peak over the whole
-run; WSD holds the peak and decays over the last ``decay_fraction`` of it, ``1-sqrt`` shape). Each run
+run; WSD holds the peak and decays over the last ``schedule.wsd.decay_fraction`` of it, ``1-sqrt`` shape). Each run
 evaluates once, at the end, on the same validation tokens. Runs go to a temporary folder; the prepared
 corpus is cached under ``data.cache_dir`` as for ``lmforge train``.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from lmforge.config import load_config, parse_overrides
+from lmforge.recipe import load_config, parse_overrides
 from lmforge.train.launch import train
 
 SMALL = {
@@ -75,7 +75,7 @@ def main() -> None:
         "peak_lr": cfg.optim.lr,
         "warmup": s.warmup,
         "min_lr_ratio": s.min_lr_ratio,
-        "wsd_decay": f"{s.decay_fraction} {s.decay_shape}",
+        "wsd_decay": f"{s.wsd.decay_fraction} {s.wsd.decay_shape}",
         "threads": torch.get_num_threads(),
     }
     diff = results["wsd"]["val_loss"] - results["cosine"]["val_loss"]

@@ -22,14 +22,14 @@ import statistics
 import time
 
 import torch
+from lmforge.train.loop import maybe_compile, train_step
 
-from lmforge.config import load_config, parse_overrides
 from lmforge.data.loader import Batch
 from lmforge.model.transformer import Transformer, ff_width
 from lmforge.optim.build import build_optimizer
 from lmforge.plan.flops import flops_per_token, mfu
 from lmforge.precision import autocast, resolve_precision
-from lmforge.train.loop import maybe_compile, train_step
+from lmforge.recipe import load_config, parse_overrides
 from lmforge.train.runtime import pick_device
 
 
@@ -115,7 +115,7 @@ def main() -> None:
         cfg.model.doc_mask = False
 
     torch.manual_seed(0)
-    ours = Transformer(cfg.model, vocab, seq).to(device)
+    ours = Transformer(cfg.model, vocab, seq, cfg.train.attention, cfg.train.loss_chunk).to(device)
     ours_opt = build_optimizer(ours, cfg.optim, device)
     maybe_compile(ours, cfg.train.compile, device)
     theirs = hf_model(cfg, vocab, seq, device)

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmforge.config import Config, ModelConfig, load_config
+from lmforge.config import Config, ModelConfig
 from lmforge.data.pystdlib import stdlib_root
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
+from lmforge.recipe import load_config
 
 CORPUS_MODULES = [
     "abc.py", "bisect.py", "calendar.py", "colorsys.py", "copy.py", "csv.py", "difflib.py", "fnmatch.py",

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import lmforge
-from lmforge.config import Config, ModelConfig, load_config
+from lmforge.config import Config, ModelConfig
 from lmforge.errors import ConfigError
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer, keep_stage
 from lmforge.parallel.apply import STAGES, ApplyContext, apply
+from lmforge.recipe import load_config
 from lmforge.train.build import build_model, build_run
 from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.launch import train

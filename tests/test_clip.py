@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from lmforge.config import ModelConfig, OptimConfig, load_config
+from lmforge.config import ModelConfig, OptimConfig
 from lmforge.errors import ConfigError
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper
+from lmforge.recipe import load_config
 from tests.conftest import model_of
 
 
@@ -112,10 +113,13 @@ def test_adaptive_ignores_a_nonfinite_norm():
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
-        ({"train.clip_mode": "value"}, "train.clip_value: clip_mode 'value' needs a clip_value above 0"),
+        (
+            {"train.clip_mode": "value"},
+            "train.value_clip.limit: clip_mode 'value' needs train.value_clip.limit above 0",
+        ),
         ({"train.clip_mode": "elementwise"}, "train.clip_mode:"),
-        ({"train.clip_warmup": 0}, "train.clip_warmup:"),
-        ({"train.clip_beta": 1.0}, "train.clip_beta:"),
+        ({"train.adaptive_clip.warmup": 0}, "train.adaptive_clip.warmup:"),
+        ({"train.adaptive_clip.beta": 1.0}, "train.adaptive_clip.beta:"),
         ({"guard.spike_min_history": 200}, "guard.spike_min_history: 200 exceeds guard.spike_window (100)"),
         ({"guard.max_bad_steps": 0}, "guard.max_bad_steps:"),
         ({"guard.rollback_lr_factor": 1.5}, "guard.rollback_lr_factor:"),

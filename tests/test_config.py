@@ -2,17 +2,27 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from lmforge.config import Config, load_config, parse_overrides, reference_text
+from lmforge.config import Config
 from lmforge.errors import ConfigError
+from lmforge.recipe import (
+    MOVED,
+    config_keys,
+    load_config,
+    parse_overrides,
+    reference_markdown,
+    reference_text,
+    to_toml,
+)
 
 
 def test_defaults_validate_and_round_trip(tmp_path):
     cfg = Config()
     path = tmp_path / "c.toml"
-    path.write_text(cfg.to_toml())
+    path.write_text(to_toml(cfg))
     assert load_config(path) == cfg
 
 
@@ -91,19 +101,125 @@ def test_train_help_lists_keys(tmp_path):
 
 
 def test_docs_reference_is_current():
-    from pathlib import Path
-
-    from lmforge.config import reference_markdown
-
     docs = Path(__file__).parents[1] / "docs" / "config.md"
     assert docs.read_text() == reference_markdown(), "regenerate docs/config.md (command at its top)"
 
 
 def test_recipes_validate():
-    from pathlib import Path
-
     recipes = sorted((Path(__file__).parents[1] / "configs").glob("*.toml"))
     assert recipes
     for recipe in recipes:
         load_config(recipe)
     assert load_config(Path(__file__).parents[1] / "configs" / "default.toml") == Config()
+
+
+def test_grouped_keys_parse_from_toml_and_command_line(tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text(
+        '[schedule]\nname = "wsd"\n\n[schedule.wsd]\ndecay_fraction = 0.3\n\n'
+        "[optim.muon]\nlr = 0.01\n\n[train.adaptive_clip]\nfactor = 3.0\n"
+    )
+    cfg = load_config(path)
+    assert cfg.schedule.name == "wsd" and cfg.schedule.wsd.decay_fraction == 0.3
+    assert cfg.optim.muon.lr == 0.01 and cfg.train.adaptive_clip.factor == 3.0
+    over = parse_overrides(["--schedule.wsd.decay_fraction=0.4", "--train.value_clip.limit", "0.5"])
+    cfg = load_config(path, over)
+    assert cfg.schedule.wsd.decay_fraction == 0.4 and cfg.train.value_clip.limit == 0.5
+    assert cfg.schedule.wsd.decay_shape == "1-sqrt"  # the rest of the sub-table keeps its defaults
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ({"schedule.wsd.decay_fractoin": 0.3}, "did you mean schedule.wsd.decay_fraction?"),
+        ({"schedule.wsd.decay_fraction": 0}, "schedule.wsd.decay_fraction:"),
+        (
+            {"train.clip_mode": "value"},
+            "train.value_clip.limit: clip_mode 'value' needs train.value_clip.limit above 0",
+        ),
+        ({"optim.name": "muon", "optim.muon.momentum": 0}, "optim.muon.nesterov: Nesterov needs optim.muon"),
+        ({"optim.name": "sgd", "optim.sgd.nesterov": True, "optim.sgd.momentum": 0}, "optim.sgd.nesterov:"),
+    ],
+)
+def test_grouped_key_errors_name_the_grouped_key(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, override)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
+def test_moved_key_names_its_new_place(old, new):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {old: 1})
+    assert str(info.value) == f"{old}: moved to {new}"
+
+
+def test_moved_table_points_to_real_keys():
+    keys = config_keys()
+    assert all(new in keys for new in MOVED.values())
+    assert not any(old in keys for old in MOVED)
+
+
+def test_moved_key_in_a_recipe_and_on_the_cli(tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text('[schedule]\nname = "wsd"\ndecay_fraction = 0.3\n')
+    with pytest.raises(
+        ConfigError, match=r"^schedule\.decay_fraction: moved to schedule\.wsd\.decay_fraction$"
+    ):
+        load_config(path)
+    result = _cli("train", "--optim.muon_lr=0.01", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].endswith("optim.muon_lr: moved to optim.muon.lr")
+
+
+def test_reference_shows_a_header_per_section_and_sub_table():
+    lines = reference_text().splitlines()
+    head = lines.index('[schedule.wsd]  used when schedule.name = "wsd"')
+    assert lines[head + 1].startswith("  --schedule.wsd.decay_fraction=0.2  ")
+    assert '[optim.muon]  used when optim.name = "muon"' in lines
+    assert '[train.adaptive_clip]  used when train.clip_mode = "adaptive"' in lines
+    # every key sits under the header of its own table
+    table = None
+    for line in lines:
+        if line.startswith("["):
+            table = line[1 : line.index("]")]
+        elif line.strip():
+            key = line.split("=", 1)[0].removeprefix("  --").split("[]")[0]
+            assert key.rsplit(".", 1)[0] == table, line
+    assert "## `[schedule.plateau]`" in reference_markdown()
+
+
+def test_schema_module_does_not_import_recipe_tooling():
+    import ast
+
+    import lmforge.config
+
+    tree = ast.parse(Path(lmforge.config.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+    assert imported  # the walk saw the imports (pydantic at least)
+    assert not imported & {"tomllib", "difflib", "lmforge.recipe"}, imported
+    code = "import sys, lmforge.config; print(sorted(m for m in ('tomllib', 'difflib', 'lmforge.recipe') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_execution_settings_live_in_train_and_reach_the_model():
+    import torch
+
+    from lmforge.train.build import build_model, training_objective
+
+    cfg = load_config(
+        None,
+        {"train.attention": "sdpa", "train.loss_chunk": 7, "model.n_layers": 1, "model.d_model": 32},
+    )
+    assert not cfg.train.deterministic  # schema default; wired elsewhere
+    model = build_model(cfg, 64, torch.device("cpu"))
+    assert model.attention == "sdpa"
+    eager = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
+    assert training_objective(model, eager, torch.device("cpu")).loss.chunk == 7
+    assert "attention" not in cfg.model.model_dump() and "loss_chunk" not in cfg.model.model_dump()

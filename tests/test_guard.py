@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from lmforge.config import GuardConfig, ModelConfig, OptimConfig, load_config
+from lmforge.config import GuardConfig, ModelConfig, OptimConfig
 from lmforge.data.loader import Batch, PackedLoader, TokenStream
 from lmforge.data.prepare import prepare_data
 from lmforge.model.loss import NextTokenLoss
@@ -19,6 +19,7 @@ from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper
 from lmforge.precision import PrecisionPolicy
+from lmforge.recipe import load_config
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import load_checkpoint
@@ -315,7 +316,7 @@ def test_consecutive_bad_steps_roll_back(guard_overrides, undisturbed, tmp_path)
 
 
 def test_rollback_run_resumes_exactly_with_adaptive_clipping(guard_overrides, tmp_path):
-    over = {**guard_overrides, "train.clip_mode": "adaptive", "train.clip_warmup": 5}
+    over = {**guard_overrides, "train.clip_mode": "adaptive", "train.adaptive_clip.warmup": 5}
     cfg = load_config(None, {**over, "guard.rollback_lr_factor": 0.5})
     straight = train(cfg, tmp_path / "straight", progress_bar=False, callbacks=[_rollback_hooks(cfg, {})])
     train(cfg, tmp_path / "resumed", progress_bar=False, callbacks=[_rollback_hooks(cfg, {}), StopAfter(20)])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lmforge.charts import schedule_chart
-from lmforge.config import ScheduleConfig, load_config
+from lmforge.config import ScheduleConfig
 from lmforge.data.loader import PackedLoader, TokenStream
 from lmforge.data.prepare import prepare_data
 from lmforge.errors import ConfigError
@@ -24,6 +24,7 @@ from lmforge.optim.clip import Clipper
 from lmforge.optim.schedules import Schedule, lr_curve
 from lmforge.plan.lr_finder import diverged, smooth, suggest, sweep_lr
 from lmforge.precision import PrecisionPolicy
+from lmforge.recipe import load_config
 from lmforge.train.build import build_model
 from lmforge.train.lr_find import range_test
 from lmforge.train.step import train_step
@@ -49,7 +50,7 @@ def _tree(root: Path) -> dict[str, int]:
 
 
 def test_plotted_values_are_the_schedule(tmp_path):
-    cfg = ScheduleConfig(name="wsd", warmup=10, decay_fraction=0.3, min_lr_ratio=0.05)
+    cfg = ScheduleConfig(name="wsd", warmup=10, min_lr_ratio=0.05, wsd={"decay_fraction": 0.3})
     lrs = lr_curve(cfg, 2e-3, 120)
     sched = Schedule(cfg, 120)
     assert lrs == [2e-3 * sched(s) for s in range(120)]

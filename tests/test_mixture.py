@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmforge.config import DataConfig, load_config
+from lmforge.config import DataConfig
 from lmforge.data.loader import PackedLoader, TokenStream
 from lmforge.data.mixture import (
     MixtureLoader,
@@ -22,6 +22,7 @@ from lmforge.data.mixture import (
 from lmforge.data.prepare import prepare_data
 from lmforge.data.shards import Shard
 from lmforge.errors import ConfigError
+from lmforge.recipe import load_config, to_toml
 from lmforge.train.build import build_run
 from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint
@@ -171,7 +172,7 @@ def test_mixture_recipe_round_trips_through_toml(tmp_path):
         },
     )
     path = tmp_path / "c.toml"
-    path.write_text(cfg.to_toml())
+    path.write_text(to_toml(cfg))
     assert load_config(path) == cfg
 
 

@@ -8,13 +8,14 @@ import logging
 import pytest
 import torch
 
-from lmforge.config import ModelConfig, OptimConfig, load_config
+from lmforge.config import ModelConfig, OptimConfig
 from lmforge.errors import ConfigError
 from lmforge.optim.adamw8bit import AdamW8bit
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.lion import Lion
 from lmforge.optim.muon import NS_COEFFICIENTS, Muon, newton_schulz, update_scale
 from lmforge.optim.state_size import state_bytes_per_param
+from lmforge.recipe import load_config
 from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint
 from lmforge.train.launch import train
@@ -363,7 +364,7 @@ def test_muon_with_adamw_matches_torch_pair_and_routes_hidden_matrices(caplog):
 def test_muon_state_dict_round_trip_and_moonlight_lr():
     torch.manual_seed(0)
     m = model_of(ModelConfig(n_layers=1, d_model=32, n_heads=4), 64, 16)
-    opt = build_optimizer(m, OptimConfig(name="muon", muon_scale="moonlight"), torch.device("cpu"))
+    opt = build_optimizer(m, OptimConfig(name="muon", muon={"scale": "moonlight"}), torch.device("cpu"))
     assert all(g["lr_mult"] == 1.0 for g in opt.param_groups)  # moonlight reuses optim.lr
     x = torch.randint(0, 64, (2, 16))
 
@@ -380,7 +381,7 @@ def test_muon_state_dict_round_trip_and_moonlight_lr():
     saved = torch.load(buf, weights_only=True)
     m2 = model_of(ModelConfig(n_layers=1, d_model=32, n_heads=4), 64, 16)
     m2.load_state_dict(saved["model"])
-    opt2 = build_optimizer(m2, OptimConfig(name="muon", muon_scale="moonlight"), torch.device("cpu"))
+    opt2 = build_optimizer(m2, OptimConfig(name="muon", muon={"scale": "moonlight"}), torch.device("cpu"))
     opt2.load_state_dict(saved["optim"])
     for _ in range(2):
         step(m, opt)
@@ -441,7 +442,9 @@ def test_built_optimizer_matches_reference(name):
     cfg = ModelConfig(n_layers=1, d_model=32, n_heads=4, tie_embeddings=False)
     m, ref_model = model_of(cfg, 64, 16), model_of(cfg, 64, 16)
     ref_model.load_state_dict(m.state_dict())
-    opt = build_optimizer(m, OptimConfig(name=name, lr=1e-2, nesterov=name == "sgd"), torch.device("cpu"))
+    opt = build_optimizer(
+        m, OptimConfig(name=name, lr=1e-2, sgd={"nesterov": name == "sgd"}), torch.device("cpu")
+    )
     matrices = [p for n, p in ref_model.named_parameters() if p.ndim == 2 and "embed" not in n]
     others = [p for n, p in ref_model.named_parameters() if not (p.ndim == 2 and "embed" not in n)]
     groups = [{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}]
@@ -466,11 +469,15 @@ def test_built_optimizer_matches_reference(name):
 @pytest.mark.parametrize(
     ("override", "key"),
     [
-        ({"optim.muon_momentum": 1.0}, "optim.muon_momentum"),
-        ({"optim.muon_scale": "spectral"}, "optim.muon_scale"),
-        ({"optim.muon_ns_steps": 0}, "optim.muon_ns_steps"),
-        ({"optim.muon_lr": 0}, "optim.muon_lr"),
-        ({"optim.name": "muon", "optim.muon_momentum": 0.0}, "optim.muon_nesterov"),
+        ({"optim.muon.momentum": 1.0}, "optim.muon.momentum"),
+        ({"optim.muon.scale": "spectral"}, "optim.muon.scale"),
+        ({"optim.muon.ns_steps": 0}, "optim.muon.ns_steps"),
+        ({"optim.muon.lr": 0}, "optim.muon.lr"),
+        (
+            {"optim.name": "muon", "optim.muon.momentum": 0.0},
+            "optim.muon.nesterov: Nesterov needs optim.muon.momentum",
+        ),
+        ({"optim.name": "sgd", "optim.sgd.nesterov": True, "optim.sgd.momentum": 0.0}, "optim.sgd.nesterov"),
         ({"optim.name": "adam8bit"}, "optim.name"),
     ],
 )

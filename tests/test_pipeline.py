@@ -19,7 +19,6 @@ import pytest
 import zstandard
 
 from lmforge.cli import main
-from lmforge.config import load_config
 from lmforge.data import readers
 from lmforge.data.pipeline import iter_kept, run_pipeline, tokenize_output
 from lmforge.data.pipeline_config import build_pipeline_config, load_pipeline_config, reference_markdown
@@ -28,6 +27,7 @@ from lmforge.data.stages.base import Doc, DocStage, Drop, run_corpus_stage
 from lmforge.data.stages.dedup_exact import ExactDedup
 from lmforge.data.stages.length import LengthFilter, LengthParams
 from lmforge.errors import ConfigError, DataError, UserError
+from lmforge.recipe import load_config
 
 ROOT = Path(__file__).parents[1]
 WORDS = [

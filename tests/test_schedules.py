@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from lmforge.config import ScheduleConfig, load_config
+from lmforge.config import ScheduleConfig
 from lmforge.errors import ConfigError
 from lmforge.optim.schedules import SCHEDULE_NAMES, Schedule, lr_multiplier, warmup_steps
+from lmforge.recipe import load_config
 
 
 def S(name: str, **kw) -> ScheduleConfig:
@@ -35,15 +36,20 @@ def test_warmup_in_steps_or_fraction():
         ("cosine", {}, 60, 0.1 + 0.9 * 0.5),
         ("cosine", {}, 35, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25))),
         ("cosine", {}, 110, 0.1),
-        ("polynomial", {"power": 2.0}, 60, 0.1 + 0.9 * 0.25),
+        ("polynomial", {"polynomial": {"power": 2.0}}, 60, 0.1 + 0.9 * 0.25),
         ("exponential", {}, 60, 0.1**0.5),
         ("exponential", {}, 110, 0.1),
-        ("step", {"step_size": 20, "gamma": 0.5}, 49, 0.5),  # floor(39 / 20) = 1
-        ("step", {"step_size": 20, "gamma": 0.5}, 109, 0.1),  # 0.5^floor(99/20) = 0.0625, floored at r
+        ("step", {"step": {"step_size": 20, "gamma": 0.5}}, 49, 0.5),  # floor(39 / 20) = 1
+        (
+            "step",
+            {"step": {"step_size": 20, "gamma": 0.5}},
+            109,
+            0.1,
+        ),  # 0.5^floor(99/20) = 0.0625, floored at r
         ("inverse_sqrt", {}, 39, math.sqrt(10 / 40)),
-        ("cyclic", {"cycle_steps": 20}, 10, 0.1),  # s - W = 0: bottom
-        ("cyclic", {"cycle_steps": 20}, 20, 1.0),  # half a period: top
-        ("cyclic", {"cycle_steps": 20}, 25, 0.1 + 0.9 * 0.5),
+        ("cyclic", {"cyclic": {"cycle_steps": 20}}, 10, 0.1),  # s - W = 0: bottom
+        ("cyclic", {"cyclic": {"cycle_steps": 20}}, 20, 1.0),  # half a period: top
+        ("cyclic", {"cyclic": {"cycle_steps": 20}}, 25, 0.1 + 0.9 * 0.5),
     ],
 )
 def test_formulas(name, kw, step, want):
@@ -57,18 +63,18 @@ def test_wsd_shapes_and_extension():
         ("cosine", 0.1 + 0.9 * 0.5),
         ("1-sqrt", 1 - 0.9 * math.sqrt(0.5)),
     ]:
-        cfg = S("wsd", warmup=10, min_lr_ratio=0.1, decay_fraction=0.2, decay_shape=shape)
+        cfg = S("wsd", warmup=10, min_lr_ratio=0.1, wsd={"decay_fraction": 0.2, "decay_shape": shape})
         assert lr_multiplier(cfg, 79, 100) == 1.0  # stable until D = 100 - 20 = 80
         assert lr_multiplier(cfg, 90, 100) == pytest.approx(mid)
         assert lr_multiplier(cfg, 100, 100) == pytest.approx(0.1)
     # a run in its stable phase extended from 100 to 200 steps: same rates so far, decay at the new end
-    cfg = S("wsd", warmup=10, decay_fraction=0.2)
+    cfg = S("wsd", warmup=10, wsd={"decay_fraction": 0.2})
     assert [lr_multiplier(cfg, s, 100) for s in range(70)] == [lr_multiplier(cfg, s, 200) for s in range(70)]
     assert lr_multiplier(cfg, 150, 200) == 1.0 and lr_multiplier(cfg, 200, 200) == pytest.approx(0.1)
 
 
 def test_one_cycle():
-    cfg = S("one_cycle", warmup=20, div_factor=25, min_lr_ratio=0.01)
+    cfg = S("one_cycle", warmup=20, min_lr_ratio=0.01, one_cycle={"div_factor": 25})
     assert lr_multiplier(cfg, 0, 120) == pytest.approx(1 / 25)
     assert lr_multiplier(cfg, 10, 120) == pytest.approx(1 / 25 + (1 - 1 / 25) * 0.5)
     assert lr_multiplier(cfg, 20, 120) == pytest.approx(1.0)
@@ -77,7 +83,10 @@ def test_one_cycle():
 
 
 def test_plateau_cuts_after_patience_and_resumes():
-    sched = Schedule(S("plateau", warmup=2, patience=1, factor=0.5, threshold=0.01, min_lr_ratio=0.2), 100)
+    sched = Schedule(
+        S("plateau", warmup=2, min_lr_ratio=0.2, plateau={"patience": 1, "factor": 0.5, "threshold": 0.01}),
+        100,
+    )
     assert sched(0) == 0.5 and sched(5) == 1.0
     for loss in [3.0, 2.9, 2.895, 2.9]:  # 2.895 is < 1% better: no improvement; two in a row > patience 1
         sched.observe(loss)
@@ -86,6 +95,9 @@ def test_plateau_cuts_after_patience_and_resumes():
     for loss in [2.9, 2.9, 2.9, 2.9, 2.9, 2.9]:
         sched.observe(loss)
     assert sched(5) == 0.2  # floored at min_lr_ratio
-    again = Schedule(S("plateau", warmup=2, patience=1, factor=0.5, threshold=0.01, min_lr_ratio=0.2), 100)
+    again = Schedule(
+        S("plateau", warmup=2, min_lr_ratio=0.2, plateau={"patience": 1, "factor": 0.5, "threshold": 0.01}),
+        100,
+    )
     again.load_state_dict(state)
     assert again(5) == 0.5 and again.best == 2.9

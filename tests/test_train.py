@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from lmforge.config import Config, ModelConfig, OptimConfig, load_config
+from lmforge.config import Config, ModelConfig, OptimConfig
 from lmforge.data.loader import Batch
 from lmforge.errors import ConfigError, UserError
 from lmforge.model.loss import NextTokenLoss
@@ -15,6 +15,7 @@ from lmforge.optim.build import build_optimizer, param_groups
 from lmforge.optim.clip import Clipper
 from lmforge.optim.schedules import lr_multiplier
 from lmforge.precision import PrecisionPolicy
+from lmforge.recipe import load_config
 from lmforge.train.build import accumulation_steps
 from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, list_checkpoints

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from lmforge.config import load_config, parse_overrides, reference_text
 from lmforge.errors import UserError
+from lmforge.recipe import load_config, parse_overrides, reference_text
 
 log = logging.getLogger("lmforge")
 

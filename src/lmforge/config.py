@@ -1,23 +1,15 @@
-"""Typed, validated configuration: the one place where defaults live.
+"""The typed, validated configuration schema: the one place where defaults live.
 
-A configuration is built from three layers, later ones winning: the defaults declared here, an
-optional TOML recipe, and dotted command-line overrides (``--optim.lr=3e-4``). The result is
-validated before any data or model work starts; every problem is reported as a
-:class:`~lmforge.errors.ConfigError` naming the dotted key.
+Every section is a pydantic model; unknown keys are errors and every field carries its default and a
+description. Reading recipes, command-line overrides, error wording and the generated reference are in
+:mod:`lmforge.recipe`; this module imports none of that, so anything may import the schema.
 """
 
 from __future__ import annotations
 
-import difflib
-import json
-import re
-import tomllib
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from lmforge.errors import ConfigError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Section(BaseModel):
@@ -161,6 +153,28 @@ class DataConfig(_Section):
         return self
 
 
+class ValueClipConfig(_Section):
+    """Settings of clipping each gradient element (``train.clip_mode = "value"``)."""
+
+    limit: float = Field(0.0, ge=0, description="largest absolute gradient element kept")
+
+
+class AdaptiveClipConfig(_Section):
+    """Settings of the adaptive norm threshold (``train.clip_mode = "adaptive"``)."""
+
+    factor: float = Field(
+        2.0, gt=0, description="threshold as a multiple of the running mean of gradient norms"
+    )
+    beta: float = Field(
+        0.98, ge=0, lt=1, description="decay of the running (exponential) mean of gradient norms"
+    )
+    warmup: int = Field(
+        20,
+        ge=1,
+        description="steps measured before the adaptive threshold applies (train.grad_clip until then)",
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(1050, ge=1, description="optimizer steps")
     micro_batch_size: int = Field(8, ge=1, description="sequences per forward/backward pass")
@@ -196,33 +210,30 @@ class TrainConfig(_Section):
         1.0,
         ge=0,
         description="gradient-norm threshold: of all gradients (norm), of each optimizer group (group_norm), "
-        "during clip_warmup (adaptive); 0: off",
+        "during train.adaptive_clip.warmup (adaptive); 0: off",
     )
     clip_mode: Literal["norm", "value", "group_norm", "adaptive"] = Field(
         "norm",
-        description="gradient clipping: norm (global norm), value (each element to +-clip_value), "
-        "group_norm (each optimizer group's norm), adaptive (clip_factor x running mean of recent norms)",
-    )
-    clip_value: float = Field(0.0, ge=0, description="value: largest absolute gradient element kept")
-    clip_factor: float = Field(
-        2.0, gt=0, description="adaptive: threshold as a multiple of the running mean of gradient norms"
-    )
-    clip_beta: float = Field(
-        0.98, ge=0, lt=1, description="adaptive: decay of the running (exponential) mean of gradient norms"
-    )
-    clip_warmup: int = Field(
-        20,
-        ge=1,
-        description="adaptive: steps measured before the adaptive threshold applies (grad_clip until then)",
+        description="gradient clipping: norm (global norm), value (each element to "
+        "+-train.value_clip.limit), group_norm (each optimizer group's norm), adaptive "
+        "(train.adaptive_clip.factor x running mean of recent norms)",
     )
     seed: int = Field(1337, description="seed for init, data order and sampling")
     sample_tokens: int = Field(120, ge=0, description="tokens sampled at the end of training (0: none)")
     sample_prompt: str = Field("def ", description="prompt of the end-of-training sample")
+    value_clip: ValueClipConfig = Field(
+        default_factory=ValueClipConfig, description='used when train.clip_mode = "value"'
+    )
+    adaptive_clip: AdaptiveClipConfig = Field(
+        default_factory=AdaptiveClipConfig, description='used when train.clip_mode = "adaptive"'
+    )
 
     @model_validator(mode="after")
     def _clip(self) -> TrainConfig:
-        if self.clip_mode == "value" and self.clip_value == 0:
-            raise ValueError("train.clip_value: clip_mode 'value' needs a clip_value above 0, e.g. 0.01")
+        if self.clip_mode == "value" and self.value_clip.limit == 0:
+            raise ValueError(
+                "train.value_clip.limit: clip_mode 'value' needs train.value_clip.limit above 0, e.g. 0.01"
+            )
         return self
 
 
@@ -266,6 +277,33 @@ class GuardConfig(_Section):
 PARAM_KINDS = {"embedding", "matrix", "norm", "bias"}
 
 
+class SGDConfig(_Section):
+    """Settings of ``optim.name = "sgd"``."""
+
+    momentum: float = Field(0.9, ge=0, lt=1, description="momentum")
+    nesterov: bool = Field(False, description="Nesterov momentum")
+
+
+class MuonConfig(_Section):
+    """Settings of the Muon half of ``optim.name = "muon"`` (the AdamW half uses the common keys)."""
+
+    lr: float | None = Field(
+        None,
+        gt=0,
+        description="peak lr of the Muon matrices (default: 0.02, or optim.lr with scale = moonlight)",
+    )
+    momentum: float = Field(0.95, ge=0, lt=1, description="momentum of the Muon matrices")
+    nesterov: bool = Field(True, description="Nesterov momentum")
+    ns_steps: int = Field(
+        5, ge=1, le=50, description="Newton-Schulz iterations (quintic, in BF16) per update"
+    )
+    scale: Literal["none", "original", "mup", "moonlight"] = Field(
+        "original",
+        description="update scale per (d_out, d_in) matrix: none 1, original max(1, d_out/d_in)^0.5, "
+        "mup (d_out/d_in)^0.5, moonlight 0.2 max(d_out, d_in)^0.5 (matches AdamW's update RMS)",
+    )
+
+
 class OptimConfig(_Section):
     name: Literal["adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon"] = Field(
         "adamw",
@@ -292,23 +330,8 @@ class OptimConfig(_Section):
         le=1,
         description="layer-wise lr decay: each layer below the output gets this factor more (1: off)",
     )
-    momentum: float = Field(0.9, ge=0, lt=1, description="sgd: momentum")
-    nesterov: bool = Field(False, description="sgd: Nesterov momentum")
-    muon_lr: float | None = Field(
-        None,
-        gt=0,
-        description="muon: peak lr of the Muon matrices (default: 0.02, or optim.lr with muon_scale=moonlight)",
-    )
-    muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon: momentum of the Muon matrices")
-    muon_nesterov: bool = Field(True, description="muon: Nesterov momentum")
-    muon_ns_steps: int = Field(
-        5, ge=1, le=50, description="muon: Newton-Schulz iterations (quintic, in BF16) per update"
-    )
-    muon_scale: Literal["none", "original", "mup", "moonlight"] = Field(
-        "original",
-        description="muon: update scale per (d_out, d_in) matrix: none 1, original max(1, d_out/d_in)^0.5, "
-        "mup (d_out/d_in)^0.5, moonlight 0.2 max(d_out, d_in)^0.5 (matches AdamW's update RMS)",
-    )
+    sgd: SGDConfig = Field(default_factory=SGDConfig, description='used when optim.name = "sgd"')
+    muon: MuonConfig = Field(default_factory=MuonConfig, description='used when optim.name = "muon"')
 
     @model_validator(mode="after")
     def _betas(self) -> OptimConfig:
@@ -320,11 +343,53 @@ class OptimConfig(_Section):
                 raise ValueError(
                     f"optim.{field}: unknown kind {sorted(bad)[0]!r}; kinds are {', '.join(sorted(PARAM_KINDS))}"
                 )
-        if self.name == "sgd" and self.nesterov and self.momentum == 0:
-            raise ValueError("optim.nesterov: Nesterov needs optim.momentum above 0")
-        if self.name == "muon" and self.muon_nesterov and self.muon_momentum == 0:
-            raise ValueError("optim.muon_nesterov: Nesterov needs optim.muon_momentum above 0")
+        if self.name == "sgd" and self.sgd.nesterov and self.sgd.momentum == 0:
+            raise ValueError("optim.sgd.nesterov: Nesterov needs optim.sgd.momentum above 0")
+        if self.name == "muon" and self.muon.nesterov and self.muon.momentum == 0:
+            raise ValueError("optim.muon.nesterov: Nesterov needs optim.muon.momentum above 0")
         return self
+
+
+class WSDConfig(_Section):
+    """Settings of warmup-stable-decay (``schedule.name = "wsd"``)."""
+
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="share of train.steps spent decaying at the end"
+    )
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = Field("1-sqrt", description="shape of the decay")
+
+
+class StepConfig(_Section):
+    """Settings of ``schedule.name = "step"``."""
+
+    step_size: int = Field(1000, ge=1, description="steps between multiplications by gamma")
+    gamma: float = Field(0.5, gt=0, le=1, description="multiplier applied every step_size steps")
+
+
+class PolynomialConfig(_Section):
+    """Settings of ``schedule.name = "polynomial"``."""
+
+    power: float = Field(2.0, gt=0, description="exponent of (1 - progress)")
+
+
+class CyclicConfig(_Section):
+    """Settings of ``schedule.name = "cyclic"``."""
+
+    cycle_steps: int = Field(400, ge=2, description="steps of one full triangle (up and down)")
+
+
+class OneCycleConfig(_Section):
+    """Settings of ``schedule.name = "one_cycle"``."""
+
+    div_factor: float = Field(25.0, ge=1, description="the rise starts at peak / div_factor")
+
+
+class PlateauConfig(_Section):
+    """Settings of ``schedule.name = "plateau"``."""
+
+    patience: int = Field(2, ge=0, description="evaluations without improvement before a cut")
+    factor: float = Field(0.5, gt=0, lt=1, description="multiplier of each cut")
+    threshold: float = Field(1e-3, ge=0, description="relative improvement that counts")
 
 
 class ScheduleConfig(_Section):
@@ -351,20 +416,20 @@ class ScheduleConfig(_Section):
     min_lr_ratio: float = Field(
         0.1, ge=0, le=1, description="final (or floor) learning rate as a fraction of the peak"
     )
-    decay_fraction: float = Field(
-        0.2, gt=0, le=1, description="wsd: share of train.steps spent decaying at the end"
+    wsd: WSDConfig = Field(default_factory=WSDConfig, description='used when schedule.name = "wsd"')
+    step: StepConfig = Field(default_factory=StepConfig, description='used when schedule.name = "step"')
+    polynomial: PolynomialConfig = Field(
+        default_factory=PolynomialConfig, description='used when schedule.name = "polynomial"'
     )
-    decay_shape: Literal["linear", "cosine", "1-sqrt"] = Field(
-        "1-sqrt", description="wsd: shape of the decay"
+    cyclic: CyclicConfig = Field(
+        default_factory=CyclicConfig, description='used when schedule.name = "cyclic"'
     )
-    step_size: int = Field(1000, ge=1, description="step: steps between multiplications by gamma")
-    gamma: float = Field(0.5, gt=0, le=1, description="step: multiplier applied every step_size steps")
-    power: float = Field(2.0, gt=0, description="polynomial: exponent of (1 - progress)")
-    cycle_steps: int = Field(400, ge=2, description="cyclic: steps of one full triangle (up and down)")
-    div_factor: float = Field(25.0, ge=1, description="one_cycle: the rise starts at peak / div_factor")
-    patience: int = Field(2, ge=0, description="plateau: evaluations without improvement before a cut")
-    factor: float = Field(0.5, gt=0, lt=1, description="plateau: multiplier of each cut")
-    threshold: float = Field(1e-3, ge=0, description="plateau: relative improvement that counts")
+    one_cycle: OneCycleConfig = Field(
+        default_factory=OneCycleConfig, description='used when schedule.name = "one_cycle"'
+    )
+    plateau: PlateauConfig = Field(
+        default_factory=PlateauConfig, description='used when schedule.name = "plateau"'
+    )
 
     @model_validator(mode="after")
     def _warmup(self) -> ScheduleConfig:
@@ -398,214 +463,29 @@ class LRFindConfig(_Section):
 
 
 class Config(_Section):
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
-    guard: GuardConfig = Field(default_factory=GuardConfig)
-    lr_find: LRFindConfig = Field(default_factory=LRFindConfig)
+    """A training recipe. Each field is a section (``[model]``, ...); a section's settings that belong to
+    one choice (a schedule, an optimizer, a clipping mode) sit in a sub-table named after the choice."""
 
-    def to_toml(self) -> str:
-        """The resolved configuration as TOML (round-trips through :func:`load_config`)."""
-        return dump_toml(self.model_dump(mode="json", exclude_none=True))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# loading, overrides, error messages
-
-
-def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, Any]:
-    """All dotted keys of a config class mapped to their pydantic field info (sections are recursed)."""
-    out: dict[str, Any] = {}
-    for name, field in model.model_fields.items():
-        key = f"{prefix}{name}"
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out.update(config_keys(ann, key + "."))
-        else:
-            out[key] = field
-    return out
-
-
-def _nearest(key: str, keys: list[str] | None = None) -> str:
-    keys = list(config_keys()) if keys is None else keys
-    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
-    return f"; did you mean {match[0]}?" if match else ""
-
-
-def parse_value(text: str) -> Any:
-    """A command-line value as TOML (numbers, booleans, arrays, quoted strings), else a bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """``["--optim.lr=3e-4", "--train.steps", "20"]`` -> ``{"optim.lr": 3e-4, "train.steps": 20}``."""
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key=value")
-        if "=" in arg:
-            key, value = arg[2:].split("=", 1)
-        elif i + 1 < len(args):
-            key, value = arg[2:], args[i + 1]
-            i += 1
-        else:
-            raise ConfigError(f"{arg[2:]}: missing value; write --{arg[2:]}=VALUE")
-        out[key] = parse_value(value)
-        i += 1
-    return out
-
-
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{key}: {part} is not a section{_nearest(key)}")
-        node = child
-    node[parts[-1]] = value
-
-
-def _describe(error: dict[str, Any], keys: list[str] | None = None) -> str:
-    """One line for a pydantic error; ``keys`` are the valid dotted keys (default: the training config's)."""
-    loc = ".".join(str(p) for p in error["loc"])
-    kind = error["type"]
-    if kind == "extra_forbidden":
-        if keys is not None:  # lists of tables: compare without the index
-            return f"{loc}: unknown key{_nearest(re.sub(r'[.][0-9]+[.]', '.', loc), keys)}"
-        return f"{loc}: unknown key{_nearest(loc)}"
-    msg = error["msg"]
-    if kind == "value_error":
-        text = msg.removeprefix("Value error, ")
-        return text if ":" in text.split(" ")[0] else f"{loc}: {text}"
-    value = error.get("input")
-    return f"{loc}: {msg} (got {value!r})"
-
-
-def build_config(tree: dict[str, Any]) -> Config:
-    """Validate a nested dict into a :class:`Config`, raising ConfigError with the first bad key."""
-    try:
-        return Config.model_validate(tree)
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc.errors()[0])) from None
-
-
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Defaults <- TOML recipe at ``path`` <- dotted ``overrides``; validated."""
-    return build_config(read_recipe(path, overrides, "the path of a TOML recipe (see configs/)"))
-
-
-def read_recipe(path: str | Path | None, overrides: dict[str, Any] | None, what: str) -> dict[str, Any]:
-    """The TOML tree at ``path`` (empty without one) with dotted ``overrides`` set; ConfigError naming
-    ``--config`` and ``what`` to give instead when the file is missing or not TOML."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"--config {path}: no such file; give {what}")
-        try:
-            tree = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
-    for key, value in (overrides or {}).items():
-        _set_dotted(tree, key, value)
-    return tree
-
-
-def dump_toml(tree: dict[str, Any]) -> str:
-    """Write a nested dict of TOML-able values (tables, arrays of tables, scalars, lists)."""
-
-    def scalar(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, int | float):
-            return repr(v)
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-        if isinstance(v, list | tuple):
-            return "[" + ", ".join(scalar(x) for x in v) + "]"
-        if isinstance(v, dict):  # inline table, e.g. a phase's weights inside [[data.phases]]
-            return "{" + ", ".join(f"{key(k)} = {scalar(x)}" for k, x in v.items()) + "}"
-        raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-    def key(k: str) -> str:  # bare when TOML allows it, else quoted (a domain named "web.en")
-        return k if k and all(c.isascii() and (c.isalnum() or c in "_-") for c in k) else scalar(k)
-
-    lines: list[str] = []
-
-    def table(node: dict[str, Any], name: str) -> None:
-        plain = {k: v for k, v in node.items() if not isinstance(v, dict) and not _is_table_list(v)}
-        if name:
-            lines.append(f"[{name}]")
-        lines.extend(f"{key(k)} = {scalar(v)}" for k, v in plain.items())
-        if plain or name:
-            lines.append("")
-        for k, v in node.items():
-            full = f"{name}.{k}" if name else k
-            if isinstance(v, dict):
-                table(v, full)
-            elif _is_table_list(v):
-                for item in v:
-                    lines.append(f"[[{full}]]")
-                    lines.extend(f"{key(ik)} = {scalar(iv)}" for ik, iv in item.items())
-                    lines.append("")
-
-    table(tree, "")
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def _is_table_list(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
-
-
-def _item_model(field: Any) -> type[BaseModel] | None:
-    """The item class of a ``list[SomeSection]`` field (its entries are ``[[section.key]]`` tables)."""
-    args = getattr(field.annotation, "__args__", ())
-    if getattr(field.annotation, "__origin__", None) is list and args and issubclass(args[0], BaseModel):
-        return args[0]
-    return None
-
-
-def _defaults() -> list[tuple[str, Any, str]]:
-    defaults = Config().model_dump(mode="json")
-    rows = []
-    for key, field in config_keys().items():
-        node: Any = defaults
-        for part in key.split("."):
-            node = node[part]
-        rows.append((key, node, field.description or ""))
-        item = _item_model(field)
-        if item is not None:  # the keys of one [[key]] entry, with an entry's defaults
-            entry = item.model_construct().model_dump(mode="json")
-            for name, sub in item.model_fields.items():
-                rows.append((f"{key}[].{name}", entry[name], sub.description or ""))
-    return rows
-
-
-def reference_text() -> str:
-    """Every config key with its default and description (for ``lmforge train --help``)."""
-    return "\n".join(f"  --{key}={json.dumps(value)}  {text}" for key, value, text in _defaults())
-
-
-def reference_markdown() -> str:
-    """The configuration reference as Markdown (``docs/config.md`` is this text)."""
-    head = [
-        "# Configuration reference",
-        "",
-        "Every key, its default and its meaning. Set keys in a TOML recipe (`[section]` then `key = value`)",
-        "or on the command line as `--section.key=value` (values are parsed as TOML: `--optim.betas=[0.9, 0.99]`).",
-        "This file is generated from `lmforge/config.py`:",
-        "`python -c \"from lmforge.config import reference_markdown as r; print(r(), end='')\" > docs/config.md`.",
-        "",
-        "| key | default | meaning |",
-        "|---|---|---|",
-    ]
-    rows = [f"| `{key}` | `{json.dumps(value)}` | {text} |" for key, value, text in _defaults()]
-    return "\n".join(head + rows) + "\n"
+    model: ModelConfig = Field(
+        default_factory=ModelConfig,
+        description="the network: what is learned (vocab_size comes from the tokenizer)",
+    )
+    data: DataConfig = Field(
+        default_factory=DataConfig, description="inputs, tokenizer, sequences, domain mixture and curriculum"
+    )
+    train: TrainConfig = Field(
+        default_factory=TrainConfig,
+        description="how the run executes: steps, batch, precision, device, kernels, intervals, clipping",
+    )
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and its parameter groups")
+    schedule: ScheduleConfig = Field(
+        default_factory=ScheduleConfig,
+        description="learning-rate schedule (formulas: lmforge/optim/schedules.py)",
+    )
+    guard: GuardConfig = Field(
+        default_factory=GuardConfig,
+        description="stability guard: skip non-finite or spiking steps, roll back after repeated ones",
+    )
+    lr_find: LRFindConfig = Field(
+        default_factory=LRFindConfig, description="lmforge lr-find: the exponential learning-rate sweep"
+    )

@@ -31,9 +31,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from lmforge.config import _describe, config_keys, dump_toml, read_recipe
 from lmforge.data.stages.registry import STAGES, available, stage_class
 from lmforge.errors import ConfigError
+from lmforge.recipe import config_keys, describe_error, dump_toml, read_recipe
 
 
 class _Section(BaseModel):
@@ -192,7 +192,7 @@ def build_pipeline_config(tree: dict[str, Any]) -> PipelineConfig:
     except ConfigError:
         raise
     except ValidationError as exc:
-        raise ConfigError(_describe(exc.errors()[0], _keys())) from None
+        raise ConfigError(describe_error(exc.errors()[0], _keys())) from None
 
 
 def load_pipeline_config(path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:

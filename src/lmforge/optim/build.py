@@ -17,7 +17,7 @@ else per (kind, route, muP multiplier).
 
 With ``optim.name = "muon"`` each group is also marked with the optimizer that moves it: Muon takes the
 hidden matrices (2-D weights inside blocks: the attention and MLP projections), AdamW everything else
-(embeddings, an untied output head, norms, biases). Muon groups run at ``muon_lr`` instead of ``lr``,
+(embeddings, an untied output head, norms, biases). Muon groups run at ``optim.muon.lr`` instead of ``lr``,
 folded into their ``lr_mult`` so that schedules, per-kind multipliers and layer-wise decay still apply.
 """
 
@@ -62,10 +62,10 @@ def muon_routed(name: str, p: torch.Tensor, kind: str) -> bool:
 
 
 def muon_peak_lr(cfg: OptimConfig) -> float:
-    """Muon's peak rate: ``optim.muon_lr``, else 0.02, or ``optim.lr`` for the moonlight scale."""
-    if cfg.muon_lr is not None:
-        return cfg.muon_lr
-    return cfg.lr if cfg.muon_scale == "moonlight" else 0.02
+    """Muon's peak rate: ``optim.muon.lr``, else 0.02, or ``optim.lr`` for the moonlight scale."""
+    if cfg.muon.lr is not None:
+        return cfg.muon.lr
+    return cfg.lr if cfg.muon.scale == "moonlight" else 0.02
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
@@ -152,7 +152,7 @@ def build_optimizer(
     if cfg.name == "adam":
         return torch.optim.Adam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd.momentum, nesterov=cfg.sgd.nesterov)
     if cfg.name == "lion":
         return Lion(groups, lr=cfg.lr, betas=cfg.betas)
     if cfg.name == "adafactor":
@@ -164,10 +164,10 @@ def build_optimizer(
     if cfg.name == "muon":
         return MuonWithAdamW(
             groups,
-            momentum=cfg.muon_momentum,
-            nesterov=cfg.muon_nesterov,
-            ns_steps=cfg.muon_ns_steps,
-            scale=cfg.muon_scale,
+            momentum=cfg.muon.momentum,
+            nesterov=cfg.muon.nesterov,
+            ns_steps=cfg.muon.ns_steps,
+            scale=cfg.muon.scale,
             betas=cfg.betas,
             eps=cfg.eps,
             fused=fused,

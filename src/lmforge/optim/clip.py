@@ -5,13 +5,13 @@ Every mode first measures ``n`` (:meth:`Clipper.measure`, one fused ``foreach`` 
 so the caller can check it for NaN/Inf before anything is changed, then clips (:meth:`Clipper.clip`):
 
 * ``norm``:       ``g <- g * min(1, c / (n + 1e-6))`` with ``c = train.grad_clip`` (0: no clipping).
-* ``value``:      ``g_i <- clamp(g_i, -v, v)`` elementwise, ``v = train.clip_value``.
+* ``value``:      ``g_i <- clamp(g_i, -v, v)`` elementwise, ``v = train.value_clip.limit``.
 * ``group_norm``: per optimizer parameter group ``k`` with norm ``n_k``:
   ``g_k <- g_k * min(1, c / (n_k + 1e-6))``, ``c = train.grad_clip``; the global ``n = sqrt(sum_k n_k^2)``.
-* ``adaptive``:   ``norm`` clipping with ``c_t = f * m_t / (1 - beta^t)`` (``f = train.clip_factor``,
-  ``beta = train.clip_beta``), the bias-corrected exponential moving average of the norms of the ``t``
+* ``adaptive``:   ``norm`` clipping with ``c_t = f * m_t / (1 - beta^t)`` (``f = train.adaptive_clip.factor``,
+  ``beta = train.adaptive_clip.beta``), the bias-corrected exponential moving average of the norms of the ``t``
   steps clipped so far, each entering the average after its own clipping:
-  ``m_{t+1} = beta * m_t + (1 - beta) * min(n_t, c_t)``, ``m_0 = 0``. Until ``t = train.clip_warmup``
+  ``m_{t+1} = beta * m_t + (1 - beta) * min(n_t, c_t)``, ``m_0 = 0``. Until ``t = train.adaptive_clip.warmup``
   the threshold is ``train.grad_clip`` (0: none). Feeding the clipped norm keeps one outlier from
   raising the threshold that is meant to catch the next one. State: ``m`` and ``t`` (``state_dict``).
 
@@ -96,9 +96,9 @@ class Clipper:
         if mode not in ("norm", "value", "group_norm", "adaptive"):
             raise ValueError(f"train.clip_mode: unknown mode {mode!r}")
         if mode == "value" and value <= 0:
-            raise ValueError("train.clip_value: clip_mode 'value' needs a clip_value above 0")
+            raise ValueError("train.value_clip.limit: clip_mode 'value' needs a limit above 0")
         if mode == "adaptive" and warmup < 1:
-            raise ValueError("train.clip_warmup: clip_mode 'adaptive' needs at least 1 warmup step")
+            raise ValueError("train.adaptive_clip.warmup: clip_mode 'adaptive' needs at least 1 warmup step")
         self.mode, self.max_norm, self.value = mode, max_norm, value
         self.factor, self.beta, self.warmup = factor, beta, warmup
         self.ema = torch.zeros(())  # m_t (adaptive), kept on the gradients' device
@@ -106,7 +106,8 @@ class Clipper:
 
     @classmethod
     def from_config(cls, t: TrainConfig) -> Clipper:
-        return cls(t.clip_mode, t.grad_clip, t.clip_value, t.clip_factor, t.clip_beta, t.clip_warmup)
+        a = t.adaptive_clip
+        return cls(t.clip_mode, t.grad_clip, t.value_clip.limit, a.factor, a.beta, a.warmup)
 
     def measure(self, groups: Sequence[Iterable[torch.Tensor]]) -> torch.Tensor:
         """The pre-clip global gradient norm ``n`` (one fused norm; no host sync)."""

@@ -2,7 +2,8 @@
 
 Every schedule but ``plateau`` is a pure function of ``(s, T)`` with ``T`` the total number of steps.
 Notation: ``W`` warmup steps (``schedule.warmup``: a count, or a fraction of ``T`` when below 1),
-``r = min_lr_ratio``, progress after warmup ``p = clamp((s - W) / (T - W), 0, 1)``.
+``r = min_lr_ratio``, progress after warmup ``p = clamp((s - W) / (T - W), 0, 1)``. A schedule's own
+settings are in the sub-table named after it (``decay_fraction`` is ``schedule.wsd.decay_fraction``).
 
 Warmup (all but ``one_cycle``, which has its own rise): ``m = (s + 1) / W`` for ``s < W``. After it:
 
@@ -63,27 +64,27 @@ def _decayed(cfg: ScheduleConfig, s: int, total: int, w: int) -> float:
     if name == "cosine":
         return cosine_between(1.0, r, p)
     if name == "wsd":
-        start = total - round(cfg.decay_fraction * total)
+        start = total - round(cfg.wsd.decay_fraction * total)
         if s < start:
             return 1.0
         q = min(1.0, (s - start) / max(1, total - start))
-        if cfg.decay_shape == "linear":
+        if cfg.wsd.decay_shape == "linear":
             return 1.0 - (1.0 - r) * q
-        if cfg.decay_shape == "cosine":
+        if cfg.wsd.decay_shape == "cosine":
             return cosine_between(1.0, r, q)
         return 1.0 - (1.0 - r) * math.sqrt(q)
     if name == "step":
-        return max(r, cfg.gamma ** ((s - w) // cfg.step_size))
+        return max(r, cfg.step.gamma ** ((s - w) // cfg.step.step_size))
     if name == "polynomial":
-        return r + (1.0 - r) * (1.0 - p) ** cfg.power
+        return r + (1.0 - r) * (1.0 - p) ** cfg.polynomial.power
     if name == "exponential":
         return r**p
     if name == "inverse_sqrt":
         scale = max(w, 1)
         return math.sqrt(scale / max(s + 1, scale))
     if name == "cyclic":
-        half = cfg.cycle_steps / 2
-        phase = ((s - w) % cfg.cycle_steps) / half
+        half = cfg.cyclic.cycle_steps / 2
+        phase = ((s - w) % cfg.cyclic.cycle_steps) / half
         return r + (1.0 - r) * (1.0 - abs(phase - 1.0))
     raise ValueError(f"schedule.name: {name} is not a pure schedule")
 
@@ -92,7 +93,7 @@ def lr_multiplier(cfg: ScheduleConfig, step: int, total: int) -> float:
     """Multiplier of the peak learning rate at ``step`` of ``total`` for every pure schedule."""
     w = warmup_steps(cfg.warmup, total)
     if cfg.name == "one_cycle":
-        a = 1.0 / cfg.div_factor
+        a = 1.0 / cfg.one_cycle.div_factor
         if step < w:
             return a + (1.0 - a) * 0.5 * (1.0 - math.cos(math.pi * step / w))
         return cosine_between(1.0, cfg.min_lr_ratio, progress(step, w, total))
@@ -124,12 +125,12 @@ class Schedule:
     def observe(self, val_loss: float) -> None:
         if self.cfg.name != "plateau" or not math.isfinite(val_loss):
             return
-        if val_loss < self.best * (1.0 - self.cfg.threshold):
+        if val_loss < self.best * (1.0 - self.cfg.plateau.threshold):
             self.best, self.bad = val_loss, 0
             return
         self.bad += 1
-        if self.bad > self.cfg.patience:
-            self.factor = max(self.cfg.min_lr_ratio, self.factor * self.cfg.factor)
+        if self.bad > self.cfg.plateau.patience:
+            self.factor = max(self.cfg.min_lr_ratio, self.factor * self.cfg.plateau.factor)
             self.bad = 0
 
     def state_dict(self) -> dict:

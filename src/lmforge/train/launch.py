@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lmforge.config import Config
 from lmforge.errors import ConfigError, UserError
+from lmforge.recipe import to_toml
 from lmforge.train.build import build_run, validate
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing, config_state
@@ -54,7 +55,7 @@ def default_callbacks(cfg: Config, run_dir: Path, progress_bar: bool | None) -> 
         StabilityGuard(cfg.guard),
         StepMetrics(),
         Evaluation(),
-        Checkpointing(run_dir, cfg.to_toml()),
+        Checkpointing(run_dir, to_toml(cfg)),
         Sample(),
         MetricsFile(run_dir),
         ProgressBarCallback(progress_bar),
@@ -82,7 +83,7 @@ def train(
         check_same_model(cfg, state["config"])
     run = build_run(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(cfg.to_toml())
+    (run_dir / "config.toml").write_text(to_toml(cfg))
     shutil.copyfile(run.data.tokenizer.path, run_dir / "tokenizer.json")
     trainer = Trainer(run, [*default_callbacks(cfg, run_dir, progress_bar), *callbacks])
     if state is not None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from lmforge.config import Config, load_config
+from lmforge.config import Config
 from lmforge.data.loader import TokenStream
 from lmforge.data.prepare import prepare_data
 from lmforge.data.tokenizer import Tokenizer
@@ -14,6 +14,7 @@ from lmforge.errors import UserError
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
 from lmforge.precision import PrecisionPolicy
+from lmforge.recipe import load_config
 from lmforge.train.build import build_model
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
 from lmforge.train.evaluate import evaluate, perplexity
