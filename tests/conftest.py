@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmforge.config import Config, load_config
-from lmforge.data.pystdlib import stdlib_root
+from lmforge.corpus.pystdlib import stdlib_root
 
 CORPUS_MODULES = [
     "abc.py", "bisect.py", "calendar.py", "colorsys.py", "copy.py", "csv.py", "difflib.py", "fnmatch.py",

@@ -117,8 +117,8 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
-    from lmforge.data.pipeline import run_pipeline, tokenize_output
-    from lmforge.data.pipeline_config import load_pipeline_config
+    from lmforge.corpus.config import load_pipeline_config
+    from lmforge.corpus.pipeline import run_pipeline, tokenize_output
 
     cfg = load_pipeline_config(args.config, parse_overrides(extra))
     start = time.perf_counter()
@@ -126,7 +126,7 @@ def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
     elapsed = time.perf_counter() - start
     if cfg.tokenize.enabled and not args.no_tokenize:
         report["tokens"] = tokenize_output(cfg, args.out)
-        from lmforge.data.pipeline import Layout, write_report
+        from lmforge.corpus.pipeline import Layout, write_report
 
         write_report(Layout(args.out).report, report)
     _print_data_summary(report, args.out, elapsed)

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from lmforge.config import DataConfig
-from lmforge.data.pystdlib import stdlib_files
+from lmforge.corpus.pystdlib import stdlib_files
 from lmforge.data.shards import Shard, ShardWriter, open_shards, read_meta, token_dtype, write_meta
 from lmforge.data.sources import Document, expand_paths, is_validation, read_source
 from lmforge.data.tokenizer import Tokenizer, batched, train_tokenizer

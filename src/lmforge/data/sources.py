@@ -3,7 +3,7 @@
 Formats: ``.txt`` (one document per file), ``.jsonl`` / ``.jsonl.gz`` / ``.jsonl.zst`` (one JSON object
 per line, text under a configurable key), ``.parquet`` (a text column), folders and globs of them, and
 the built-in corpus ``builtin:pystdlib``. Files are visited in sorted order so ids and order are
-deterministic. The parsing itself lives in :mod:`lmforge.data.readers` (shared with ``lmforge data``);
+deterministic. The parsing itself lives in :mod:`lmforge.corpus.readers` (shared with ``lmforge data``);
 here bad records are logged and skipped.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmforge.config import SourceConfig
-from lmforge.data import readers
+from lmforge.corpus import readers
 from lmforge.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def source_domains(source: SourceConfig) -> tuple[str, ...]:
     if source.domain is not None:
         return (source.domain,)
     if source.path == "builtin:pystdlib":
-        from lmforge.data.pystdlib import DOMAINS
+        from lmforge.corpus.pystdlib import DOMAINS
 
         return DOMAINS
     return ("default",)
@@ -114,7 +114,7 @@ def read_source(source: SourceConfig, include_tests: bool = False) -> Iterator[D
             raise DataError(
                 f"data.sources.path: unknown built-in corpus {name!r}; the built-in corpus is pystdlib"
             )
-        from lmforge.data.pystdlib import read_pystdlib
+        from lmforge.corpus.pystdlib import read_pystdlib
 
         for doc in read_pystdlib(include_tests=include_tests):
             yield doc if source.domain is None else Document(doc.id, doc.text, source.domain)

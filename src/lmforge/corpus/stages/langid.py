@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
-from lmforge.data.stages.base import Doc, DocStage, Drop, StageParams
+from lmforge.corpus.stages.base import Doc, DocStage, Drop, StageParams
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from lmforge.data.stages.base import CorpusStage, Doc, Drop, StageParams
+from lmforge.corpus.stages.base import CorpusStage, Doc, Drop, StageParams
 
 _SPACE = re.compile(r"\s+")
 DB = "first_holders.sqlite"

@@ -26,7 +26,7 @@ from dataclasses import replace
 
 from pydantic import Field
 
-from lmforge.data.stages.base import Doc, DocStage, Drop, StageParams
+from lmforge.corpus.stages.base import Doc, DocStage, Drop, StageParams
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ file, line). The stage list is cut at each corpus stage into **passes**::
 Every (pass, shard) is one task that streams its shard, writes its files under temporary names,
 renames them, and then writes a completion marker holding its counts (``work/pass-K/NNNNN.done``).
 Tasks are pure functions of the plan, so a killed run started again skips the marked tasks and
-produces the same files; the executor (worker processes or Ray, :mod:`lmforge.data.executors`) only
+produces the same files; the executor (worker processes or Ray, :mod:`lmforge.corpus.executors`) only
 decides where tasks run. ``report.json`` is the sum of the markers.
 """
 
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from lmforge.data import readers
-from lmforge.data.pipeline_config import PipelineConfig, PipelineSource, StageSpec, build_pipeline_config
-from lmforge.data.readers import Piece, ReadOptions
+from lmforge.corpus import readers
+from lmforge.corpus.config import PipelineConfig, PipelineSource, StageSpec, build_pipeline_config
+from lmforge.corpus.readers import Piece, ReadOptions
+from lmforge.corpus.stages.base import CorpusStage, Doc, DocStage, Drop
 from lmforge.data.sources import check_parquet_column, expand_paths
-from lmforge.data.stages.base import CorpusStage, Doc, DocStage, Drop
 from lmforge.errors import DataError, UserError
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def _builtin_pieces(i: int, source: PipelineSource) -> list[Piece]:
         raise DataError(
             f"sources[{i}].path: unknown built-in corpus {name!r}; the built-in corpus is pystdlib"
         )
-    from lmforge.data.pystdlib import stdlib_files
+    from lmforge.corpus.pystdlib import stdlib_files
 
     files = stdlib_files()
     out = [Piece(i, j, str(p), "pystdlib", size=p.stat().st_size) for j, p in enumerate(files)]
@@ -137,7 +137,7 @@ def _builtin_pieces(i: int, source: PipelineSource) -> list[Piece]:
 
 def _read(piece: Piece, source: PipelineSource) -> Iterator[Doc | tuple[Doc, Drop]]:
     if piece.fmt in ("pystdlib", "pystdlib_topics"):
-        from lmforge.data.pystdlib import read_stdlib_file, read_topics
+        from lmforge.corpus.pystdlib import read_stdlib_file, read_topics
 
         docs = read_stdlib_file(Path(piece.path)) if piece.fmt == "pystdlib" else read_topics()
         for n, d in enumerate(docs):
@@ -538,7 +538,7 @@ def run_pipeline(
     workers: int | None = None,
 ) -> dict[str, Any]:
     """Run (or continue) the pipeline into ``out``; returns the report also written to ``report.json``."""
-    from lmforge.data.executors import make_executor
+    from lmforge.corpus.executors import make_executor
 
     out = Path(out)
     plan = prepare_out(cfg, out)

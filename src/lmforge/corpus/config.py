@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from lmforge.config import _describe, config_keys, dump_toml, read_recipe
-from lmforge.data.stages.registry import STAGES, available, stage_class
+from lmforge.corpus.stages.registry import STAGES, available, stage_class
 from lmforge.errors import ConfigError
 
 
@@ -72,7 +72,7 @@ class StageSpec(BaseModel):
 
     @property
     def kind(self) -> str:
-        from lmforge.data.stages.base import CorpusStage
+        from lmforge.corpus.stages.base import CorpusStage
 
         return "corpus" if issubclass(stage_class(self.name), CorpusStage) else "doc"
 
@@ -206,9 +206,9 @@ def reference_markdown() -> str:
         "# Data pipeline configuration reference",
         "",
         "Keys of a `lmforge data` recipe (`configs/data/*.toml`), their defaults and meaning, then every",
-        "stage with its parameters. This file is generated from `lmforge/data/pipeline_config.py` and the",
+        "stage with its parameters. This file is generated from `lmforge/corpus/config.py` and the",
         "stage modules:",
-        "`python -c \"from lmforge.data.pipeline_config import reference_markdown as r; print(r(), end='')\" > docs/data.md`.",
+        "`python -c \"from lmforge.corpus.config import reference_markdown as r; print(r(), end='')\" > docs/data.md`.",
         "",
         "## Sources (`[[sources]]`, one table per input)",
         "",
@@ -231,7 +231,7 @@ def reference_markdown() -> str:
         "those domains; others pass through unchanged), and the stage's own parameters below. Removal",
         "reasons are `<stage>.<rule>`.",
     ]
-    from lmforge.data.stages.base import CorpusStage
+    from lmforge.corpus.stages.base import CorpusStage
 
     for name, cls in available().items():
         kind = (

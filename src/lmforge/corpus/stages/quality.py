@@ -27,7 +27,7 @@ from dataclasses import replace
 import numpy as np
 from pydantic import Field
 
-from lmforge.data.stages.base import Doc, DocStage, Drop, StageParams
+from lmforge.corpus.stages.base import Doc, DocStage, Drop, StageParams
 
 # ---------------------------------------------------------------------------------------------------
 # Shared text statistics

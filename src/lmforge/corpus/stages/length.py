@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from lmforge.data.stages.base import Doc, DocStage, Drop, StageParams
+from lmforge.corpus.stages.base import Doc, DocStage, Drop, StageParams
 
 
 class LengthParams(StageParams):

@@ -45,8 +45,8 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import Field
 
-from lmforge.data.stages import docindex
-from lmforge.data.stages.base import CorpusStage, Doc, Drop, StageParams
+from lmforge.corpus.stages import docindex
+from lmforge.corpus.stages.base import CorpusStage, Doc, Drop, StageParams
 from lmforge.errors import DataError
 
 log = logging.getLogger(__name__)
