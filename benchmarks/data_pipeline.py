@@ -36,8 +36,9 @@ from typing import Any
 
 from minhash import bench_minhash
 
+from lmforge.corpus.document import Doc
 from lmforge.corpus.pystdlib import read_pystdlib
-from lmforge.corpus.stages.base import Doc, DocStage, run_doc_stages
+from lmforge.corpus.stages.base import DocStage, run_doc_stages
 from lmforge.corpus.stages.quality import (
     C4Filter,
     FineWebFilter,

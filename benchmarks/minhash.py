@@ -30,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lmforge.corpus.document import Doc
 from lmforge.corpus.pystdlib import read_pystdlib
-from lmforge.corpus.stages.base import Doc
 from lmforge.corpus.stages.dedup_minhash import MinHashDedup
 
 

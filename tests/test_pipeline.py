@@ -22,9 +22,10 @@ from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.corpus import readers
 from lmforge.corpus.config import build_pipeline_config, load_pipeline_config, reference_markdown
+from lmforge.corpus.document import Doc, Drop
 from lmforge.corpus.pipeline import iter_kept, run_pipeline, tokenize_output
 from lmforge.corpus.stages import registry
-from lmforge.corpus.stages.base import Doc, DocStage, Drop, run_corpus_stage
+from lmforge.corpus.stages.base import DocStage, run_corpus_stage
 from lmforge.corpus.stages.dedup_exact import ExactDedup
 from lmforge.corpus.stages.length import LengthFilter, LengthParams
 from lmforge.errors import ConfigError, DataError, UserError

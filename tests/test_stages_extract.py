@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmforge.corpus.stages.base import Doc, Drop
+from lmforge.corpus.document import Doc, Drop
 from lmforge.corpus.stages.extract import Extract, ExtractParams
 from lmforge.corpus.stages.langid import LangId, LangIdParams
 from lmforge.corpus.stages.normalize import Normalize, NormalizeParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from lmforge.corpus.stages.base import Doc
+from lmforge.corpus.document import Doc
 from lmforge.corpus.stages.pii import PiiParams, PiiRedact, luhn_valid
 
 FIRST = ["anna", "john", "maria", "li", "oluwaseun", "francois", "zoe", "ahmed", "k", "o.brien"]

@@ -32,8 +32,9 @@ from typing import IO, Any
 
 from lmforge.corpus import readers
 from lmforge.corpus.config import PipelineConfig, PipelineSource, StageSpec, build_pipeline_config
+from lmforge.corpus.document import Doc, Drop
 from lmforge.corpus.readers import Piece, ReadOptions
-from lmforge.corpus.stages.base import CorpusStage, Doc, DocStage, Drop
+from lmforge.corpus.stages.base import CorpusStage, DocStage
 from lmforge.data.sources import check_parquet_column, expand_paths
 from lmforge.errors import DataError, UserError
 
@@ -640,14 +641,12 @@ def build_report(ctx: Context, plan: dict[str, Any]) -> dict[str, Any]:
 # kept documents -> tokenizer + token shards
 
 
-def iter_kept(out: str | Path) -> Iterator[Any]:
-    """The kept documents of a finished run, in corpus order, as :class:`~lmforge.data.sources.Document`."""
-    from lmforge.data.sources import Document
-
+def iter_kept(out: str | Path) -> Iterator[Doc]:
+    """The kept documents of a finished run, in corpus order (``id``, ``text``, ``domain``)."""
     for path in sorted(Layout(out).kept.glob("*.jsonl*")):
         if not path.name.endswith(".tmp"):
             for rec in readers.json_records(path):
-                yield Document(rec["id"], rec["text"], rec["domain"])
+                yield Doc(rec["id"], rec["text"], rec["domain"])
 
 
 def kept_fingerprint(out: str | Path) -> str:

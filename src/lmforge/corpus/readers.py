@@ -2,7 +2,7 @@
 
 A :class:`Piece` is a contiguous part of one input file: a whole file, a byte range of an uncompressed
 JSONL file (cut at line boundaries), or a range of row groups of a parquet file. :func:`read_piece`
-yields, in file order, a :class:`~lmforge.corpus.stages.base.Doc` per good record and a ``(doc, Drop)``
+yields, in file order, a :class:`~lmforge.corpus.document.Doc` per good record and a ``(doc, Drop)``
 pair per bad one, with the reason ``read.<rule>`` and the file and line in ``doc.meta``:
 
 * ``read.malformed_json``: a JSONL line that does not parse;
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lmforge.corpus.stages.base import Doc, Drop
+from lmforge.corpus.document import Doc, Drop
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from lmforge.config import DataConfig
+from lmforge.corpus.document import Doc
 from lmforge.corpus.pystdlib import stdlib_files
 from lmforge.data.shards import Shard, ShardWriter, open_shards, read_meta, token_dtype, write_meta
-from lmforge.data.sources import Document, expand_paths, is_validation, read_source
+from lmforge.data.sources import expand_paths, is_validation, read_source
 from lmforge.data.tokenizer import Tokenizer, batched, train_tokenizer
 from lmforge.errors import DataError
 
@@ -102,7 +103,7 @@ def input_fingerprint(cfg: DataConfig) -> str:
     return h.hexdigest()
 
 
-def iter_documents(cfg: DataConfig) -> Iterator[Document]:
+def iter_documents(cfg: DataConfig) -> Iterator[Doc]:
     for source in cfg.sources:
         yield from read_source(source, cfg.include_tests)
 
@@ -186,7 +187,7 @@ def _build(cfg: DataConfig, build: Path, fingerprint: str, user_tok: Tokenizer |
 
 def write_token_shards(
     build: Path,
-    documents: Callable[[], Iterable[Document]],
+    documents: Callable[[], Iterable[Doc]],
     vocab_size: int,
     val_fraction: float,
     user_tok: Tokenizer | None,

@@ -1,4 +1,4 @@
-"""Readers: turn configured sources into a stream of :class:`Document`.
+"""Training's reading of ``data.sources``: configured sources -> a stream of :class:`Doc`.
 
 Formats: ``.txt`` (one document per file), ``.jsonl`` / ``.jsonl.gz`` / ``.jsonl.zst`` (one JSON object
 per line, text under a configurable key), ``.parquet`` (a text column), folders and globs of them, and
@@ -13,23 +13,16 @@ import glob
 import hashlib
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from lmforge.config import SourceConfig
 from lmforge.corpus import readers
+from lmforge.corpus.document import Doc
 from lmforge.errors import DataError
 
 log = logging.getLogger(__name__)
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
-
-
-@dataclass(frozen=True)
-class Document:
-    id: str
-    text: str
-    domain: str
 
 
 def detect_format(path: Path) -> str:
@@ -62,7 +55,7 @@ def expand_paths(
     return files
 
 
-def _lenient(piece: readers.Piece, opts: readers.ReadOptions) -> Iterator[Document]:
+def _lenient(piece: readers.Piece, opts: readers.ReadOptions) -> Iterator[Doc]:
     """Good documents of a piece; bad records are logged and skipped (training reads trusted data)."""
     for out in readers.read_piece(piece, opts):
         if isinstance(out, tuple):
@@ -70,20 +63,20 @@ def _lenient(piece: readers.Piece, opts: readers.ReadOptions) -> Iterator[Docume
             if drop.reason != "read.empty":
                 log.warning("%s: skipped (%s)", doc.id, drop.reason)
             continue
-        yield Document(out.id, out.text, out.domain)
+        yield out
 
 
-def read_txt(path: Path, domain: str) -> Iterator[Document]:
+def read_txt(path: Path, domain: str) -> Iterator[Doc]:
     opts = readers.ReadOptions(domain=domain, strict_utf8=False)
     yield from _lenient(readers.Piece(0, 0, str(path), "txt"), opts)
 
 
-def read_jsonl(path: Path, domain: str, text_field: str) -> Iterator[Document]:
+def read_jsonl(path: Path, domain: str, text_field: str) -> Iterator[Doc]:
     opts = readers.ReadOptions(domain=domain, text_field=text_field, strict_utf8=False)
     yield from _lenient(readers.Piece(0, 0, str(path), "jsonl"), opts)
 
 
-def read_parquet(path: Path, domain: str, text_field: str) -> Iterator[Document]:
+def read_parquet(path: Path, domain: str, text_field: str) -> Iterator[Doc]:
     check_parquet_column(path, text_field, "data.sources.text_field")
     opts = readers.ReadOptions(domain=domain, text_field=text_field)
     yield from _lenient(readers.Piece(0, 0, str(path), "parquet", first_line=0), opts)
@@ -106,7 +99,7 @@ def source_domains(source: SourceConfig) -> tuple[str, ...]:
     return ("default",)
 
 
-def read_source(source: SourceConfig, include_tests: bool = False) -> Iterator[Document]:
+def read_source(source: SourceConfig, include_tests: bool = False) -> Iterator[Doc]:
     """All documents of one configured source, in a deterministic order."""
     if source.path.startswith("builtin:"):
         name = source.path.removeprefix("builtin:")
@@ -117,7 +110,7 @@ def read_source(source: SourceConfig, include_tests: bool = False) -> Iterator[D
         from lmforge.corpus.pystdlib import read_pystdlib
 
         for doc in read_pystdlib(include_tests=include_tests):
-            yield doc if source.domain is None else Document(doc.id, doc.text, source.domain)
+            yield doc if source.domain is None else Doc(doc.id, doc.text, source.domain)
         return
     domain = source.domain or "default"
     for path in expand_paths(source.path):
