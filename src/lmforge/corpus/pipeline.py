@@ -35,14 +35,12 @@ from lmforge.corpus.config import PipelineConfig, PipelineSource, StageSpec, bui
 from lmforge.corpus.document import Doc, Drop
 from lmforge.corpus.readers import Piece, ReadOptions
 from lmforge.corpus.stages.base import CorpusStage, DocStage
-from lmforge.data.sources import check_parquet_column, expand_paths
 from lmforge.errors import DataError, UserError
 
 log = logging.getLogger(__name__)
 
 PLAN_VERSION = 1
 WORK = "work"
-SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".html", ".htm", ".pdf")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -94,15 +92,15 @@ def plan_shards(cfg: PipelineConfig) -> tuple[list[list[Piece]], list[list[Any]]
     pieces: list[Piece] = []
     inputs: list[list[Any]] = []
     for i, source in enumerate(cfg.sources):
-        if source.path.startswith("builtin:"):
-            pieces.extend(_builtin_pieces(i, source))
+        if readers.builtin_corpus(source.path, f"sources[{i}].path"):
+            pieces.extend(_builtin_pieces(i))
             continue
-        files = expand_paths(source.path, f"sources[{i}].path", readers.detect_format, SUFFIXES)
+        files = readers.expand_paths(source.path, f"sources[{i}].path")
         for j, path in enumerate(files):
             fmt = source.format if source.format != "auto" else (readers.detect_format(path) or "unknown")
             if fmt == "parquet":
                 with contextlib.suppress(Exception):  # a damaged file is reported when read
-                    check_parquet_column(path, source.text_field, f"sources[{i}].text_field")
+                    readers.check_parquet_column(path, source.text_field, f"sources[{i}].text_field")
             st = path.stat()
             inputs.append([str(path), st.st_size, st.st_mtime_ns])
             pieces.extend(readers.plan_pieces(i, j, path, fmt, cfg.execution.chunk_bytes))
@@ -117,22 +115,14 @@ def plan_shards(cfg: PipelineConfig) -> tuple[list[list[Piece]], list[list[Any]]
     return shards, inputs
 
 
-def _builtin_pieces(i: int, source: PipelineSource) -> list[Piece]:
-    name = source.path.removeprefix("builtin:")
-    if name != "pystdlib":
-        raise DataError(
-            f"sources[{i}].path: unknown built-in corpus {name!r}; the built-in corpus is pystdlib"
-        )
-    from lmforge.corpus.pystdlib import stdlib_files
+def _builtin_pieces(i: int) -> list[Piece]:
+    """``builtin:pystdlib``: a piece per standard-library file, then one for the pydoc topics."""
+    from lmforge.corpus.pystdlib import stdlib_files, topics_file
 
     files = stdlib_files()
     out = [Piece(i, j, str(p), "pystdlib", size=p.stat().st_size) for j, p in enumerate(files)]
-    try:
-        import pydoc_data.topics as topics
-
-        size = Path(topics.__file__).stat().st_size
-    except ImportError:  # some distributions strip pydoc_data: the piece then reads nothing
-        size = 0
+    topics = topics_file()  # None where pydoc_data is stripped: the piece then reads nothing
+    size = topics.stat().st_size if topics is not None else 0
     return [*out, Piece(i, len(files), "pydoc_data.topics", "pystdlib_topics", size=size)]
 
 

@@ -45,6 +45,15 @@ def stdlib_files(include_tests: bool = False) -> list[Path]:
     return sorted(files)
 
 
+def topics_file() -> Path | None:
+    """The file of ``pydoc_data.topics`` (read by :func:`read_topics`), None where it is stripped."""
+    try:
+        import pydoc_data.topics as topics
+    except ImportError:  # some distributions strip pydoc_data
+        return None
+    return Path(topics.__file__)
+
+
 def _docstrings(tree: ast.Module, module: str) -> list[str]:
     """Module, class and function docstrings in source order, each headed by its qualified name."""
     out: list[str] = []
