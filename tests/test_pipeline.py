@@ -23,11 +23,12 @@ from lmforge.config import load_config
 from lmforge.corpus import readers
 from lmforge.corpus.config import build_pipeline_config, load_pipeline_config, reference_markdown
 from lmforge.corpus.document import Doc, Drop
-from lmforge.corpus.pipeline import iter_kept, run_pipeline, tokenize_output
+from lmforge.corpus.pipeline import iter_kept, run_pipeline
 from lmforge.corpus.stages import registry
 from lmforge.corpus.stages.base import DocStage, run_corpus_stage
 from lmforge.corpus.stages.dedup_exact import ExactDedup
 from lmforge.corpus.stages.length import LengthFilter, LengthParams
+from lmforge.data.tokenize_output import tokenize_output
 from lmforge.errors import ConfigError, DataError, UserError
 
 ROOT = Path(__file__).parents[1]

@@ -118,7 +118,8 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
     from lmforge.corpus.config import load_pipeline_config
-    from lmforge.corpus.pipeline import run_pipeline, tokenize_output
+    from lmforge.corpus.pipeline import Layout, run_pipeline, write_report
+    from lmforge.data.tokenize_output import tokenize_output
 
     cfg = load_pipeline_config(args.config, parse_overrides(extra))
     start = time.perf_counter()
@@ -126,8 +127,6 @@ def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
     elapsed = time.perf_counter() - start
     if cfg.tokenize.enabled and not args.no_tokenize:
         report["tokens"] = tokenize_output(cfg, args.out)
-        from lmforge.corpus.pipeline import Layout, write_report
-
         write_report(Layout(args.out).report, report)
     _print_data_summary(report, args.out, elapsed)
     return 0

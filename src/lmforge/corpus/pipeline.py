@@ -628,54 +628,25 @@ def build_report(ctx: Context, plan: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# kept documents -> tokenizer + token shards
+# the kept documents of a finished run (tokenized by lmforge.data.tokenize_output)
+
+
+def kept_files(out: str | Path) -> list[Path]:
+    """``OUT/kept``'s files in corpus (shard) order."""
+    return [p for p in sorted(Layout(out).kept.glob("*.jsonl*")) if not p.name.endswith(".tmp")]
 
 
 def iter_kept(out: str | Path) -> Iterator[Doc]:
     """The kept documents of a finished run, in corpus order (``id``, ``text``, ``domain``)."""
-    for path in sorted(Layout(out).kept.glob("*.jsonl*")):
-        if not path.name.endswith(".tmp"):
-            for rec in readers.json_records(path):
-                yield Doc(rec["id"], rec["text"], rec["domain"])
+    for path in kept_files(out):
+        for rec in readers.json_records(path):
+            yield Doc(rec["id"], rec["text"], rec["domain"])
 
 
 def kept_fingerprint(out: str | Path) -> str:
+    """SHA-256 over the names and contents of the kept files: changes whenever the kept documents do."""
     h = hashlib.sha256()
-    for path in sorted(Layout(out).kept.glob("*.jsonl*")):
+    for path in kept_files(out):
         h.update(path.name.encode() + b"\0")
         h.update(hashlib.sha256(path.read_bytes()).digest())
     return h.hexdigest()
-
-
-def tokenize_output(cfg: PipelineConfig, out: str | Path) -> dict[str, Any]:
-    """Tokenizer + token shards per domain of the kept documents in ``OUT/tokens`` (reused if current)."""
-    from lmforge.data.prepare import write_token_shards
-    from lmforge.data.shards import read_meta
-    from lmforge.data.tokenizer import Tokenizer
-
-    lay = Layout(out, cfg.output.compression)
-    tcfg = cfg.tokenize
-    user_tok = Tokenizer(tcfg.tokenizer) if tcfg.tokenizer else None
-    h = hashlib.sha256(kept_fingerprint(out).encode())
-    h.update(json.dumps(tcfg.model_dump(mode="json"), sort_keys=True).encode())
-    h.update((user_tok.sha256 if user_tok else "").encode())
-    fingerprint = h.hexdigest()
-    meta = read_meta(lay.tokens)
-    if meta is None or meta.get("input_fingerprint") != fingerprint:
-        build = lay.out / "tokens.building"
-        shutil.rmtree(build, ignore_errors=True)
-        build.mkdir(parents=True)
-        meta = write_token_shards(
-            build,
-            lambda: iter_kept(out),
-            tcfg.vocab_size,
-            tcfg.val_fraction,
-            user_tok,
-            fingerprint,
-            f"{lay.kept}: no documents were kept; loosen the stages or check the sources",
-        )
-        shutil.rmtree(lay.tokens, ignore_errors=True)
-        build.rename(lay.tokens)
-    else:
-        log.info("data: token shards in %s are current", lay.tokens)
-    return {"vocab_size": meta["vocab_size"], "documents": meta["documents"], "tokens": meta["tokens"]}
