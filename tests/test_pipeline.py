@@ -312,6 +312,7 @@ def test_domains_meta_counters_errors_and_dedup_against_reference(tmp_path, monk
         tmp_path,
         [{"path": str(web), "domain": "web"}, {"path": str(code), "domain": "code"}],
         [{"name": "count_vowels", "domains": ["web"]}, {"name": "dedup_exact", "domains": ["web"]}],
+        execution={"chunk_bytes": 16384, "max_error_fraction": 0.2},  # 1 error in 6 web documents
     )
     report = run_pipeline(cfg, tmp_path / "out", workers=1)
     kept = {r["id"]: r for r in _records(tmp_path / "out" / "kept")}
@@ -325,6 +326,8 @@ def test_domains_meta_counters_errors_and_dedup_against_reference(tmp_path, monk
         "duplicate_of": "w0",
     }
     assert removed["w2"]["reason"] == "count_vowels.error" and removed["w3"]["reason"] == "count_vowels.asked"
+    vowels = next(s for s in report["stages"] if s["stage"] == "count_vowels")
+    assert vowels["errors"]["count"] == 1 and vowels["errors"]["documents"] == 6  # web documents only
     assert kept["w5"]["meta"] == {"counts": {"vowels": 4}} and kept["c0"]["meta"] == {}
     assert report["meta"] == {"counts.vowels": 5 + 7 + 4}  # summed over kept documents
     dedup = next(s for s in report["stages"] if s["stage"] == "dedup_exact")

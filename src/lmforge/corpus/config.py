@@ -107,6 +107,14 @@ class ExecutionConfig(_Section):
         ge=1024,
         description="input per shard: files are grouped and large files cut to about this size",
     )
+    max_error_fraction: float = Field(
+        0.001,
+        ge=0,
+        le=1,
+        description="stage errors (exceptions; the document is removed as `<stage>.error`) allowed per stage, "
+        "as a share of the documents it was given; past it the run stops after the pass (exit status 2) "
+        "and the same command continues once the stage is fixed",
+    )
 
 
 class TokenizeConfig(_Section):
@@ -142,7 +150,8 @@ class PipelineConfig(_Section):
         return dump_toml(self.to_tree())
 
     def fingerprint(self) -> str:
-        """Hash of what shapes the output (everything but how it is executed, except the shard size)."""
+        """Hash of what shapes the output: not how it is executed (executor, workers, error budget), but
+        the shard size."""
         tree = self.to_tree()
         tree["execution"] = {"chunk_bytes": self.execution.chunk_bytes}
         return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
