@@ -1,7 +1,7 @@
 """Throughput of lmforge's quality filters and MinHash deduplication against datatrove's blocks.
 
 Part 1, filters:
-Both sides see the same prose documents (``lmforge.data.pystdlib``: module docstrings and the language
+Both sides see the same prose documents (``lmforge.corpus.pystdlib``: module docstrings and the language
 reference topics) in one process on one core, in the same run: first each filter alone over every
 document, then the chain gopher_quality -> gopher_repetition -> c4 -> fineweb (a document stops at
 the first filter that removes it; C4's line edits feed the next filter). Rounds alternate between the
@@ -36,9 +36,10 @@ from typing import Any
 
 from minhash import bench_minhash
 
-from lmforge.data.pystdlib import read_pystdlib
-from lmforge.data.stages.base import Doc, DocStage, run_doc_stages
-from lmforge.data.stages.quality import (
+from lmforge.corpus.document import Doc
+from lmforge.corpus.pystdlib import read_pystdlib
+from lmforge.corpus.stages.base import DocStage, run_doc_stages
+from lmforge.corpus.stages.quality import (
     C4Filter,
     FineWebFilter,
     FineWebParams,

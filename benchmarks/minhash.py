@@ -30,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from lmforge.data.pystdlib import read_pystdlib
-from lmforge.data.stages.base import Doc
-from lmforge.data.stages.dedup_minhash import MinHashDedup
+from lmforge.corpus.document import Doc
+from lmforge.corpus.pystdlib import read_pystdlib
+from lmforge.corpus.stages.dedup_minhash import MinHashDedup
 
 
 def edit_words(text: str, fraction: float, vocab: list[str], rng: random.Random) -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmforge.config import Config, ModelConfig
-from lmforge.data.pystdlib import stdlib_root
+from lmforge.corpus.pystdlib import stdlib_root
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
 from lmforge.recipe import load_config

@@ -10,8 +10,8 @@ import pytest
 import zstandard
 
 from lmforge.config import DataConfig, SourceConfig
+from lmforge.corpus.pystdlib import read_pystdlib
 from lmforge.data.prepare import prepare_data
-from lmforge.data.pystdlib import read_pystdlib
 from lmforge.data.shards import Shard, ShardWriter, token_dtype
 from lmforge.data.sources import is_validation, read_source
 from lmforge.data.tokenizer import EOT, Tokenizer, train_tokenizer

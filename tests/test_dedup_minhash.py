@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmforge.data.stages.base import Doc, Drop, run_corpus_stage
-from lmforge.data.stages.dedup_minhash import (
+from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.stages.base import run_corpus_stage
+from lmforge.corpus.stages.dedup_minhash import (
     MinHashDedup,
     MinHasher,
     Params,

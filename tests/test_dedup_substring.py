@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.data.stages import dedup_substring
-from lmforge.data.stages.base import Doc, Drop, run_corpus_stage
-from lmforge.data.stages.dedup_substring import Params, SubstringDedup
+from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.stages import dedup_substring
+from lmforge.corpus.stages.base import run_corpus_stage
+from lmforge.corpus.stages.dedup_substring import Params, SubstringDedup
 from lmforge.errors import DataError
 
 

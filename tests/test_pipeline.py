@@ -19,13 +19,15 @@ import pytest
 import zstandard
 
 from lmforge.cli import main
-from lmforge.data import readers
-from lmforge.data.pipeline import iter_kept, run_pipeline, tokenize_output
-from lmforge.data.pipeline_config import build_pipeline_config, load_pipeline_config, reference_markdown
-from lmforge.data.stages import registry
-from lmforge.data.stages.base import Doc, DocStage, Drop, run_corpus_stage
-from lmforge.data.stages.dedup_exact import ExactDedup
-from lmforge.data.stages.length import LengthFilter, LengthParams
+from lmforge.corpus import readers
+from lmforge.corpus.config import build_pipeline_config, load_pipeline_config, reference_markdown
+from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.pipeline import iter_kept, run_pipeline
+from lmforge.corpus.stages import registry
+from lmforge.corpus.stages.base import DocStage, run_corpus_stage
+from lmforge.corpus.stages.dedup_exact import ExactDedup
+from lmforge.corpus.stages.length import LengthFilter, LengthParams
+from lmforge.data.tokenize_output import tokenize_output
 from lmforge.errors import ConfigError, DataError, UserError
 from lmforge.recipe import load_config
 
@@ -310,6 +312,7 @@ def test_domains_meta_counters_errors_and_dedup_against_reference(tmp_path, monk
         tmp_path,
         [{"path": str(web), "domain": "web"}, {"path": str(code), "domain": "code"}],
         [{"name": "count_vowels", "domains": ["web"]}, {"name": "dedup_exact", "domains": ["web"]}],
+        execution={"chunk_bytes": 16384, "max_error_fraction": 0.2},  # 1 error in 6 web documents
     )
     report = run_pipeline(cfg, tmp_path / "out", workers=1)
     kept = {r["id"]: r for r in _records(tmp_path / "out" / "kept")}
@@ -323,6 +326,8 @@ def test_domains_meta_counters_errors_and_dedup_against_reference(tmp_path, monk
         "duplicate_of": "w0",
     }
     assert removed["w2"]["reason"] == "count_vowels.error" and removed["w3"]["reason"] == "count_vowels.asked"
+    vowels = next(s for s in report["stages"] if s["stage"] == "count_vowels")
+    assert vowels["errors"]["count"] == 1 and vowels["errors"]["documents"] == 6  # web documents only
     assert kept["w5"]["meta"] == {"counts": {"vowels": 4}} and kept["c0"]["meta"] == {}
     assert report["meta"] == {"counts.vowels": 5 + 7 + 4}  # summed over kept documents
     dedup = next(s for s in report["stages"] if s["stage"] == "dedup_exact")

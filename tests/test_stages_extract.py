@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from lmforge.data.stages.base import Doc, Drop
-from lmforge.data.stages.extract import Extract, ExtractParams
-from lmforge.data.stages.langid import LangId, LangIdParams
-from lmforge.data.stages.normalize import Normalize, NormalizeParams
+from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.stages.extract import Extract, ExtractParams
+from lmforge.corpus.stages.langid import LangId, LangIdParams
+from lmforge.corpus.stages.normalize import Normalize, NormalizeParams
 
 ARTICLE = [
     "Tide pools form where the sea retreats twice a day and leaves water trapped among the rocks.",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from lmforge.data.stages.base import Doc
-from lmforge.data.stages.pii import PiiParams, PiiRedact, luhn_valid
+from lmforge.corpus.document import Doc
+from lmforge.corpus.stages.pii import PiiParams, PiiRedact, luhn_valid
 
 FIRST = ["anna", "john", "maria", "li", "oluwaseun", "francois", "zoe", "ahmed", "k", "o.brien"]
 LAST = ["smith", "garcia", "muller", "nguyen", "kowalski", "okafor", "dupont", "ito", "x", "van-dyke"]

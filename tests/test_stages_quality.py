@@ -7,9 +7,10 @@ from collections import Counter
 
 import pytest
 
-from lmforge.data.pystdlib import stdlib_root
-from lmforge.data.stages.base import Doc, Drop, run_doc_stages
-from lmforge.data.stages.quality import (
+from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.pystdlib import stdlib_root
+from lmforge.corpus.stages.base import run_doc_stages
+from lmforge.corpus.stages.quality import (
     C4Filter,
     C4Params,
     CodeQuality,

@@ -100,8 +100,9 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
-    from lmforge.data.pipeline import run_pipeline, tokenize_output
-    from lmforge.data.pipeline_config import load_pipeline_config
+    from lmforge.corpus.config import load_pipeline_config
+    from lmforge.corpus.pipeline import Layout, run_pipeline, write_report
+    from lmforge.data.tokenize_output import tokenize_output
 
     cfg = load_pipeline_config(args.config, parse_overrides(extra))
     start = time.perf_counter()
@@ -109,8 +110,6 @@ def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
     elapsed = time.perf_counter() - start
     if cfg.tokenize.enabled and not args.no_tokenize:
         report["tokens"] = tokenize_output(cfg, args.out)
-        from lmforge.data.pipeline import Layout, write_report
-
         write_report(Layout(args.out).report, report)
     _print_data_summary(report, args.out, elapsed)
     return 0

@@ -1,1 +1,1 @@
-"""Everything before the model sees a token: readers, tokenizer, token shards, loader."""
+"""What training reads: tokenizer, token shards, packed loader, mixtures; sources via corpus readers."""

@@ -24,9 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from lmforge.config import DataConfig
-from lmforge.data.pystdlib import stdlib_files
+from lmforge.corpus import readers
+from lmforge.corpus.document import Doc
+from lmforge.corpus.pystdlib import stdlib_files, topics_file
 from lmforge.data.shards import Shard, ShardWriter, open_shards, read_meta, token_dtype, write_meta
-from lmforge.data.sources import Document, expand_paths, is_validation, read_source
+from lmforge.data.sources import is_validation, read_source, source_files
 from lmforge.data.tokenizer import Tokenizer, batched, train_tokenizer
 from lmforge.errors import DataError
 
@@ -78,18 +80,11 @@ def input_files(cfg: DataConfig) -> list[Path]:
         return [root / "meta.json", root / "tokenizer.json"]
     files: list[Path] = []
     for i, source in enumerate(cfg.sources):
-        if source.path == "builtin:pystdlib":
-            files.extend(stdlib_files(cfg.include_tests))
-            try:
-                import pydoc_data.topics as topics
-
-                files.append(Path(topics.__file__))
-            except ImportError:
-                pass
-        elif source.path.startswith("builtin:"):
-            list(read_source(source))  # raises the error for an unknown built-in
+        if readers.builtin_corpus(source.path, f"data.sources[{i}].path") == "pystdlib":
+            topics = topics_file()
+            files.extend([*stdlib_files(cfg.include_tests), *([topics] if topics else [])])
         else:
-            files.extend(expand_paths(source.path, f"data.sources[{i}].path"))
+            files.extend(source_files(source, f"data.sources[{i}].path"))
     return files
 
 
@@ -102,7 +97,7 @@ def input_fingerprint(cfg: DataConfig) -> str:
     return h.hexdigest()
 
 
-def iter_documents(cfg: DataConfig) -> Iterator[Document]:
+def iter_documents(cfg: DataConfig) -> Iterator[Doc]:
     for source in cfg.sources:
         yield from read_source(source, cfg.include_tests)
 
@@ -186,7 +181,7 @@ def _build(cfg: DataConfig, build: Path, fingerprint: str, user_tok: Tokenizer |
 
 def write_token_shards(
     build: Path,
-    documents: Callable[[], Iterable[Document]],
+    documents: Callable[[], Iterable[Doc]],
     vocab_size: int,
     val_fraction: float,
     user_tok: Tokenizer | None,

@@ -45,8 +45,9 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import Field
 
-from lmforge.data.stages import docindex
-from lmforge.data.stages.base import CorpusStage, Doc, Drop, StageParams
+from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.stages import docindex
+from lmforge.corpus.stages.base import CorpusStage, StageParams
 from lmforge.errors import DataError
 
 log = logging.getLogger(__name__)

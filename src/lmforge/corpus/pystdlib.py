@@ -20,7 +20,7 @@ import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
-from lmforge.data.sources import Document
+from lmforge.corpus.document import Doc
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,15 @@ def stdlib_files(include_tests: bool = False) -> list[Path]:
     return sorted(files)
 
 
+def topics_file() -> Path | None:
+    """The file of ``pydoc_data.topics`` (read by :func:`read_topics`), None where it is stripped."""
+    try:
+        import pydoc_data.topics as topics
+    except ImportError:  # some distributions strip pydoc_data
+        return None
+    return Path(topics.__file__)
+
+
 def _docstrings(tree: ast.Module, module: str) -> list[str]:
     """Module, class and function docstrings in source order, each headed by its qualified name."""
     out: list[str] = []
@@ -65,13 +74,13 @@ def _docstrings(tree: ast.Module, module: str) -> list[str]:
     return out
 
 
-def read_pystdlib(include_tests: bool = False) -> Iterator[Document]:
+def read_pystdlib(include_tests: bool = False) -> Iterator[Doc]:
     for path in stdlib_files(include_tests):
         yield from read_stdlib_file(path)
     yield from read_topics()
 
 
-def read_stdlib_file(path: Path) -> Iterator[Document]:
+def read_stdlib_file(path: Path) -> Iterator[Doc]:
     """The ``code`` document of one standard-library file and its ``prose`` (docstrings) document."""
     rel = path.relative_to(stdlib_root()).as_posix()
     try:
@@ -81,7 +90,7 @@ def read_stdlib_file(path: Path) -> Iterator[Document]:
         log.debug("pystdlib: skipped unreadable %s", rel)
         return
     if source.strip():
-        yield Document(f"pystdlib/code/{rel}", source, "code")
+        yield Doc(f"pystdlib/code/{rel}", source, "code")
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -89,10 +98,10 @@ def read_stdlib_file(path: Path) -> Iterator[Document]:
     module = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
     docs = _docstrings(tree, module)
     if docs:
-        yield Document(f"pystdlib/prose/{rel}", "\n\n".join(docs) + "\n", "prose")
+        yield Doc(f"pystdlib/prose/{rel}", "\n\n".join(docs) + "\n", "prose")
 
 
-def read_topics() -> Iterator[Document]:
+def read_topics() -> Iterator[Doc]:
     """Each topic of ``pydoc_data.topics`` (the language reference ``help()`` shows) as a prose document."""
     try:
         from pydoc_data.topics import topics
@@ -100,4 +109,4 @@ def read_topics() -> Iterator[Document]:
         return
     for name in sorted(topics):
         if topics[name].strip():
-            yield Document(f"pystdlib/prose/topics/{name}", topics[name], "prose")
+            yield Doc(f"pystdlib/prose/topics/{name}", topics[name], "prose")

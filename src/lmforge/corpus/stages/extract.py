@@ -26,7 +26,8 @@ from dataclasses import replace
 
 from pydantic import Field
 
-from lmforge.data.stages.base import Doc, DocStage, Drop, StageParams
+from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.stages.base import DocStage, StageParams
 
 log = logging.getLogger(__name__)
 

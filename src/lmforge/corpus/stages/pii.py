@@ -30,7 +30,8 @@ from dataclasses import replace
 
 from pydantic import Field
 
-from lmforge.data.stages.base import Doc, DocStage, Drop, StageParams
+from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.stages.base import DocStage, StageParams
 
 # Speed: each pattern starts with a character class (the regex engine then skips ahead in C to the
 # next candidate character) and checks the character before the match with a two-character

@@ -12,8 +12,22 @@ file, line). The stage list is cut at each corpus stage into **passes**::
 Every (pass, shard) is one task that streams its shard, writes its files under temporary names,
 renames them, and then writes a completion marker holding its counts (``work/pass-K/NNNNN.done``).
 Tasks are pure functions of the plan, so a killed run started again skips the marked tasks and
-produces the same files; the executor (worker processes or Ray, :mod:`lmforge.data.executors`) only
+produces the same files; the executor (worker processes or Ray, :mod:`lmforge.corpus.executors`) only
 decides where tasks run. ``report.json`` is the sum of the markers.
+
+**Stage errors.** An exception inside a stage removes that document (reason ``<stage>.error``); each
+marker counts, per stage, the documents the stage was given (for a corpus stage: in its signature
+pass), its errors and its first error (the traceback's frame in the stage's code). After every pass,
+once all its shards are done, the driver sums the markers of the passes so far; a stage with more
+errors than ``execution.max_error_fraction`` of its documents stops the run with
+:class:`StageErrorBudget` (one line, exit status 2). Checking sums of whole passes makes the outcome
+independent of the number of workers and of the order shards finish in (the price: a broken stage
+is noticed at the end of its pass, not at its first error). Before raising, the driver forgets the
+failing stage's work and what followed it: the markers of every pass from the stage's first one (a
+per-document stage's only pass; a corpus stage's signature pass) on, the plans of the corpus stages
+from there on, and ``report.json``. The intent is written first (``work/redo.json``), so a run killed
+while forgetting finishes the job when started again. The same command, once the stage is fixed,
+reuses the earlier passes and redoes the rest, giving the output of a run that never failed.
 """
 
 from __future__ import annotations
@@ -22,26 +36,28 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import pickle
 import shutil
+import sys
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from lmforge.data import readers
-from lmforge.data.pipeline_config import PipelineConfig, PipelineSource, StageSpec, build_pipeline_config
-from lmforge.data.readers import Piece, ReadOptions
-from lmforge.data.sources import check_parquet_column, expand_paths
-from lmforge.data.stages.base import CorpusStage, Doc, DocStage, Drop
+from lmforge.corpus import readers
+from lmforge.corpus.config import PipelineConfig, PipelineSource, StageSpec, build_pipeline_config
+from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.readers import Piece, ReadOptions
+from lmforge.corpus.stages.base import CorpusStage, DocStage
 from lmforge.errors import DataError, UserError
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: markers count stage errors
 WORK = "work"
-SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".html", ".htm", ".pdf")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -67,12 +83,14 @@ class Stages:
         self.segments: list[list[Slot]] = [[]]
         self.corpus: list[Slot] = []
         self.labels: list[str] = ["read"]
+        self.first_pass: dict[str, int] = {}  # the pass a stage first sees documents in
         seen: dict[str, int] = {}
         for spec in cfg.stages:
             seen[spec.name] = seen.get(spec.name, 0) + 1
             label = spec.name if seen[spec.name] == 1 else f"{spec.name}#{seen[spec.name]}"
             slot = Slot(label, spec, spec.build())
             self.labels.append(label)
+            self.first_pass[label] = len(self.segments) - 1
             if isinstance(slot.stage, CorpusStage):
                 self.corpus.append(slot)
                 self.segments.append([])
@@ -93,15 +111,15 @@ def plan_shards(cfg: PipelineConfig) -> tuple[list[list[Piece]], list[list[Any]]
     pieces: list[Piece] = []
     inputs: list[list[Any]] = []
     for i, source in enumerate(cfg.sources):
-        if source.path.startswith("builtin:"):
-            pieces.extend(_builtin_pieces(i, source))
+        if readers.builtin_corpus(source.path, f"sources[{i}].path"):
+            pieces.extend(_builtin_pieces(i))
             continue
-        files = expand_paths(source.path, f"sources[{i}].path", readers.detect_format, SUFFIXES)
+        files = readers.expand_paths(source.path, f"sources[{i}].path")
         for j, path in enumerate(files):
             fmt = source.format if source.format != "auto" else (readers.detect_format(path) or "unknown")
             if fmt == "parquet":
                 with contextlib.suppress(Exception):  # a damaged file is reported when read
-                    check_parquet_column(path, source.text_field, f"sources[{i}].text_field")
+                    readers.check_parquet_column(path, source.text_field, f"sources[{i}].text_field")
             st = path.stat()
             inputs.append([str(path), st.st_size, st.st_mtime_ns])
             pieces.extend(readers.plan_pieces(i, j, path, fmt, cfg.execution.chunk_bytes))
@@ -116,28 +134,20 @@ def plan_shards(cfg: PipelineConfig) -> tuple[list[list[Piece]], list[list[Any]]
     return shards, inputs
 
 
-def _builtin_pieces(i: int, source: PipelineSource) -> list[Piece]:
-    name = source.path.removeprefix("builtin:")
-    if name != "pystdlib":
-        raise DataError(
-            f"sources[{i}].path: unknown built-in corpus {name!r}; the built-in corpus is pystdlib"
-        )
-    from lmforge.data.pystdlib import stdlib_files
+def _builtin_pieces(i: int) -> list[Piece]:
+    """``builtin:pystdlib``: a piece per standard-library file, then one for the pydoc topics."""
+    from lmforge.corpus.pystdlib import stdlib_files, topics_file
 
     files = stdlib_files()
     out = [Piece(i, j, str(p), "pystdlib", size=p.stat().st_size) for j, p in enumerate(files)]
-    try:
-        import pydoc_data.topics as topics
-
-        size = Path(topics.__file__).stat().st_size
-    except ImportError:  # some distributions strip pydoc_data: the piece then reads nothing
-        size = 0
+    topics = topics_file()  # None where pydoc_data is stripped: the piece then reads nothing
+    size = topics.stat().st_size if topics is not None else 0
     return [*out, Piece(i, len(files), "pydoc_data.topics", "pystdlib_topics", size=size)]
 
 
 def _read(piece: Piece, source: PipelineSource) -> Iterator[Doc | tuple[Doc, Drop]]:
     if piece.fmt in ("pystdlib", "pystdlib_topics"):
-        from lmforge.data.pystdlib import read_stdlib_file, read_topics
+        from lmforge.corpus.pystdlib import read_stdlib_file, read_topics
 
         docs = read_stdlib_file(Path(piece.path)) if piece.fmt == "pystdlib" else read_topics()
         for n, d in enumerate(docs):
@@ -166,6 +176,7 @@ class Layout:
         self.kept = self.out / "kept"
         self.removed = self.out / "removed"
         self.plan = self.work / "plan.json"
+        self.redo = self.work / "redo.json"
         self.report = self.out / "report.json"
         self.tokens = self.out / "tokens"
         self.suffix = ".jsonl.zst" if compression == "zstd" else ".jsonl"
@@ -204,7 +215,7 @@ def prepare_out(cfg: PipelineConfig, out: Path) -> dict[str, Any]:
         plan = json.loads(lay.plan.read_text())
         if plan.get("version") != PLAN_VERSION or plan.get("fingerprint") != cfg.fingerprint():
             raise UserError(
-                f"--out {out}: holds a run of a different pipeline configuration; "
+                f"--out {out}: holds a run of a different pipeline configuration (or lmforge version); "
                 "give a new --out folder or delete this one"
             )
         for path, size, mtime in plan["inputs"]:
@@ -277,6 +288,9 @@ class ShardStats:
         self.meta: dict[str, int] = {}
         self.domains: dict[str, int] = {}
         self.listed = listed
+        self.errors: dict[str, dict[str, Any]] = {
+            label: {"documents": 0, "errors": 0, "first": None} for label in labels[1:]
+        }
 
     def source(self, doc: Doc) -> dict[str, int]:
         return self.sources.setdefault(str(doc.key[0]), {"input": 0, "kept": 0, "removed": 0})
@@ -298,6 +312,29 @@ class ShardStats:
                 {"file": doc.meta.get("file"), "line": doc.meta.get("line"), "reason": drop.reason}
             )
 
+    def given(self, label: str) -> None:
+        """One document handed to the stage ``label`` (the measure of its error budget)."""
+        self.errors[label]["documents"] += 1
+
+    def error(self, slot: Slot, doc: Doc, exc: Exception) -> None:
+        """The stage of ``slot`` raised on ``doc``: counted; the shard's first is kept with its file and line."""
+        counts = self.errors[slot.label]
+        counts["errors"] += 1
+        text = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        if counts["first"] is not None:
+            log.debug("stage %s failed on %s (%s); removed it", slot.label, doc.id, text)
+            return
+        file, line = _stage_frame(slot.stage, exc)
+        counts["first"] = {"file": file, "line": line, "error": text, "doc": doc.id}
+        log.warning(
+            "stage %s failed on %s at %s:%d (%s); removed it (more of its errors in this shard: debug log)",
+            slot.label,
+            doc.id,
+            file,
+            line,
+            text,
+        )
+
     def kept(self, doc: Doc) -> None:
         self.source(doc)["kept"] += 1
         self.domains[doc.domain] = self.domains.get(doc.domain, 0) + 1
@@ -310,6 +347,7 @@ class ShardStats:
             "bad_input": self.bad_input,
             "meta": self.meta,
             "domains": self.domains,
+            "errors": self.errors,
         }
 
 
@@ -375,13 +413,29 @@ def _pickles(path: Path) -> Iterator[Any]:
                 return
 
 
-def _safe(slot: Slot, fn: Callable[[], Doc | Drop]) -> Doc | Drop:
-    """A stage's answer; an exception inside a stage removes the document (``<stage>.error``)."""
+def _safe(slot: Slot, doc: Doc, stats: ShardStats, fn: Callable[[], Doc | Drop]) -> Doc | Drop:
+    """A stage's answer; an exception inside a stage removes the document (``<stage>.error``), counted."""
     try:
         return fn()
     except Exception as exc:
-        log.warning("stage %s failed on a document (%s: %s); removed it", slot.label, type(exc).__name__, exc)
+        stats.error(slot, doc, exc)
         return Drop(f"{slot.spec.name}.error")
+
+
+def _stage_frame(stage: object, exc: BaseException) -> tuple[str, int]:
+    """File and line of the innermost traceback frame in the stage's own code (its class or a base).
+
+    An exception raised inside a library the stage calls is reported at the stage's line that called
+    it; if no frame is in the stage's code, the innermost frame.
+    """
+    files = set()
+    for cls in type(stage).__mro__:
+        path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+        if path and cls.__module__ not in ("builtins", "abc"):
+            files.add(os.path.realpath(path))
+    frames = traceback.extract_tb(exc.__traceback__)
+    frame = next((f for f in reversed(frames) if os.path.realpath(f.filename) in files), frames[-1])
+    return frame.filename, frame.lineno or 0
 
 
 def run_task(out: str, k: int, shard: int) -> None:
@@ -422,10 +476,11 @@ def run_task(out: str, k: int, shard: int) -> None:
             kept.write(_kept_record(out_doc))
             continue
         if sig_slot.applies(out_doc):
+            stats.given(sig_slot.label)
             try:
                 sig = sig_slot.stage.signature(out_doc)  # type: ignore[union-attr]
             except Exception as exc:
-                log.warning("stage %s: no signature for %s (%s); removed it", sig_slot.label, out_doc.id, exc)
+                stats.error(sig_slot, out_doc, exc)
                 drop = Drop(f"{sig_slot.spec.name}.error")
                 stats.passed(sig_slot.label, _nbytes(out_doc.text), None)
                 stats.removed(sig_slot.label, doc, drop)
@@ -473,7 +528,7 @@ def _pass_input(ctx: Context, k: int, shard: int, stats: ShardStats, removed: _T
             stats.passed(slot.label, n, n)
             yield doc
             continue
-        out = _safe(slot, lambda d=doc: slot.stage.apply(d, workdir))  # type: ignore[union-attr]
+        out = _safe(slot, doc, stats, lambda d=doc: slot.stage.apply(d, workdir))  # type: ignore[union-attr]
         if isinstance(out, Drop):
             stats.passed(slot.label, n, None)
             stats.removed(slot.label, doc, out)
@@ -491,7 +546,8 @@ def _run_segment(segment: list[Slot], doc: Doc, stats: ShardStats) -> Doc | tupl
             stats.passed(slot.label, n, n)
             continue
         before = doc.text
-        out = _safe(slot, lambda d=doc, s=slot: s.stage.process(d))  # type: ignore[union-attr]
+        stats.given(slot.label)
+        out = _safe(slot, doc, stats, lambda d=doc, s=slot: s.stage.process(d))  # type: ignore[union-attr]
         if isinstance(out, Drop):
             stats.passed(slot.label, n, None)
             return slot.label, out
@@ -538,7 +594,7 @@ def run_pipeline(
     workers: int | None = None,
 ) -> dict[str, Any]:
     """Run (or continue) the pipeline into ``out``; returns the report also written to ``report.json``."""
-    from lmforge.data.executors import make_executor
+    from lmforge.corpus.executors import make_executor
 
     out = Path(out)
     plan = prepare_out(cfg, out)
@@ -547,12 +603,14 @@ def run_pipeline(
     kind = executor or cfg.execution.executor
     count = workers if workers is not None else cfg.execution.workers
     log.info("data: %d shards, %d passes, %s executor", n, ctx.stages.passes, kind)
+    _finish_forgetting(ctx.lay, n)  # a run killed while forgetting a failed stage's work
     with make_executor(kind, count) as ex:
         for k in range(ctx.stages.passes):
             todo = [i for i in range(n) if not ctx.lay.marker(k, i).exists()]
             if todo:
                 log.info("data: pass %d/%d: %d of %d shards to do", k + 1, ctx.stages.passes, len(todo), n)
                 ex.run(run_task, [(str(out), k, i) for i in todo])
+            check_error_budget(ctx, k, cfg.execution.max_error_fraction)
             if k < ctx.stages.passes - 1:
                 run_corpus_plan(out, k)
     report = build_report(ctx, plan)
@@ -561,6 +619,94 @@ def run_pipeline(
         if path.suffix in (".docs", ".sig"):
             path.unlink()
     return report
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the stage error budget
+
+
+class StageErrorBudget(DataError):
+    """A stage raised on more of its documents than ``execution.max_error_fraction`` allows (exit status 2)."""
+
+
+def stage_errors(ctx: Context, passes: int) -> dict[str, dict[str, Any]]:
+    """Per stage label, over the markers of passes ``0 .. passes - 1``: ``documents`` it was given,
+    ``count`` of errors, and the ``first`` error in corpus order (pass, then shard) with file and line."""
+    totals: dict[str, dict[str, Any]] = {
+        label: {"documents": 0, "count": 0, "first": None} for label in ctx.stages.labels[1:]
+    }
+    for k in range(passes):
+        for i in range(len(ctx.shards)):
+            for label, e in json.loads(ctx.lay.marker(k, i).read_text())["errors"].items():
+                total = totals[label]
+                total["documents"] += e["documents"]
+                total["count"] += e["errors"]
+                if total["first"] is None:
+                    total["first"] = e["first"]
+    return totals
+
+
+def allowed_errors(fraction: float, documents: int) -> int:
+    """Errors a stage given ``documents`` may make: ``floor(fraction * documents)`` (robust to rounding)."""
+    return math.floor(fraction * documents + 1e-9)
+
+
+def check_error_budget(ctx: Context, k: int, fraction: float) -> None:
+    """After pass ``k`` (every shard done): StageErrorBudget for the first stage over its budget.
+
+    Before raising, the failing stage's work and everything after it is forgotten (see the module
+    docstring), so the same command redoes it once the stage is fixed.
+    """
+    totals = stage_errors(ctx, k + 1)
+    for label in ctx.stages.labels[1:]:  # stage order: the first stage over budget is reported
+        total = totals[label]
+        allowed = allowed_errors(fraction, total["documents"])
+        if total["count"] <= allowed:
+            continue
+        first = total["first"]
+        _forget(ctx, ctx.stages.first_pass[label])
+        raise StageErrorBudget(
+            f"stage {label}: {total['count']:,} of the {total['documents']:,} documents it was given raised "
+            f"an error, over execution.max_error_fraction = {fraction:g} ({allowed:,} allowed); first at "
+            f"{first['file']}:{first['line']} on document {first['doc']}: {first['error']}; fix the stage "
+            f"(or raise execution.max_error_fraction) and run the same command again: the work before "
+            f"{label} is kept, {label} and what follows are redone"
+        )
+
+
+def _forget(ctx: Context, start: int) -> None:
+    """Forget passes ``start ..`` and the plans after them: a later run redoes them.
+
+    The intent is written first (``work/redo.json``), then carried out, so a run killed in between
+    finishes the job when started again. A finished run's intermediate documents are spent; then the
+    work is redone from the input.
+    """
+    n = len(ctx.shards)
+    if start > 0 and not all((ctx.lay.pass_dir(start - 1) / f"{i:05d}.docs").is_file() for i in range(n)):
+        start = 0
+    passes = ctx.stages.passes
+    _atomic_json(
+        ctx.lay.redo, {"passes": list(range(start, passes)), "plans": list(range(start, passes - 1))}
+    )
+    _finish_forgetting(ctx.lay, n)
+
+
+def _finish_forgetting(lay: Layout, shards: int) -> None:
+    """Carry out ``work/redo.json`` if there is one: delete the report, the listed markers and plans."""
+    if not lay.redo.is_file():
+        return
+    todo = json.loads(lay.redo.read_text())
+    lay.report.unlink(missing_ok=True)
+    for k in todo["passes"]:
+        for i in range(shards):
+            lay.marker(k, i).unlink(missing_ok=True)
+    for j in todo["plans"]:
+        (lay.stage_dir(j) / "plan.done").unlink(missing_ok=True)
+    lay.redo.unlink()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the report
 
 
 def build_report(ctx: Context, plan: dict[str, Any]) -> dict[str, Any]:
@@ -592,10 +738,13 @@ def build_report(ctx: Context, plan: dict[str, Any]) -> dict[str, Any]:
                 domains[key] = domains.get(key, 0) + c
             bad.extend(m["bad_input"])
             bad_count += sum(m["stages"]["read"]["removed"].values()) if k == 0 else 0
+    errors = stage_errors(ctx, ctx.stages.passes)
     stage_rows = []
     for label in ctx.stages.labels:
         row: dict[str, Any] = {"stage": label, **stages[label]}
         row["removed"] = dict(sorted(row["removed"].items()))
+        if label in errors:
+            row["errors"] = errors[label]
         slot = next((s for s in ctx.stages.corpus if s.label == label), None)
         spec = (
             slot.spec
@@ -637,56 +786,25 @@ def build_report(ctx: Context, plan: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# kept documents -> tokenizer + token shards
+# the kept documents of a finished run (tokenized by lmforge.data.tokenize_output)
 
 
-def iter_kept(out: str | Path) -> Iterator[Any]:
-    """The kept documents of a finished run, in corpus order, as :class:`~lmforge.data.sources.Document`."""
-    from lmforge.data.sources import Document
+def kept_files(out: str | Path) -> list[Path]:
+    """``OUT/kept``'s files in corpus (shard) order."""
+    return [p for p in sorted(Layout(out).kept.glob("*.jsonl*")) if not p.name.endswith(".tmp")]
 
-    for path in sorted(Layout(out).kept.glob("*.jsonl*")):
-        if not path.name.endswith(".tmp"):
-            for rec in readers.json_records(path):
-                yield Document(rec["id"], rec["text"], rec["domain"])
+
+def iter_kept(out: str | Path) -> Iterator[Doc]:
+    """The kept documents of a finished run, in corpus order (``id``, ``text``, ``domain``)."""
+    for path in kept_files(out):
+        for rec in readers.json_records(path):
+            yield Doc(rec["id"], rec["text"], rec["domain"])
 
 
 def kept_fingerprint(out: str | Path) -> str:
+    """SHA-256 over the names and contents of the kept files: changes whenever the kept documents do."""
     h = hashlib.sha256()
-    for path in sorted(Layout(out).kept.glob("*.jsonl*")):
+    for path in kept_files(out):
         h.update(path.name.encode() + b"\0")
         h.update(hashlib.sha256(path.read_bytes()).digest())
     return h.hexdigest()
-
-
-def tokenize_output(cfg: PipelineConfig, out: str | Path) -> dict[str, Any]:
-    """Tokenizer + token shards per domain of the kept documents in ``OUT/tokens`` (reused if current)."""
-    from lmforge.data.prepare import write_token_shards
-    from lmforge.data.shards import read_meta
-    from lmforge.data.tokenizer import Tokenizer
-
-    lay = Layout(out, cfg.output.compression)
-    tcfg = cfg.tokenize
-    user_tok = Tokenizer(tcfg.tokenizer) if tcfg.tokenizer else None
-    h = hashlib.sha256(kept_fingerprint(out).encode())
-    h.update(json.dumps(tcfg.model_dump(mode="json"), sort_keys=True).encode())
-    h.update((user_tok.sha256 if user_tok else "").encode())
-    fingerprint = h.hexdigest()
-    meta = read_meta(lay.tokens)
-    if meta is None or meta.get("input_fingerprint") != fingerprint:
-        build = lay.out / "tokens.building"
-        shutil.rmtree(build, ignore_errors=True)
-        build.mkdir(parents=True)
-        meta = write_token_shards(
-            build,
-            lambda: iter_kept(out),
-            tcfg.vocab_size,
-            tcfg.val_fraction,
-            user_tok,
-            fingerprint,
-            f"{lay.kept}: no documents were kept; loosen the stages or check the sources",
-        )
-        shutil.rmtree(lay.tokens, ignore_errors=True)
-        build.rename(lay.tokens)
-    else:
-        log.info("data: token shards in %s are current", lay.tokens)
-    return {"vocab_size": meta["vocab_size"], "documents": meta["documents"], "tokens": meta["tokens"]}

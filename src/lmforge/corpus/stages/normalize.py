@@ -19,7 +19,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from lmforge.data.stages.base import Doc, DocStage, Drop, StageParams
+from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.stages.base import DocStage, StageParams
 
 _LINE_ENDINGS = re.compile("\r\n?|[\x85\u2028\u2029]")
 # C0 and C1 controls except \t (09) and \n (0a); \r is gone by then. Plus BOM and zero-width space.

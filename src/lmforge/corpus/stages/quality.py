@@ -27,7 +27,8 @@ from dataclasses import replace
 import numpy as np
 from pydantic import Field
 
-from lmforge.data.stages.base import Doc, DocStage, Drop, StageParams
+from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.stages.base import DocStage, StageParams
 
 # ---------------------------------------------------------------------------------------------------
 # Shared text statistics

@@ -10,7 +10,8 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from lmforge.data.stages.base import Doc, DocStage, Drop, StageParams
+from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.stages.base import DocStage, StageParams
 
 
 class LengthParams(StageParams):

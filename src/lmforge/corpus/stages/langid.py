@@ -15,7 +15,8 @@ from typing import Any
 
 from pydantic import Field
 
-from lmforge.data.stages.base import Doc, DocStage, Drop, StageParams
+from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.stages.base import DocStage, StageParams
 
 log = logging.getLogger(__name__)
 

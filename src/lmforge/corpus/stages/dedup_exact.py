@@ -22,7 +22,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from lmforge.data.stages.base import CorpusStage, Doc, Drop, StageParams
+from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.stages.base import CorpusStage, StageParams
 
 _SPACE = re.compile(r"\s+")
 DB = "first_holders.sqlite"

@@ -10,23 +10,23 @@ from __future__ import annotations
 import difflib
 import importlib
 
-from lmforge.data.stages.base import CorpusStage, DocStage
+from lmforge.corpus.stages.base import CorpusStage, DocStage
 from lmforge.errors import ConfigError
 
 STAGES: dict[str, str] = {
-    "extract": "lmforge.data.stages.extract:Extract",
-    "normalize": "lmforge.data.stages.normalize:Normalize",
-    "langid": "lmforge.data.stages.langid:LangId",
-    "gopher_quality": "lmforge.data.stages.quality:GopherQuality",
-    "gopher_repetition": "lmforge.data.stages.quality:GopherRepetition",
-    "c4": "lmforge.data.stages.quality:C4Filter",
-    "fineweb": "lmforge.data.stages.quality:FineWebFilter",
-    "code_quality": "lmforge.data.stages.quality:CodeQuality",
-    "pii": "lmforge.data.stages.pii:PiiRedact",
-    "length": "lmforge.data.stages.length:LengthFilter",
-    "dedup_exact": "lmforge.data.stages.dedup_exact:ExactDedup",
-    "dedup_minhash": "lmforge.data.stages.dedup_minhash:MinHashDedup",
-    "dedup_substring": "lmforge.data.stages.dedup_substring:SubstringDedup",
+    "extract": "lmforge.corpus.stages.extract:Extract",
+    "normalize": "lmforge.corpus.stages.normalize:Normalize",
+    "langid": "lmforge.corpus.stages.langid:LangId",
+    "gopher_quality": "lmforge.corpus.stages.quality:GopherQuality",
+    "gopher_repetition": "lmforge.corpus.stages.quality:GopherRepetition",
+    "c4": "lmforge.corpus.stages.quality:C4Filter",
+    "fineweb": "lmforge.corpus.stages.quality:FineWebFilter",
+    "code_quality": "lmforge.corpus.stages.quality:CodeQuality",
+    "pii": "lmforge.corpus.stages.pii:PiiRedact",
+    "length": "lmforge.corpus.stages.length:LengthFilter",
+    "dedup_exact": "lmforge.corpus.stages.dedup_exact:ExactDedup",
+    "dedup_minhash": "lmforge.corpus.stages.dedup_minhash:MinHashDedup",
+    "dedup_substring": "lmforge.corpus.stages.dedup_substring:SubstringDedup",
 }
 
 StageClass = type[DocStage] | type[CorpusStage]

@@ -1,8 +1,13 @@
-"""Streaming readers of file pieces that report bad input instead of stopping.
+"""Readers of every input format: which files a source names, and their records, reporting bad input.
+
+:func:`expand_paths` turns a configured path (file, folder, glob) into a sorted file list and
+:func:`detect_format` names a file's reader by its suffix; :func:`builtin_corpus` recognises
+``builtin:pystdlib`` (:mod:`lmforge.corpus.pystdlib`). Both ``lmforge data`` and training's
+``data.sources`` (:mod:`lmforge.data.sources`) use these; each applies its own policy to bad records.
 
 A :class:`Piece` is a contiguous part of one input file: a whole file, a byte range of an uncompressed
 JSONL file (cut at line boundaries), or a range of row groups of a parquet file. :func:`read_piece`
-yields, in file order, a :class:`~lmforge.data.stages.base.Doc` per good record and a ``(doc, Drop)``
+yields, in file order, a :class:`~lmforge.corpus.document.Doc` per good record and a ``(doc, Drop)``
 pair per bad one, with the reason ``read.<rule>`` and the file and line in ``doc.meta``:
 
 * ``read.malformed_json``: a JSONL line that does not parse;
@@ -22,6 +27,7 @@ stream reader ends quietly on a truncated frame; the decompressor's ``eof`` flag
 from __future__ import annotations
 
 import codecs
+import glob
 import json
 import logging
 import re
@@ -31,13 +37,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lmforge.data.stages.base import Doc, Drop
+from lmforge.corpus.document import Doc, Drop
+from lmforge.errors import DataError
 
 log = logging.getLogger(__name__)
 
 BLOCK = 1 << 20
 SNIFF = 8192
-FORMATS = ("txt", "jsonl", "parquet", "html", "pdf")
+SUFFIXES: dict[str, tuple[str, ...]] = {
+    "txt": (".txt",),
+    "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.zst"),
+    "parquet": (".parquet",),
+    "html": (".html", ".htm"),
+    "pdf": (".pdf",),
+}
+FORMATS = tuple(SUFFIXES)
+BUILTIN = ("pystdlib",)
 
 
 @dataclass(frozen=True)
@@ -69,20 +84,54 @@ class Piece:
         return asdict(self)
 
 
-def detect_format(path: Path) -> str:
-    """The reader for ``path`` by its name: txt, jsonl, parquet, html, pdf, or ``""`` if unknown."""
+def detect_format(path: Path, formats: tuple[str, ...] = FORMATS) -> str:
+    """The reader for ``path`` by its name among ``formats`` (txt, jsonl, ...), or ``""`` if none."""
     name = path.name.lower()
-    if name.endswith(".txt"):
-        return "txt"
-    if name.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst")):
-        return "jsonl"
-    if name.endswith(".parquet"):
-        return "parquet"
-    if name.endswith((".html", ".htm")):
-        return "html"
-    if name.endswith(".pdf"):
-        return "pdf"
-    return ""
+    return next((fmt for fmt in formats if name.endswith(SUFFIXES[fmt])), "")
+
+
+def expand_paths(pattern: str, field: str, formats: tuple[str, ...] = FORMATS) -> list[Path]:
+    """A file, a folder (searched recursively for files of ``formats``) or a glob -> sorted file list.
+
+    A glob keeps every file it matches (a file of no known format is reported when read); problems are a
+    DataError naming ``field``.
+    """
+    path = Path(pattern).expanduser()
+    if any(ch in pattern for ch in "*?["):
+        files = [Path(p) for p in glob.glob(str(path), recursive=True)]
+    elif path.is_dir():
+        files = [p for p in path.rglob("*") if p.is_file() and detect_format(p, formats)]
+    elif path.is_file():
+        files = [path]
+    else:
+        raise DataError(f"{field}: {pattern} does not exist; give an existing file, folder or glob")
+    files = sorted(p for p in files if p.is_file())
+    if not files:
+        suffixes = "/".join(s for fmt in formats for s in SUFFIXES[fmt])
+        raise DataError(f"{field}: {pattern} matches no {suffixes} files; check the path or pattern")
+    return files
+
+
+def builtin_corpus(path: str, field: str) -> str | None:
+    """The name of the built-in corpus ``path`` names (``builtin:NAME``), None for a file path.
+
+    An unknown name is a DataError naming ``field``.
+    """
+    if not path.startswith("builtin:"):
+        return None
+    name = path.removeprefix("builtin:")
+    if name not in BUILTIN:
+        raise DataError(
+            f"{field}: unknown built-in corpus {name!r}; the built-in corpus is {', '.join(BUILTIN)}"
+        )
+    return name
+
+
+def check_parquet_column(path: Path, text_field: str, key: str) -> None:
+    """DataError naming ``key`` unless the parquet file at ``path`` has the column ``text_field``."""
+    names = parquet_columns(path)
+    if text_field not in names:
+        raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); set {key}")
 
 
 def compression(path: str | Path) -> str:
@@ -202,8 +251,6 @@ def _blocks(path: Path, start: int = 0, end: int = -1) -> Iterator[bytes]:
 
 def json_records(path: Path) -> Iterator[Any]:
     """The JSON values of a JSONL file lmforge wrote itself; damage is a DataError naming the file."""
-    from lmforge.errors import DataError
-
     rest = b""
     try:
         for block in _blocks(path):
@@ -237,6 +284,11 @@ def _bad(
     meta = {"file": piece.path, "line": line}
     doc_id = doc_id or (f"{piece.path}:{line}" if line else piece.path)
     return Doc(doc_id, "", opts.domain, (piece.source, piece.file, line), meta), Drop(f"read.{rule}")
+
+
+def whole_file(path: Path, fmt: str) -> Piece:
+    """The piece that is all of ``path`` read as ``fmt`` (parquet rows are numbered from 0, lines from 1)."""
+    return Piece(0, 0, str(path), fmt, first_line=0 if fmt == "parquet" else 1)
 
 
 def read_piece(piece: Piece, opts: ReadOptions) -> Iterator[Doc | tuple[Doc, Drop]]:

@@ -12,49 +12,26 @@ config reference. There are two kinds:
   signatures in corpus order (single process, bounded memory: it may spill to ``workdir``) and
   ``apply`` per document (parallel, reading what ``plan`` left in ``workdir``).
 
-Corpus order is the order of :attr:`Document.key`: deterministic, so "keep the first of a cluster"
-means the same document on every run and every executor.
+Documents are :class:`~lmforge.corpus.document.Doc`; corpus order is the order of :attr:`Doc.key`:
+deterministic, so "keep the first of a cluster" means the same document on every run and every executor.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
+
+from lmforge.corpus.document import Doc, Drop
 
 
 class StageParams(BaseModel):
     """Base of every stage's parameter model: unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid")
-
-
-@dataclass
-class Doc:
-    """A document travelling through the pipeline.
-
-    ``id`` is the input's id (its id field, else ``path:line`` or the file path); ``key`` orders the
-    corpus (source index, file index, line); ``meta`` carries what stages add (language score, PII
-    counts) and is written out with the kept document.
-    """
-
-    id: str
-    text: str
-    domain: str
-    key: tuple[int, int, int] = (0, 0, 0)
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Drop:
-    """Why a document was removed: ``reason`` is ``"<stage>.<rule>"``; duplicates name the kept one."""
-
-    reason: str
-    duplicate_of: str | None = None
 
 
 class DocStage(ABC):

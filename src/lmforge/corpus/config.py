@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from lmforge.data.stages.registry import STAGES, available, stage_class
+from lmforge.corpus.stages.registry import STAGES, available, stage_class
 from lmforge.errors import ConfigError
 from lmforge.recipe import config_keys, describe_error, dump_toml, read_recipe
 
@@ -72,7 +72,7 @@ class StageSpec(BaseModel):
 
     @property
     def kind(self) -> str:
-        from lmforge.data.stages.base import CorpusStage
+        from lmforge.corpus.stages.base import CorpusStage
 
         return "corpus" if issubclass(stage_class(self.name), CorpusStage) else "doc"
 
@@ -106,6 +106,14 @@ class ExecutionConfig(_Section):
         4 * 2**20,
         ge=1024,
         description="input per shard: files are grouped and large files cut to about this size",
+    )
+    max_error_fraction: float = Field(
+        0.001,
+        ge=0,
+        le=1,
+        description="stage errors (exceptions; the document is removed as `<stage>.error`) allowed per stage, "
+        "as a share of the documents it was given; past it the run stops after the pass (exit status 2) "
+        "and the same command continues once the stage is fixed",
     )
 
 
@@ -142,7 +150,8 @@ class PipelineConfig(_Section):
         return dump_toml(self.to_tree())
 
     def fingerprint(self) -> str:
-        """Hash of what shapes the output (everything but how it is executed, except the shard size)."""
+        """Hash of what shapes the output: not how it is executed (executor, workers, error budget), but
+        the shard size."""
         tree = self.to_tree()
         tree["execution"] = {"chunk_bytes": self.execution.chunk_bytes}
         return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
@@ -206,9 +215,9 @@ def reference_markdown() -> str:
         "# Data pipeline configuration reference",
         "",
         "Keys of a `lmforge data` recipe (`configs/data/*.toml`), their defaults and meaning, then every",
-        "stage with its parameters. This file is generated from `lmforge/data/pipeline_config.py` and the",
+        "stage with its parameters. This file is generated from `lmforge/corpus/config.py` and the",
         "stage modules:",
-        "`python -c \"from lmforge.data.pipeline_config import reference_markdown as r; print(r(), end='')\" > docs/data.md`.",
+        "`python -c \"from lmforge.corpus.config import reference_markdown as r; print(r(), end='')\" > docs/data.md`.",
         "",
         "## Sources (`[[sources]]`, one table per input)",
         "",
@@ -231,7 +240,7 @@ def reference_markdown() -> str:
         "those domains; others pass through unchanged), and the stage's own parameters below. Removal",
         "reasons are `<stage>.<rule>`.",
     ]
-    from lmforge.data.stages.base import CorpusStage
+    from lmforge.corpus.stages.base import CorpusStage
 
     for name, cls in available().items():
         kind = (
