@@ -77,6 +77,19 @@ def tiny_overrides(corpus_dir: Path, cache_dir: Path) -> dict:
     }
 
 
+def cli_args(over: dict) -> list[str]:
+    """``--key=value`` command-line overrides for a dict of dotted overrides (as ``tiny_overrides``)."""
+    args = []
+    for k, v in over.items():
+        if k == "data.sources":
+            args.append(f"--{k}=[{{path='{v[0]['path']}'}}]")
+        elif isinstance(v, str):
+            args.append(f"--{k}={v}")
+        else:
+            args.append(f"--{k}={json.dumps(v)}")
+    return args
+
+
 @pytest.fixture
 def tiny_config(corpus_dir: Path, tmp_path: Path) -> Config:
     return load_config(None, tiny_overrides(corpus_dir, tmp_path / "data"))

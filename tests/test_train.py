@@ -21,7 +21,7 @@ from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, list_checkpoints
 from lmforge.train.launch import train
 from lmforge.train.step import train_step
-from tests.conftest import model_of, tiny_overrides
+from tests.conftest import cli_args, model_of, tiny_overrides
 
 FP32 = PrecisionPolicy("fp32", torch.device("cpu"))
 
@@ -176,15 +176,7 @@ def test_interrupted_checkpoint_is_ignored(tiny_config, tmp_path):
 
 
 def test_cli_train_eval_generate(corpus_dir, tmp_path):
-    over = tiny_overrides(corpus_dir, tmp_path / "data")
-    args = []
-    for k, v in over.items():
-        if k == "data.sources":
-            args.append(f"--{k}=[{{path='{v[0]['path']}'}}]")
-        elif isinstance(v, str):
-            args.append(f"--{k}={v}" if k != "train.precision" else f"--{k}=fp32")
-        else:
-            args.append(f"--{k}={json.dumps(v)}")
+    args = cli_args(tiny_overrides(corpus_dir, tmp_path / "data"))
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "lmforge"]
     r = subprocess.run(
