@@ -20,7 +20,7 @@ from lmforge.recipe import load_config
 from lmforge.train.build import build_model, build_run
 from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.launch import train
-from lmforge.train.lr_find import range_test, sweep
+from lmforge.train.lr_find import sweep, sweep_run
 from tests.conftest import model_of
 
 V, T = 97, 16
@@ -131,15 +131,7 @@ def test_lr_find_honours_the_clip_mode(tiny_config):
     norm = load_config(None, {**_flat(cfg), **over, "train.clip_mode": "norm"})
     run = build_run(group)
     assert run.clipper.mode == "group_norm"
-    ref = range_test(
-        run.model,
-        run.objective,
-        run.optimizer,
-        lambda: [run.loader.next_batch() for _ in range(run.accum)],
-        group.lr_find,
-        run.clipper,
-        run.precision,
-    )
+    ref = sweep_run(run, group.lr_find)
     got_group, got_norm = sweep(group), sweep(norm)
     assert got_group.losses == ref.losses
     assert got_group.losses[1:] != got_norm.losses[1:]  # step 0 is the same; clipping differs after

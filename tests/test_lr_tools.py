@@ -28,7 +28,7 @@ from lmforge.recipe import load_config
 from lmforge.train.build import build_model
 from lmforge.train.lr_find import range_test
 from lmforge.train.step import train_step
-from tests.conftest import tiny_overrides
+from tests.conftest import cli_args, tiny_overrides
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -104,18 +104,6 @@ def prepared(corpus_dir, tmp_path_factory) -> dict:
     return over
 
 
-def _args(over: dict) -> list[str]:
-    out = []
-    for k, v in over.items():
-        if k == "data.sources":
-            out.append(f"--{k}=[{{path='{v[0]['path']}'}}]")
-        elif isinstance(v, str):
-            out.append(f"--{k}={v}")
-        else:
-            out.append(f"--{k}={json.dumps(v)}")
-    return out
-
-
 def test_cli_lr_find_sweeps_suggests_and_leaves_nothing_behind(prepared, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
@@ -126,7 +114,7 @@ def test_cli_lr_find_sweeps_suggests_and_leaves_nothing_behind(prepared, tmp_pat
     before_work, before_cache = _tree(work), _tree(cache)
     start, end = 1e-5, 100.0
     over = {**prepared, "lr_find.steps": 40, "lr_find.start_lr": start, "lr_find.end_lr": end}
-    r = _cli("lr-find", *_args(over), "--out", "sweep", cwd=work)
+    r = _cli("lr-find", *cli_args(over), "--out", "sweep", cwd=work)
     assert r.returncode == 0, r.stderr
     assert "suggested lr" in r.stdout
     after = _tree(work)

@@ -27,7 +27,7 @@ from lmforge.train.build import build_run
 from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint
 from lmforge.train.launch import train
-from lmforge.train.lr_find import range_test, sweep
+from lmforge.train.lr_find import sweep, sweep_run
 from tests.conftest import tiny_overrides
 
 BASE = {"a": 0, "b": 100_000, "c": 200_000}  # token values encode the domain: value // 100_000
@@ -274,14 +274,6 @@ def test_lr_find_reads_the_mixture(two_domains, tmp_path):
     got_a, got_b = sweep(only_a), sweep(only_b)
     run = build_run(only_a)
     assert isinstance(run.loader, MixtureLoader)
-    ref = range_test(
-        run.model,
-        run.objective,
-        run.optimizer,
-        lambda: [run.loader.next_batch() for _ in range(run.accum)],
-        only_a.lr_find,
-        run.clipper,
-        run.precision,
-    )
+    ref = sweep_run(run, only_a.lr_find)
     assert got_a.losses == ref.losses
     assert got_a.losses[0] != got_b.losses[0]  # different domains, different first batch

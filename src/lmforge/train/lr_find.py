@@ -104,14 +104,18 @@ def range_test(
 
 
 def sweep(cfg: Config) -> LRFindResult:
-    """:func:`range_test` on the run that ``lmforge train`` would build from the recipe."""
-    run: Run = build_run(cfg)
+    """:func:`sweep_run` on the run that ``lmforge train`` would build from the recipe."""
+    return sweep_run(build_run(cfg), cfg.lr_find)
+
+
+def sweep_run(run: Run, f: LRFindConfig) -> LRFindResult:
+    """:func:`range_test` on a built run: its model, objective, optimizer, loader, clipper, precision."""
     return range_test(
         run.model,
         run.objective,
         run.optimizer,
         lambda: [run.loader.next_batch() for _ in range(run.accum)],
-        cfg.lr_find,
+        f,
         run.clipper,
         run.precision,
     )
