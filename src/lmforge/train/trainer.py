@@ -18,7 +18,7 @@ import torch
 from lmforge.data.loader import Batch
 from lmforge.train.build import Run
 from lmforge.train.callbacks.base import Callback
-from lmforge.train.runtime import rng_state, set_rng_state
+from lmforge.train.runtime import check_runtime_state, rng_state, runtime_state, set_rng_state
 from lmforge.train.step import SEVERITY, Action, StepResult, train_step
 
 
@@ -123,6 +123,7 @@ class Trainer:
             "clip": run.clipper.state_dict(),
             "precision": run.precision.state_dict(),
             "rng": rng_state(),
+            "runtime": runtime_state(),
         }
         for cb in self.callbacks:
             if cb.state_key is not None:
@@ -145,6 +146,7 @@ class Trainer:
         self.restore(state)
         self.run.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
+        check_runtime_state(state.get("runtime", {}), self.run.cfg.train.deterministic)
         for cb in self.callbacks:
             if cb.state_key is not None and cb.state_key in state:
                 cb.load_state_dict(state[cb.state_key])
