@@ -1,17 +1,27 @@
 """Training throughput and MFU of lmforge against Hugging Face ``transformers`` on the same shape.
 
-Both sides train a Llama-style model of the recipe's shape on the same random token batches, with the
-same precision, batch and AdamW settings: lmforge through its own ``train_step`` (with the recipe's
-compile setting), the baseline as ``LlamaForCausalLM`` (SDPA attention) in a plain PyTorch loop
-(forward with ``labels``, backward, clip, step). Rounds alternate between the two and the medians of
-the per-step times are compared, so drift in machine speed hits both alike.
+Both sides train a Llama-style model of the recipe's shape on the same random token batches with the
+same treatment: the same precision (the recipe's policy: BF16 autocast over FP32 master weights, or
+FP32), batch, sequence length and AdamW settings (fused where lmforge fuses), global-norm clipping, no
+document mask. lmforge is built by its build path (``lmforge.train.build``) and runs its own ``train_step``; the baseline is ``LlamaForCausalLM`` (SDPA
+attention, no KV cache) in a plain loop: forward, cross-entropy over the same targets in FP32 (as
+``transformers`` computes its loss: full logits upcast), backward, clip, step.
+
+Four variants are measured: lmforge and the baseline, each compiled and eager. Compiled means the
+whole training objective (forward, output head, loss) through ``lmforge.parallel.apply.compile_like_training``,
+with identical ``torch.compile`` settings on both sides. With ``--train.compile=false`` (or where the
+platform cannot compile) only the eager pair runs. Each round runs every variant for ``--steps`` steps,
+the order rotating from round to round; medians of the per-step times are compared, so drift in
+machine speed hits all alike.
 
 MFU uses ``flops_per_token = 6 N + 12 L d T`` (see ``lmforge.plan.flops``) against the peak matmul
 throughput measured here on the same device and precision.
 
     python benchmarks/throughput.py [--config RECIPE.toml] [--SECTION.KEY=VALUE ...] [--rounds 5]
 
-The last line printed is one JSON object.
+The last line printed is one JSON object: ``tokens_per_s``/``mfu`` (lmforge, compiled if compiling),
+``baseline_tokens_per_s``/``baseline_mfu`` (the baseline in the same mode), ``eager_tokens_per_s`` and
+``baseline_eager_tokens_per_s``, ``speedup_compiled`` (null without compilation) and ``speedup_eager``.
 """
 
 from __future__ import annotations
@@ -22,15 +32,19 @@ import statistics
 import time
 
 import torch
-from lmforge.train.loop import maybe_compile, train_step
+import torch.nn.functional as F
 
 from lmforge.data.loader import Batch
-from lmforge.model.transformer import Transformer, ff_width
+from lmforge.model.transformer import ff_width
 from lmforge.optim.build import build_optimizer
+from lmforge.optim.clip import Clipper
+from lmforge.parallel.apply import can_compile, compile_like_training
 from lmforge.plan.flops import flops_per_token, mfu
-from lmforge.precision import autocast, resolve_precision
+from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_config, parse_overrides
+from lmforge.train.build import build_model, training_objective
 from lmforge.train.runtime import pick_device
+from lmforge.train.step import train_step
 
 
 def peak_matmul_flops(
@@ -90,96 +104,143 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config")
     ap.add_argument("--vocab-size", type=int, default=0, help="default: data.vocab_size")
-    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per round and side")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per side (compilation)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds over all variants")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per round and variant")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant (compilation)")
     ap.add_argument(
-        "--doc-mask", action="store_true", help="lmforge with document masking (baseline has none)"
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads (default: torch's); 1 is steadier where other jobs share the cores",
     )
     args, extra = ap.parse_known_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = load_config(args.config, parse_overrides(extra))
     if cfg.model.arch != "llama":
         raise SystemExit("model.arch: the baseline is LlamaForCausalLM; benchmark a llama recipe")
     device = pick_device(cfg.train.device)
-    precision = resolve_precision(cfg.train.precision, device)
+    precision = PrecisionPolicy.resolve(cfg.train.precision, device)
     vocab, seq, mbs = args.vocab_size or cfg.data.vocab_size, cfg.data.seq_len, cfg.train.micro_batch_size
+    cfg.model.doc_mask = False  # the baseline has none
+    compiled = can_compile(cfg.train.compile, device)
 
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, vocab, (8, mbs, seq + 1), generator=g)
-    docs = torch.cumsum(torch.rand(8, mbs, seq, generator=g) < 1 / 512, dim=-1)
-    batches = [
-        Batch(d[:, :-1], d[:, 1:], doc if args.doc_mask else torch.zeros_like(doc))
-        for d, doc in zip(data, docs, strict=True)
-    ]
-    if not args.doc_mask:
-        cfg.model.doc_mask = False
+    no_docs = torch.zeros(mbs, seq, dtype=torch.long)
+    batches = [Batch(d[:, :-1], d[:, 1:], no_docs) for d in data]
 
-    torch.manual_seed(0)
-    ours = Transformer(cfg.model, vocab, seq, cfg.train.attention, cfg.train.loss_chunk).to(device)
-    ours_opt = build_optimizer(ours, cfg.optim, device)
-    maybe_compile(ours, cfg.train.compile, device)
-    theirs = hf_model(cfg, vocab, seq, device)
-    theirs_opt = torch.optim.AdamW(
-        theirs.parameters(),
-        lr=cfg.optim.lr,
-        betas=cfg.optim.betas,
-        weight_decay=cfg.optim.weight_decay,
-        fused=True,
-    )
-    i = {"ours": 0, "theirs": 0}
+    def ours(compile_it: bool):
+        run_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": compile_it})})
+        model = build_model(run_cfg, vocab, device)
+        objective = training_objective(model, run_cfg, device)
+        opt = build_optimizer(model, cfg.optim, device)
+        clipper = Clipper("norm", cfg.train.grad_clip)
+        i = 0
 
-    def ours_step() -> None:
-        b = batches[i["ours"] % len(batches)]
-        i["ours"] += 1
-        train_step(ours, ours_opt, [b], cfg.optim.lr, cfg.train.grad_clip, precision, device)
+        def step() -> None:
+            nonlocal i
+            b = batches[i % len(batches)]
+            i += 1
+            train_step(objective, opt, [b], cfg.optim.lr, clipper, precision)
 
-    def theirs_step() -> None:
-        d = data[i["theirs"] % len(data)].to(device)
-        i["theirs"] += 1
-        with autocast(precision, device):
-            loss = theirs(input_ids=d[:, :-1], labels=d[:, :-1]).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(theirs.parameters(), cfg.train.grad_clip)
-        theirs_opt.step()
-        theirs_opt.zero_grad(set_to_none=True)
+        return model, step
 
-    t0 = time.perf_counter()
-    time_steps(ours_step, args.warmup, device)
-    compile_s = time.perf_counter() - t0
-    time_steps(theirs_step, args.warmup, device)
-    ours_t: list[float] = []
-    theirs_t: list[float] = []
-    for r in range(args.rounds):
-        ours_t += time_steps(ours_step, args.steps, device)
-        theirs_t += time_steps(theirs_step, args.steps, device)
-        print(
-            f"round {r + 1}/{args.rounds}: lmforge {mbs * seq / statistics.median(ours_t):,.0f} tok/s, "
-            f"transformers {mbs * seq / statistics.median(theirs_t):,.0f} tok/s",
-            flush=True,
+    def theirs(compile_it: bool):
+        model = hf_model(cfg, vocab, seq, device).train()
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=cfg.optim.lr,
+            betas=cfg.optim.betas,
+            eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay,
+            fused=cfg.optim.fused if cfg.optim.fused is not None else device.type in ("cuda", "cpu"),
         )
-    tps = mbs * seq / statistics.median(ours_t)
-    base_tps = mbs * seq / statistics.median(theirs_t)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    peak = peak_matmul_flops(dtype, device)
-    fpt = flops_per_token(ours.num_params(), cfg.model.n_layers, cfg.model.d_model, seq)
+
+        def objective(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logits = model(input_ids=x, use_cache=False).logits
+            return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+
+        loss_fn = compile_like_training(objective) if compile_it else objective
+        i = 0
+
+        def step() -> None:
+            nonlocal i
+            d = data[i % len(data)].to(device)
+            i += 1
+            with precision.autocast():
+                loss = loss_fn(d[:, :-1], d[:, 1:])
+            loss.backward()
+            if cfg.train.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return model, step
+
+    variants = {}  # name -> step function, in first-round order
+    warmup_s = {}
+    for name, make, compile_it in [
+        ("lmforge compiled", ours, True),
+        ("transformers compiled", theirs, True),
+        ("lmforge eager", ours, False),
+        ("transformers eager", theirs, False),
+    ]:
+        if compile_it and not compiled:
+            continue
+        model, step = make(compile_it)
+        if name.startswith("lmforge"):
+            ours_model = model
+        t0 = time.perf_counter()
+        time_steps(step, args.warmup, device)
+        warmup_s[name] = time.perf_counter() - t0
+        variants[name] = step
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name] += time_steps(variants[name], args.steps, device)
+        tps = {name: mbs * seq / statistics.median(t) for name, t in times.items()}
+        line = ", ".join(f"{n} {v:,.0f}" for n, v in tps.items())
+        print(f"round {r + 1}/{args.rounds} (tok/s, medians so far): {line}", flush=True)
+    tps = {name: mbs * seq / statistics.median(t) for name, t in times.items()}
+    mode = "compiled" if compiled else "eager"
+    ours_tps, base_tps = tps[f"lmforge {mode}"], tps[f"transformers {mode}"]
+    peak = peak_matmul_flops(precision.compute_dtype, device)
+    fpt = flops_per_token(ours_model.num_params(), cfg.model.n_layers, cfg.model.d_model, seq)
+    speedup_compiled = round(tps["lmforge compiled"] / tps["transformers compiled"], 3) if compiled else None
+    speedup_eager = round(tps["lmforge eager"] / tps["transformers eager"], 3)
     result = {
-        "tokens_per_s": round(tps, 1),
-        "mfu": round(mfu(tps, fpt, peak), 4),
+        "tokens_per_s": round(ours_tps, 1),
+        "mfu": round(mfu(ours_tps, fpt, peak), 4),
         "baseline_tokens_per_s": round(base_tps, 1),
         "baseline_mfu": round(mfu(base_tps, fpt, peak), 4),
-        "speedup": round(tps / base_tps, 3),
+        "speedup_compiled": speedup_compiled,
+        "speedup_eager": speedup_eager,
+        "speedup": round(ours_tps / base_tps, 3),
+        "eager_tokens_per_s": round(tps["lmforge eager"], 1),
+        "baseline_eager_tokens_per_s": round(tps["transformers eager"], 1),
         "peak_matmul_tflops": round(peak / 1e12, 4),
         "flops_per_token": fpt,
-        "params": ours.num_params(False),
-        "precision": precision,
+        "params": ours_model.num_params(False),
+        "precision": precision.name,
         "device": device.type,
-        "compile": cfg.train.compile,
-        "compile_warmup_s": round(compile_s, 1),
-        "doc_mask": args.doc_mask,
+        "compile": compiled,
+        "compile_warmup_s": round(warmup_s["lmforge compiled"], 1) if compiled else None,
+        "doc_mask": False,
         "batch": [mbs, seq],
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "threads": torch.get_num_threads(),
     }
+    if compiled:
+        print(
+            f"compiled: lmforge {tps['lmforge compiled']:,.0f} tok/s (MFU {result['mfu']:.1%}) vs "
+            f"transformers {tps['transformers compiled']:,.0f} tok/s: {speedup_compiled:.2f}x"
+        )
     print(
-        f"lmforge {tps:,.0f} tok/s (MFU {result['mfu']:.1%}) vs transformers {base_tps:,.0f} tok/s: {tps / base_tps:.2f}x"
+        f"eager: lmforge {tps['lmforge eager']:,.0f} tok/s vs transformers "
+        f"{tps['transformers eager']:,.0f} tok/s: {speedup_eager:.2f}x"
     )
     print(json.dumps(result))
 

@@ -72,11 +72,20 @@ def activation_checkpointing(module: nn.Module, ctx: ApplyContext) -> nn.Module:
     return module
 
 
+COMPILE_OPTIONS: dict = {}  # torch.compile keyword arguments of the training objective (defaults measured best)
+
+
+def compile_like_training(fn: Callable) -> Callable:
+    """``torch.compile(fn, **COMPILE_OPTIONS)``: how the training objective is compiled (benchmarks compile
+    their baselines through this too, so both sides get the same settings)."""
+    return torch.compile(fn, **COMPILE_OPTIONS)
+
+
 def compile_module(module: nn.Module, ctx: ApplyContext) -> nn.Module:
     """``torch.compile`` the whole objective when ``train.compile`` (and the platform can)."""
     if not can_compile(ctx.train.compile, ctx.device):
         return module
-    return torch.compile(module)
+    return compile_like_training(module)
 
 
 def data_parallel(module: nn.Module, ctx: ApplyContext) -> nn.Module:
