@@ -223,3 +223,19 @@ def test_execution_settings_live_in_train_and_reach_the_model():
     eager = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
     assert training_objective(model, eager, torch.device("cpu")).loss.chunk == 7
     assert "attention" not in cfg.model.model_dump() and "loss_chunk" not in cfg.model.model_dump()
+
+
+def test_saved_run_configs_with_moved_keys_still_load(tmp_path):
+    """Run folders written before a key moved keep loading (eval, generate, resume); recipes do not."""
+    from lmforge.recipe import load_saved_config, migrate_moved
+    from lmforge.train.launch import check_same_model
+
+    old = tmp_path / "config.toml"
+    old.write_text('[model]\nattention = "sdpa"\nloss_chunk = 7\n\n[schedule]\ndecay_fraction = 0.3\n')
+    cfg = load_saved_config(old)
+    assert (cfg.train.attention, cfg.train.loss_chunk, cfg.schedule.wsd.decay_fraction) == ("sdpa", 7, 0.3)
+    with pytest.raises(ConfigError, match="moved to"):
+        load_config(old)
+    saved = {"model": {**cfg.model.model_dump(mode="json", exclude_none=True), "attention": "auto"}}
+    check_same_model(cfg, saved)  # the moved key is not a model difference
+    assert migrate_moved(saved)["train"] == {"attention": "auto"} and "attention" in saved["model"]

@@ -9,6 +9,7 @@ reported as a one-line :class:`~lmforge.errors.ConfigError` naming the dotted ke
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import re
@@ -139,6 +140,26 @@ def _check_moved(tree: dict[str, Any]) -> None:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and last in node:
             raise ConfigError(f"{old}: moved to {new}")
+
+
+def migrate_moved(tree: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``tree`` with every key of :data:`MOVED` put at its new place: for configs that lmforge
+    itself saved before a key moved (run folders, checkpoints), which must keep loading. A user's recipe
+    is not migrated: it gets the ``moved to`` error, so the recipe gets fixed."""
+    out = copy.deepcopy(tree)
+    for old, new in MOVED.items():
+        *parents, last = old.split(".")
+        node: Any = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            _set_dotted(out, new, node.pop(last))
+    return out
+
+
+def load_saved_config(path: str | Path) -> Config:
+    """A config that lmforge wrote (a run's or checkpoint's ``config.toml``), with moved keys migrated."""
+    return build_config(migrate_moved(read_recipe(path, None, "a run folder's config.toml")))
 
 
 def build_config(tree: dict[str, Any]) -> Config:

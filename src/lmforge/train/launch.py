@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lmforge.config import Config
 from lmforge.errors import ConfigError, UserError
-from lmforge.recipe import to_toml
+from lmforge.recipe import migrate_moved, to_toml
 from lmforge.train.build import build_run, validate
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing, config_state
@@ -39,7 +39,7 @@ def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
 
 def check_same_model(cfg: Config, saved_cfg: dict) -> None:
     """A resume may change anything but the learned function's definition: ``model.*`` must match."""
-    saved = saved_cfg.get("model", {})
+    saved = migrate_moved(saved_cfg).get("model", {})  # a run saved before a key moved out of model.*
     now = config_state(cfg)["model"]
     for key in sorted(set(saved) | set(now)):
         if saved.get(key) != now.get(key):

@@ -14,7 +14,7 @@ from lmforge.errors import UserError
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
 from lmforge.precision import PrecisionPolicy
-from lmforge.recipe import load_config
+from lmforge.recipe import load_saved_config
 from lmforge.train.build import build_model
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
 from lmforge.train.evaluate import evaluate, perplexity
@@ -30,7 +30,7 @@ def load_run(run_dir: str | Path, device: torch.device) -> tuple[Config, Tokeniz
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise UserError(f"RUN: {run_dir} has no complete checkpoint yet; train longer or pick another run")
-    cfg = load_config(ckpt / "config.toml")
+    cfg = load_saved_config(ckpt / "config.toml")
     tok = Tokenizer(run_dir / "tokenizer.json")
     state = load_checkpoint(ckpt)
     model = build_model(cfg, tok.vocab_size, device, init=False)
