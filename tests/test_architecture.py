@@ -142,13 +142,13 @@ def _flat(cfg: Config) -> dict:
     return {f"{section}.{key}": value for section, keys in dump.items() for key, value in keys.items()}
 
 
-def test_resume_checks_only_the_model(tiny_config, tmp_path):
+def test_resume_refuses_a_model_change_and_allows_execution_changes(tiny_config, tmp_path):
     run = tmp_path / "run"
     train(tiny_config, run, progress_bar=False, callbacks=[StopAfter(10)])
     other_model = tiny_config.model_copy(
         update={"model": tiny_config.model.model_copy(update={"n_heads": 2})}
     )
-    with pytest.raises(ConfigError, match=r"model\.n_heads: checkpoint has 4, config has 2"):
+    with pytest.raises(ConfigError, match=r"model\.n_heads: the checkpoint was trained with 4, not 2"):
         train(other_model, run, resume=True, progress_bar=False)
     execution = tiny_config.train.model_copy(update={"loss_chunk": 7, "attention": "sdpa", "log_interval": 3})
     summary = train(tiny_config.model_copy(update={"train": execution}), run, resume=True, progress_bar=False)

@@ -151,7 +151,7 @@ def test_run_outputs(tiny_config, tmp_path):
     assert load_config(run / "config.toml") == tiny_config
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     train_lines = [x for x in lines if "loss" in x]
-    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(train_lines[0])
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "eta_s"} <= set(train_lines[0])
     assert [x["step"] for x in lines if "val_loss" in x] == [10, 20]
     on_disk = json.loads((run / "summary.json").read_text())
     for key in ["val_loss", "unigram_loss", "tokens_seen", "wall_time_s"]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
 
-from lmforge.errors import UserError
+from lmforge.errors import Interrupted, UserError
 from lmforge.recipe import load_config, parse_overrides, reference_text
 
 log = logging.getLogger("lmforge")
@@ -40,8 +41,8 @@ def _newest_run(runs: Path) -> Path | None:
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from lmforge.train.launch import train
+    from lmforge.train.resume import resume_config
 
-    cfg = load_config(args.config, parse_overrides(extra))
     if args.run_dir:
         run_dir = Path(args.run_dir)
     elif args.resume:
@@ -50,8 +51,19 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
             raise UserError("--resume: no run under runs/; pass --run-dir DIR of the run to continue")
     else:
         run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if args.resume:  # the run's own config.toml is the base; the recipe and flags change it
+        cfg = resume_config(run_dir, args.config, parse_overrides(extra))
+    else:
+        cfg = load_config(args.config, parse_overrides(extra))
     print(f"run folder: {run_dir}")
     summary = train(cfg, run_dir, resume=args.resume)
+    if summary.get("stopped"):
+        print(
+            f"stopped at step {summary['step']} ({summary['reason'] or 'requested'}); "
+            f"checkpoint: {summary['checkpoint']}\n"
+            f"continue with: lmforge train --resume --run-dir {run_dir}"
+        )
+        return 128 + signal.Signals[summary["reason"]].value if summary["reason"] in _SIGNALS else 0
     sample = summary.pop("sample", None)
     print(
         f"done: step {summary['step']}, val_loss {summary['val_loss']:.4f} (ppl {summary['val_ppl']:.2f}), "
@@ -63,6 +75,9 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+_SIGNALS = {s.name for s in signal.Signals}
+
+
 def _device(name: str):
     from lmforge.train.runtime import pick_device
 
@@ -72,14 +87,33 @@ def _device(name: str):
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     from lmforge.train.run_loading import evaluate_run
 
+    if args.tokens < 0:
+        raise UserError(
+            f"--tokens: {args.tokens} is out of range; give an integer >= 0 (0: train.eval_tokens)"
+        )
     print(json.dumps(evaluate_run(args.run, _device(args.device), args.tokens)))
     return 0
+
+
+def check_sampling_args(args: argparse.Namespace) -> None:
+    """UserError naming the first ``generate`` flag out of its range."""
+    rules = [
+        ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, "an integer >= 1"),
+        ("--temperature", args.temperature, args.temperature >= 0, "a number >= 0 (0: greedy decoding)"),
+        ("--top-k", args.top_k, args.top_k >= 0, "an integer >= 0 (0: no top-k cut)"),
+        ("--top-p", args.top_p, 0 < args.top_p <= 1, "a number in (0, 1] (1: no nucleus cut)"),
+        ("--num-samples", args.num_samples, args.num_samples >= 1, "an integer >= 1"),
+    ]
+    for flag, value, ok, want in rules:
+        if not ok or value != value:  # NaN fails every comparison but the last
+            raise UserError(f"{flag}: {value} is out of range; give {want}")
 
 
 def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     from lmforge.model.sampling import generate
     from lmforge.train.run_loading import load_run
 
+    check_sampling_args(args)
     device = _device(args.device)
     _, tok, model, _ = load_run(args.run, device)
     for i in range(args.num_samples):
@@ -322,4 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
+    except Interrupted as exc:
+        print(f"interrupted ({signal.Signals(exc.signal).name} twice): exited at once", file=sys.stderr)
+        code = 128 + int(exc.signal)
     sys.exit(code)

@@ -220,7 +220,9 @@ class TrainConfig(_Section):
     )
     seed: int = Field(1337, description="seed for init, data order and sampling")
     sample_tokens: int = Field(120, ge=0, description="tokens sampled at the end of training (0: none)")
-    sample_prompt: str = Field("def ", description="prompt of the end-of-training sample")
+    sample_prompt: str | None = Field(
+        None, description="prompt of the end-of-training sample (default: the start of a validation document)"
+    )
     value_clip: ValueClipConfig = Field(
         default_factory=ValueClipConfig, description='used when train.clip_mode = "value"'
     )

@@ -17,3 +17,11 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """Missing or unusable data files."""
+
+
+class Interrupted(BaseException):
+    """A second stop signal during training: exit at once (exit status 128 + the signal's number)."""
+
+    def __init__(self, sig: int):
+        super().__init__(sig)
+        self.signal = sig

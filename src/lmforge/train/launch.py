@@ -9,23 +9,26 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lmforge.config import Config
-from lmforge.errors import ConfigError, UserError
-from lmforge.recipe import migrate_moved, to_toml
+from lmforge.errors import UserError
 from lmforge.train.build import build_run, validate
 from lmforge.train.callbacks.base import Callback
-from lmforge.train.callbacks.checkpointing import Checkpointing, config_state
+from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.callbacks.evaluation import Evaluation
 from lmforge.train.callbacks.guard import StabilityGuard
-from lmforge.train.callbacks.metrics import MetricsFile, ProgressBarCallback, StepMetrics
+from lmforge.train.callbacks.metrics import Console, MetricsFile, StepMetrics
 from lmforge.train.callbacks.sample import Sample
+from lmforge.train.callbacks.signals import StopOnSignal
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial
+from lmforge.train.preflight import preflight
+from lmforge.train.resume import check_changes, config_changes, config_text, read_history, report_changes
 from lmforge.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
-    """The checkpoint to resume from (None for a new run); user errors for a wrong ``--resume``."""
+    """The checkpoint to resume from (None for a new run); user errors for a wrong ``--resume`` and for a
+    new run in a folder that already holds another run's checkpoints or metrics."""
     remove_partial(run_dir)
     ckpt = latest_checkpoint(run_dir)
     if resume and ckpt is None:
@@ -34,31 +37,27 @@ def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
         raise UserError(
             f"--run-dir: {run_dir} already holds checkpoints; pass --resume or choose a new --run-dir"
         )
+    if not resume and ((run_dir / "metrics.jsonl").exists() or (run_dir / "tensorboard").exists()):
+        raise UserError(
+            f"--run-dir: {run_dir} holds the metrics of an earlier run (metrics.jsonl, tensorboard/) but no "
+            "checkpoint to resume; choose a new --run-dir or delete that folder"
+        )
     return ckpt
 
 
-def check_same_model(cfg: Config, saved_cfg: dict) -> None:
-    """A resume may change anything but the learned function's definition: ``model.*`` must match."""
-    saved = migrate_moved(saved_cfg).get("model", {})  # a run saved before a key moved out of model.*
-    now = config_state(cfg)["model"]
-    for key in sorted(set(saved) | set(now)):
-        if saved.get(key) != now.get(key):
-            raise ConfigError(
-                f"model.{key}: checkpoint has {saved.get(key)!r}, config has {now.get(key)!r}; "
-                "resume with the same model settings"
-            )
-
-
-def default_callbacks(cfg: Config, run_dir: Path, progress_bar: bool | None) -> list[Callback]:
+def default_callbacks(
+    cfg: Config, run_dir: Path, progress_bar: bool | None, config_toml: str
+) -> list[Callback]:
     """The callbacks of every training run, in the order they are called."""
     return [
+        StopOnSignal(),
         StabilityGuard(cfg.guard),
         StepMetrics(),
         Evaluation(),
-        Checkpointing(run_dir, to_toml(cfg)),
+        Checkpointing(run_dir, config_toml),
         Sample(),
         MetricsFile(run_dir),
-        ProgressBarCallback(progress_bar),
+        Console(progress_bar),
     ]
 
 
@@ -71,27 +70,41 @@ def train(
 ) -> dict:
     """Run (or resume) training as configured; returns the summary also written to ``summary.json``.
 
-    ``callbacks`` run after the default ones (evaluation, checkpoints, metrics, guard, sample, progress).
-    A run stopped early by a callback (``trainer.request_stop()``) returns ``{"step": N, "stopped":
-    True}`` after its checkpoint and writes no summary.
+    ``callbacks`` run after the default ones (signals, guard, metrics, evaluation, checkpoints, sample,
+    console). A run stopped early (a signal, or a callback's ``trainer.request_stop(reason)``) returns
+    ``{"step": N, "stopped": True, "reason": ..., "checkpoint": PATH}`` after its checkpoint and writes no
+    summary. With ``resume``, ``cfg`` is checked against the checkpoint's config (``train/resume.py``).
     """
     run_dir = Path(run_dir)
     validate(cfg)
     ckpt_path = check_run_dir(run_dir, resume)
     state = load_checkpoint(ckpt_path) if ckpt_path is not None else None
+    history: list[str] = []
     if state is not None:
-        check_same_model(cfg, state["config"])
+        step = state["progress"]["step"]
+        changes = config_changes(state["config"], cfg)
+        check_changes(changes, step, cfg.train.steps)
+        report_changes(changes, state["config"], cfg, state)
+        history = read_history(run_dir / "config.toml") + [c.line(step) for c in changes]
     run = build_run(cfg)
+    preflight(cfg, run.data, run.tokens_per_step)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
+    config_toml = config_text(cfg, history)
+    (run_dir / "config.toml").write_text(config_toml)
     shutil.copyfile(run.data.tokenizer.path, run_dir / "tokenizer.json")
-    trainer = Trainer(run, [*default_callbacks(cfg, run_dir, progress_bar), *callbacks])
+    trainer = Trainer(run, [*default_callbacks(cfg, run_dir, progress_bar, config_toml), *callbacks])
     if state is not None:
         trainer.load_state_dict(state)
         log.info("resumed from %s at step %d", ckpt_path, trainer.progress.step)
     trainer.fit()
     if trainer.stop_requested:
-        return {"step": trainer.progress.step, "stopped": True}
+        ckpt = latest_checkpoint(run_dir)
+        return {
+            "step": trainer.progress.step,
+            "stopped": True,
+            "reason": trainer.stop_reason,
+            "checkpoint": str(ckpt),
+        }
     summary = {
         "step": trainer.progress.step,
         **trainer.summary,

@@ -1,7 +1,7 @@
 """Metrics sinks: ``metrics.jsonl`` (one JSON object per line), TensorBoard, and a console progress bar.
 
-The progress bar (rich) shows only on an interactive terminal; in non-interactive use the console stays
-quiet and the JSONL file is the record.
+The progress bar (rich) shows only on an interactive terminal; elsewhere the ``Console`` callback logs a
+plain line per metrics record instead.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ class MetricsWriter:
     """
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
+        # TensorBoard: on resume, events of later steps in older files are purged the same way
         self.path = Path(run_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             kept = [ln for ln in self.path.read_text().splitlines() if json.loads(ln)["step"] <= resume_step]
@@ -31,7 +32,8 @@ class MetricsWriter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=purge)
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
@@ -57,15 +59,11 @@ class ProgressBar:
         self.enabled = sys.stdout.isatty() if enabled is None else enabled
         self._progress = None
         if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+            # the ETA is the run's own (in ``info``): rich's would count evaluations as training time
             self._progress = Progress(
-                TextColumn("train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"),
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}")
             )
             self._task = self._progress.add_task("train", total=total, completed=start, info="")
             self._progress.start()

@@ -50,6 +50,8 @@ class Trainer:
         self.lr_scale = 1.0  # set by callbacks that change the rate (the guard's rollbacks)
         self.resumed = False
         self.stop_requested = False
+        self.stop_reason = ""  # why the run stopped early (e.g. "SIGTERM"), for the user
+        self.step_time_s = 0.0  # wall time of the last attempt's batches and step, callbacks excluded
         self.summary: dict = {}  # filled by callbacks at the end of the run
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -60,7 +62,9 @@ class Trainer:
         try:
             last = time.perf_counter()
             while self.progress.step < self.total_steps and not self.stop_requested:
+                start = time.perf_counter()
                 result = self._attempt(self._next_batches())
+                self.step_time_s = time.perf_counter() - start
                 self._emit("on_step_end", result)
                 now = time.perf_counter()
                 self.progress.elapsed_s, last = self.progress.elapsed_s + now - last, now
@@ -102,9 +106,10 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_log(self, record)
 
-    def request_stop(self) -> None:
+    def request_stop(self, reason: str = "") -> None:
         """End the run after the current step, resumably (``on_stop`` instead of ``on_train_end``)."""
         self.stop_requested = True
+        self.stop_reason = self.stop_reason or reason
 
     def _emit(self, hook: str, *args) -> None:
         for cb in self.callbacks:

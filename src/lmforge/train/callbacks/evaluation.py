@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.evaluate import eval_targets, evaluate, perplexity, unigram_loss
 from lmforge.train.step import Action, StepResult
 from lmforge.train.trainer import Trainer
-
-log = logging.getLogger(__name__)
 
 
 def validation_loss(trainer: Trainer) -> float:
@@ -47,6 +43,5 @@ class Evaluation(Callback):
     def _evaluate(self, trainer: Trainer) -> float:
         val_loss = validation_loss(trainer)
         step = trainer.progress.step
-        trainer.log({"step": step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)})
-        log.info("step %d: val_loss %.4f", step, val_loss)
+        trainer.log({"step": step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)})  # Console shows it
         return val_loss

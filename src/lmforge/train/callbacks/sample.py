@@ -1,4 +1,4 @@
-"""The end-of-run sample: ``train.sample_tokens`` tokens after ``train.sample_prompt``."""
+"""The end-of-run sample: ``train.sample_tokens`` tokens after the sample prompt."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.sampling import generate
 from lmforge.model.transformer import Transformer
 from lmforge.train.callbacks.base import Callback
+from lmforge.train.preflight import default_sample_prompt
 from lmforge.train.trainer import Trainer
 
 
@@ -16,10 +17,17 @@ def sample_text(model: Transformer, tok: Tokenizer, prompt: str, n: int, seed: i
 
 
 class Sample(Callback):
+    """``train.sample_prompt``, or when unset the first words of the first validation document
+    (``train/preflight.py``), continued by the trained model into ``trainer.summary["sample"]``."""
+
     def on_train_end(self, trainer: Trainer) -> None:
-        t = trainer.run.cfg.train
+        t, data = trainer.run.cfg.train, trainer.run.data
         if t.sample_tokens:
-            tok = trainer.run.data.tokenizer
+            prompt = (
+                t.sample_prompt
+                if t.sample_prompt is not None
+                else default_sample_prompt(data.val, data.tokenizer)
+            )
             trainer.summary["sample"] = sample_text(
-                trainer.run.model, tok, t.sample_prompt, t.sample_tokens, t.seed
+                trainer.run.model, data.tokenizer, prompt, t.sample_tokens, t.seed
             )

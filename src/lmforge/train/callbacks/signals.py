@@ -1,0 +1,78 @@
+"""Stops that lose nothing: SIGINT (Ctrl-C) and SIGTERM (a scheduler's notice before preemption).
+
+The first signal lets the current step finish; the run then stops as a callback's ``request_stop`` would:
+a checkpoint of that step is written (``Checkpointing.on_stop``) and ``lmforge train --resume`` continues
+from it. A second signal exits at once (:class:`~lmforge.errors.Interrupted`; an incomplete checkpoint
+folder is removed on the next start). Under ``torchrun`` every rank agrees at each step end on whether any
+rank was signalled (:func:`any_rank`), so all stop after the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from lmforge.errors import Interrupted
+from lmforge.train.callbacks.base import Callback
+from lmforge.train.step import StepResult
+from lmforge.train.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def any_rank(flag: bool) -> bool:
+    """``flag`` or'ed over every rank of the default process group (itself without one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+class StopOnSignal(Callback):
+    """Installs handlers for :data:`STOP_SIGNALS` while the trainer runs (main thread only; elsewhere
+    signals keep their handlers) and restores the previous ones when it closes."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
+        self.signals = signals
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, object] = {}
+        self._step = 0
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self._step = trainer.progress.step
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        if self.received is not None:
+            raise Interrupted(sig)
+        self.received = sig
+        log.warning(
+            "%s: finishing step %d, then writing a checkpoint and stopping (send it again to exit at once)",
+            sig.name,
+            self._step + 1,
+        )
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        self._step = trainer.progress.step
+        if any_rank(self.received is not None):
+            trainer.request_stop(
+                self.received.name if self.received is not None else "a signal on another rank"
+            )
+
+    def on_close(self, trainer: Trainer) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
