@@ -263,6 +263,16 @@ def test_sigterm_mid_run_then_resume_gives_the_uninterrupted_losses(corpus_dir, 
 # -- output that tells the truth ---------------------------------------------------------------------
 
 
+def test_terminal_shows_each_evaluation_once(tiny_config, tmp_path, capsys, caplog):
+    """On a terminal the bar prints validation lines; nothing else reports them (no second copy)."""
+    with caplog.at_level(logging.INFO, logger="lmforge"):
+        train(tiny_config, tmp_path / "run", progress_bar=True)
+    shown = capsys.readouterr()
+    assert (shown.out + shown.err).count("val_loss") == 2  # steps 10 and 20
+    assert "step 10/20 | val_loss" in shown.out
+    assert "val_loss" not in caplog.text
+
+
 def test_eta_and_duration_formulas():
     assert eta_seconds(10, 0.5, 20.0, 40) == pytest.approx(10 * (0.5 + 0.5))
     assert eta_seconds(0, 1.0, 5.0, 0) == 0
