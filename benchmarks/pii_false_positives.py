@@ -30,8 +30,10 @@ Judging rule, one replacement at a time, from the text around it:
 * email: counted apart, since most are genuine addresses. A false positive when the last label of
   the domain is no top-level domain of the Public Suffix List on this machine
   (``/usr/share/publicsuffix/public_suffix_list.dat``; file and unit names such as ``ca@valencia.po``,
-  ``getty@tty1.service``) or the domain is reserved for documentation or local use (RFC 2606 / 6761:
-  ``example.com``, ``.test``, ``.localhost``, ... and ``.localdomain``).
+  ``getty@tty1.service``) or the domain is reserved for documentation (RFC 2606 / 6761:
+  ``example.com``, ``.test``, ``.invalid``, ``.localhost``). This errs towards false positives:
+  addresses at private names (``.local``, ``.lan``, ``.localdomain``) and at retired ones (``.yu``)
+  are judged false although many are someone's (the stage replaces them on purpose).
 
 The judge reads the same text as the stage, but it does not share its rules: it never asks whether a
 dotted quad is a version, only whether the address is public and networking is being discussed.
@@ -83,7 +85,7 @@ JUDGE_PHONE_WORDS = frozenset(
      "voice", "ph", "support", "phones"}
 )  # fmt: skip
 RESERVED_DOMAINS = ("example.com", "example.net", "example.org")
-RESERVED_TLDS = frozenset({"example", "test", "invalid", "localhost", "local", "localdomain"})
+RESERVED_TLDS = frozenset({"example", "test", "invalid", "localhost"})
 PSL = Path("/usr/share/publicsuffix/public_suffix_list.dat")
 _WORD = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 _POSTAL_ADDRESS = re.compile(r"\b[A-Z]{2}\s+\d{5}(?:-\d{4})?\s*$")

@@ -228,7 +228,11 @@ KEPT = [
     "The pointer 0x7fff5fbff8a8 and the hash deadbeef 0123 4567 89ab are not numbers to call.",
     "Files: po/ca@valencia.po po/en@quot.header icons/app@2x.png",
     "Run systemctl start getty@tty1.service and pg_dump@version-cluster.timer.",
-    "Mail user@example.com, admin@mail.example.org or root@localhost.localdomain in the examples.",
+    "Mail user@example.com, admin@mail.example.org or bob@build.test in the examples.",
+    "dpkg (1.16.4.3) unstable; urgency=low\n\n  * Bug 17367 was fixed in 1.4.0.26; Requires inputproto 1.9.99.6.",
+    "Build-Depends: libxext-dev (>= 1:1.0.99.4), firmware 7.13.21.0 for bnx2x.",
+    "00010  ff ff ff ff 20 00 00 00  10 00 05 00 00 00 00 00; sizes 500 600 700 800 900 1000 1095 1200.",
+    "See https://oss-fuzz.com/testcase-detail/5390364397928448 and llvm (1:10~+20191229111838+6991d5728f1-1).",
 ]
 
 
@@ -248,6 +252,7 @@ CAUGHT = [
     ("Boston, MA 02110-1301, USA; phone 617-542-5942, fax +1 617 542 2652.", "phone", 2),
     ("In the UK call 020 7946 0958, in France 01 23 45 67 89.", "phone", 2),
     ("Write to jane.doe@posteo.de or to Jane <j.doe+lists@cs.stanford.edu>.", "email", 2),
+    ("Author: Jane Doe <jdoe@Janes-MacBook.local>, committer root@jdoe-laptop.localdomain", "email", 2),
 ]
 
 

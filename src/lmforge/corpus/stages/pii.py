@@ -11,7 +11,7 @@ the field has the same shape on every document).
 What is recognised (and what is deliberately not):
 
 * e-mail: ``local@domain.tld`` with the usual local-part characters (``. _ % + -``); not at the
-  documentation and local-use domains (``example.com``, ``.test``, ``.localdomain``, ...) and not
+  documentation domains (``example.com``, ``.test``, ``.invalid``, ...) and not
   when the "top-level domain" is a file or unit suffix (``ca@valencia.po``, ``getty@tty1.service``);
 * IPv4: four dotted octets 0-255 without leading zeros, not part of a longer dotted number and not a
   version or section number by its context (``GCC 2.7.2.3``, ``version 1.2.3.4``, ``gettext-0.19.8.1``,
@@ -29,9 +29,9 @@ What is recognised (and what is deliberately not):
   national numbers with a trunk ``0``, an area code starting with 1-9 and 9-12 digits in groups with
   one separator (``020 7946 0958``, ``01 23 45 67 89``, ``01.23.45.67.89``, ``030 1234567``), but not
   ``0dddd-dddd``, which is a ZIP+4 code (``MA 02110-1301``). Bare digit strings are not phones here (too
-  many identifiers look alike);
+  many identifiers look alike), nor is a stretch of a longer run of digit groups (hex dumps);
 * cards: 13-19 digits, contiguous or in groups of four (Amex/Diners 4-6-5 and 4-6-4), with a known
-  issuer prefix (2, 3, 4, 5, 6) and a valid Luhn checksum.
+  issuer prefix (2, 3, 4, 5, 6) and a valid Luhn checksum, not a part of a URL path.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from lmforge.corpus.stages.pii_rules import (
     email_is_personal,
     ip_is_personal,
     ipv4_is_version,
+    phone_in_digit_run,
     phone_is_postcode,
 )
 
@@ -65,7 +66,7 @@ _IPV6 = re.compile(
     r"(?::[0-9A-Fa-f]{0,4}){2,7}(?![\w:]|\.\w)"
 )
 _PHONE = re.compile(
-    r"(?=[+(\d])(?<![\w+./-])(?:"
+    r"(?=[+(\d])(?<![\w+./~-])(?:"
     # international: +CC or 00CC (country codes start with 1-9), then groups (one may be a
     # parenthesised trunk or area code)
     r"(?:\+|00)[1-9]\d{0,2}+(?:[ .-]?+(?:\(\d{1,4}+\)|\d++)){1,6}+"
@@ -79,9 +80,9 @@ _PHONE = re.compile(
     # 14", is not one phone), or a bracketed area code
     r"0[1-9]\d{0,3}+(?P<sep>[ .-])\d{2,8}+(?:(?P=sep)\d{2,8}+){0,3}+"
     r"|\(0[1-9]\d{0,3}+\)[ ]?\d{2,8}+(?:[ .-]?\d{2,8}+){0,3}+"
-    r")(?![\w/-]|\.\d)"
+    r")(?![\w/+~-]|\.\d)"
 )
-_CARD = re.compile(r"\d(?<![\w.+-]\d)(?:[ -]?\d){12,18}(?![\w-]|\.\d)")
+_CARD = re.compile(r"\d(?<![\w.+/-]\d)(?:[ -]?\d){12,18}(?![\w-]|\.\d)")  # not a URL path part
 _CARD_GROUPS = {(4, 4, 4, 4), (4, 4, 4, 1), (4, 4, 4, 2), (4, 4, 4, 3), (4, 4, 4, 4, 3), (4, 6, 5), (4, 6, 4)}
 
 
@@ -214,7 +215,12 @@ class PiiRedact(DocStage):
         if p.phone:
 
             def phone(m: re.Match[str]) -> str:
-                if _phone_digits_ok(m.group()) and not phone_is_postcode(m.group()):
+                span = m.group()
+                if (
+                    _phone_digits_ok(span)
+                    and not phone_is_postcode(span)
+                    and not phone_in_digit_run(m.string, m.start(), m.end())
+                ):
                     counts["phone"] += 1
                     return p.phone_placeholder
                 return m.group()

@@ -30,11 +30,15 @@ IP addresses (checked with the standard library's :mod:`ipaddress`):
     (``1.0.24.2-5``, ``1.2.99.1+cvs``, ``1.2.3.4~rc1``; but ``10.0.0.1-10.0.0.9`` is a range of addresses);
   - its line is a heading, underlined by a row of ``-``, ``=``, ``~`` or ``^`` (``3.7.91.1 - 2013-03-05``
     in a NEWS file);
-  - a comparison operator is right before it (``zlib >= 1.2.2.3``, ``(<< 1.0.24.2-5)``);
+  - a comparison operator is right before it (``zlib >= 1.2.2.3``, ``(<< 1.0.24.2-5)``, with a Debian
+    epoch ``(>= 1:1.0.99.4)``), or a change phrase (``fixed in``, ``broken in``, ``added in``, ``new
+    in``, ``regression since``, ...);
+  - it is the version of a Debian changelog entry header, ``dpkg (1.16.4.3) unstable; urgency=low``
+    (Debian Policy 4.4);
   - one of the three words before it on its line is a version or numbering word (``version``, ``v``,
     ``release``, ``build``, ``rev``, ``patch``, ``update``, ``bump``, ``since``, ``standards``,
-    ``policy``, ``section``, ``clause``, ...; see ``NUMBER_WORDS``) and no networking word
-    (``ADDRESS_WORDS``) is nearer;
+    ``policy``, ``requires``, ``firmware``, ``kernel``, ``section``, ``clause``, ...; see
+    ``NUMBER_WORDS``) and no networking word (``ADDRESS_WORDS``) is nearer;
   - the word right before it is a product name written with a capital letter after its first one
     (``GCC 2.7.2.3``, ``XFree86 4.3.0.1``, ``libX11 1.4.99.1``, ``OpenSSL``), unless that word is
     networking vocabulary (``IP``, ``DNS``, ``TCP``, ...) or a log level (``INFO``, ``WARN``);
@@ -44,22 +48,25 @@ IP addresses (checked with the standard library's :mod:`ipaddress`):
     unless "dns" or "server" is near).
 
   Not recognised as versions: a title-case or lower-case name right before the number (``Linux
-  2.6.32.1``, ``libc 2.7.2.30``, ``at-spi2-core 2.39.90.1``) when no other evidence is there; a word
-  like ``Ban`` or ``ping`` before an address reads the same way, so those stay redacted. Nor section
-  numbers without a numbering word (``11.3.3.2 of the PNG spec``).
+  2.6.32.1``, ``Git 1.7.12.4``, ``libc 2.7.2.30``, ``at-spi2-core 2.39.90.1``) when no other evidence
+  is there; a word like ``Ban`` or ``ping`` before an address reads the same way, so those stay
+  redacted. Nor section numbers without a numbering word (``11.3.3.2 of the PNG spec``), nor a version
+  after a date (``2009-10-30 (3.6.16.1)``).
 
 Phone numbers: the pattern already asks for phone structure (a ``+``/``00`` country code starting
 with 1-9, North American 3-3-4 groups with area code and exchange starting with 2-9 and one kind of
 separator, or a trunk ``0`` and an area code starting with 1-9 with grouped digits); a ``0dddd-dddd``
 span (five digits, a hyphen, four) is a ZIP+4 code (New England codes start with 0), not a national
-number.
+number; and a match that is one stretch of a longer run of digit groups with its own separator (a hex
+dump ``05 00 00 00 00 00``, a list ``700 800 900 1000 1095``) is not a phone.
 
-E-mail addresses: kept when the domain is reserved for documentation or local use (``example.com``,
-``example.net``, ``example.org`` and their subdomains, RFC 2606; the top-level names ``example``,
-``test``, ``invalid``, ``localhost``, RFC 6761; ``local``, RFC 6762; ``localdomain``) or when the
-last label is a file-type or systemd-unit suffix that is no top-level domain (``en@quot.header``,
+E-mail addresses: kept when the domain is reserved for documentation (``example.com``, ``example.net``,
+``example.org`` and their subdomains, RFC 2606; the top-level names ``example``, ``test``,
+``invalid``, ``localhost``, RFC 6761) or when the last label is a file-type or systemd-unit suffix that is no top-level domain (``en@quot.header``,
 ``ca@valencia.po``, ``icon@2x.png``, ``getty@tty1.service``; see ``NOT_TLDS``: none is a top-level
-domain, except the brand domains ``java`` and ``target``, which serve no mailboxes).
+domain, except the brand domains ``java`` and ``target``, which serve no mailboxes). Addresses at
+private names (``jdoe@Janes-MacBook.local``, ``.lan``, ``.localdomain``) are replaced: they are not
+deliverable, but they carry someone's login and often their name.
 """
 
 from __future__ import annotations
@@ -91,7 +98,7 @@ NUMBER_WORDS = frozenset(
         "version", "versions", "ver", "vers", "v", "release", "released", "releases", "rel", "revision", "rev",
         "build", "patch", "patchlevel", "update", "updated", "upgrade", "upgraded", "bump", "bumped", "since",
         "standards", "policy", "section", "sect", "sec", "clause", "chapter", "appendix", "annex", "paragraph",
-        "para", "table", "figure", "fig"
+        "para", "table", "figure", "fig", "require", "requires", "required", "depends", "kernel", "firmware"
     }
 )  # fmt: skip
 ADDRESS_WORDS = frozenset(
@@ -111,7 +118,13 @@ _LOG_WORDS = frozenset(
 _WORD = re.compile(r"[A-Za-z][A-Za-z0-9_+]*")
 _WORD_BEFORE = re.compile(r"([A-Za-z][A-Za-z0-9_+]*)[ \t(]+$")
 _GLUED_BEFORE = re.compile(r"[A-Za-z][-_]$")
-_OPERATOR_BEFORE = re.compile(r"(?:[<>=!~]=|<<|>>|\w[ \t]*[<>])[ \t(]*$")
+_OPERATOR_BEFORE = re.compile(r"(?:[<>=!~]=|<<|>>|\w[ \t]*[<>])[ \t(]*(?:\d+:)?$")  # with a Debian epoch
+_CHANGE_BEFORE = re.compile(
+    r"\b(?:fixed|broken|introduced|added|removed|deprecated|changed|new|regression)[ \t]+(?:in|since)[ \t]+$",
+    re.IGNORECASE,
+)
+# Debian changelog entry header (Debian Policy 4.4): "package (version) distribution(s); urgency=..."
+_DEBIAN_HEADER_AFTER = re.compile(r"\)(?:[ \t]+[\w.-]+)+;[ \t]*urgency=")
 _SUFFIX_AFTER = re.compile(r"[-~+][A-Za-z0-9]")
 _RANGE_AFTER = re.compile(r"-\d{1,3}(?:\.\d{1,3}){3}")
 _UNDERLINE = re.compile(r"\n[ \t]*([-=~^*#])\1{2,}[ \t]*(?:\n|$)")
@@ -120,7 +133,7 @@ _CONTEXT_CHARS = 64  # how far back on the line the version evidence is looked f
 ZIP4 = re.compile(r"0\d{4}-\d{4}")
 
 DOCUMENTATION_DOMAINS = ("example.com", "example.net", "example.org")
-RESERVED_TLDS = frozenset({"example", "test", "invalid", "localhost", "local", "localdomain"})
+RESERVED_TLDS = frozenset({"example", "test", "invalid", "localhost"})
 NOT_TLDS = frozenset(
     {
         "po", "pot", "header", "service", "socket", "timer", "target", "mount", "automount", "swap", "slice",
@@ -165,14 +178,16 @@ def _line_has_address_word(text: str, start: int, end: int) -> bool:
 def ipv4_is_version(text: str, start: int, end: int) -> bool:
     """Whether the dotted quad ``text[start:end]`` is a version or section number (rules in the module
     docstring); ``False`` means it is read as an address."""
-    after = text[end : end + 16]
+    after = text[end : end + 80]
     if _SUFFIX_AFTER.match(after) and not _RANGE_AFTER.match(after):
         return True
     eol = text.find("\n", end)
     if eol >= 0 and _UNDERLINE.match(text, eol):  # a heading: "3.7.91.1 - 2013-03-05" over a row of "-"
         return True
     before = _line_before(text, start)
-    if _GLUED_BEFORE.search(before) or _OPERATOR_BEFORE.search(before):
+    if _GLUED_BEFORE.search(before) or _OPERATOR_BEFORE.search(before) or _CHANGE_BEFORE.search(before):
+        return True
+    if before.endswith("(") and _DEBIAN_HEADER_AFTER.match(after):
         return True
     for word in reversed(_WORD.findall(before)[-3:]):
         w = word.lower()
@@ -193,6 +208,18 @@ def ipv4_is_version(text: str, start: int, end: int) -> bool:
 def phone_is_postcode(span: str) -> bool:
     """A ZIP+4 code (``02110-1301``), which the national-number pattern would otherwise take."""
     return ZIP4.fullmatch(span) is not None
+
+
+def phone_in_digit_run(text: str, start: int, end: int) -> bool:
+    """Whether the match is one stretch of a longer run of digit groups with one of its own separators
+    (a hex dump ``05 00 00 00 00 00``, a list of sizes ``700 800 900 1000 1095``): a phone number ends
+    where its groups end."""
+    span = text[start:end]
+    seps = {ch for ch in span if ch in " .-"}
+    after, before = text[end : end + 2], text[max(0, start - 2) : start]
+    continues = len(after) == 2 and after[0] in seps and after[1].isdigit()
+    follows = len(before) == 2 and before[1] in seps and before[0].isdigit()
+    return continues or follows
 
 
 def email_is_personal(span: str) -> bool:
