@@ -181,15 +181,15 @@ def test_langid_identifies_and_keeps_configured_languages():
         kept[lang] = isinstance(out, Doc)
         if isinstance(out, Doc):
             assert out.meta["language"] == "en" and out.meta["language_score"] >= 0.65
-        else:
-            assert out == Drop("langid.language")
+        else:  # the detected language is the value, the languages kept the threshold
+            assert out == Drop("langid.language", value=lang, threshold=("en",))
     assert kept == {"en": True, "fr": False, "de": False, "es": False, "ru": False}
 
     multi = LangId(LangIdParams(languages=["fr", "de", "es", "ru"], min_score=0.5))
     for lang, text in SENTENCES.items():
         out = multi.process(Doc(lang, text, "prose"))
         if lang == "en":
-            assert out == Drop("langid.language")
+            assert out == Drop("langid.language", value="en", threshold=("fr", "de", "es", "ru"))
         else:
             assert isinstance(out, Doc) and out.meta["language"] == lang, (lang, out)
 
@@ -197,4 +197,7 @@ def test_langid_identifies_and_keeps_configured_languages():
 def test_langid_score_threshold():
     strict = LangId(LangIdParams(min_score=1.0))
     assert strict.process(Doc("x", "Hello there", "prose")).reason in ("langid.low_score", "langid.language")
-    assert strict.process(Doc("x", SENTENCES["en"], "prose")) == Drop("langid.low_score")
+    out = strict.process(Doc("x", SENTENCES["en"], "prose"))
+    assert out.reason == "langid.low_score" and out.threshold == 1.0
+    kept = LangId().process(Doc("x", SENTENCES["en"], "prose"))
+    assert 0.65 < out.value < 1.0 and round(out.value, 4) == kept.meta["language_score"]

@@ -95,6 +95,12 @@ class OutputConfig(_Section):
     bad_input_listed: int = Field(
         1000, ge=0, description="bad-input records listed in report.json (all are counted and in removed/)"
     )
+    removed_text: bool = Field(
+        False,
+        description="removed/ records also keep the document's text as the stage that removed it saw it "
+        "(off: id, source, rule, value and threshold only; on: removed/ grows to about the size of its "
+        "documents' text)",
+    )
 
 
 class ExecutionConfig(_Section):
