@@ -108,6 +108,93 @@ def test_html_failures_are_drops_with_reasons():
     assert Extract().process(Doc("x", "t", "web", meta={"format": "docx"})) == Drop("extract.unknown_format")
 
 
+# A documentation page as generators write it: the source wrapped at a fixed width, with inline
+# markup inside the paragraphs (where trafilatura keeps the source's line breaks).
+WRAPPED = """<!DOCTYPE html><html><head><title>Calling a function</title></head><body><main>
+<h2>2.1 Calling
+a function</h2>
+<p><code>libdemo</code> assumes that you have a pointer to the function you wish
+to call and that you know the number and <em>types</em> of arguments to pass
+it, as well as the return type of the function.</p>
+<p>The first thing you must do is create a <code>demo_cif</code> object that
+matches the <a href="sig.html">signature</a> of the function you wish to call.  This is a
+separate step because it is common to make multiple calls using a
+single <code>demo_cif</code>.</p>
+<ul>
+<li><var>abi</var> is the ABI to use; normally
+<code>DEMO_DEFAULT_ABI</code> is what you want.</li>
+<li><var>nargs</var> is the number of
+arguments.</li>
+</ul>
+<p>Write to us at:<br>
+12 Example Road<br>
+Springfield</p>
+<pre class="example">int main()
+{
+  demo_call (&amp;cif, fn,
+             &amp;rc, values);
+}</pre>
+<p>The <code>rvalue</code> must be large enough to hold the result and must be
+suitably aligned; it is the <em>caller's</em> responsibility to ensure this.</p>
+</main></body></html>"""
+
+WRAPPED_LINES = [
+    "2.1 Calling a function",
+    "libdemo assumes that you have a pointer to the function you wish to call and that you know the "
+    "number and types of arguments to pass it, as well as the return type of the function.",
+    "The first thing you must do is create a demo_cif object that matches the signature of the function "
+    "you wish to call.  This is a separate step because it is common to make multiple calls using a "
+    "single demo_cif.",
+    "- abi is the ABI to use; normally DEMO_DEFAULT_ABI is what you want.",
+    "- nargs is the number of arguments.",
+    "Write to us at:",  # <br> stays a line break
+    "12 Example Road",
+    "Springfield",
+    "int main()",  # <pre> keeps every line and its indentation
+    "{",
+    "  demo_call (&cif, fn,",
+    "             &rc, values);",
+    "}",
+    "The rvalue must be large enough to hold the result and must be suitably aligned; it is the caller's "
+    "responsibility to ensure this.",
+]
+
+
+def test_wrapped_lines_of_a_paragraph_are_joined():
+    """A paragraph, heading or list item is one line; <br>, <pre> and block boundaries keep theirs."""
+    out = Extract().process(html_doc(WRAPPED))
+    assert isinstance(out, Doc)
+    lines = [line.rstrip() for line in out.text.splitlines()]
+    assert lines[: len(WRAPPED_LINES)] == WRAPPED_LINES, out.text
+    # Off, trafilatura's text keeps the source's breaks wherever a paragraph has inline markup
+    old = Extract(ExtractParams(join_wrapped_lines=False)).process(html_doc(WRAPPED))
+    assert "you wish\nto call" in old.text and "normally\nDEMO_DEFAULT_ABI" in old.text
+    assert len(old.text.splitlines()) == len(out.text.splitlines()) + 7  # 2 + 3 + 1 + 1 breaks kept
+
+
+def test_join_wrapped_lines_leaves_block_whitespace_code_and_no_break_spaces():
+    from lxml import html as lxml_html
+
+    from lmforge.corpus.stages.extract import join_wrapped_lines
+
+    tree = lxml_html.fromstring(
+        "<div><p>a\n  b <b>c\nd</b>\n<i>e</i>\n</p>\n<p>f\u00a0\ng</p>"
+        "<pre>x\n  y <b>z\n w</b></pre><code>k\nl</code>\n<p>m<br>\nn</p><!-- c -->\n<span>o</span></div>"
+    )
+    join_wrapped_lines(tree)
+    ps = tree.findall("p")
+    assert ps[0].text == "a b " and ps[0][0].text == "c d" and ps[0][0].tail == " "  # inline: spaces
+    assert ps[0][1].tail == "\n"  # before the end of the paragraph: a block edge, left alone
+    assert ps[0].tail == "\n"  # between two paragraphs: left alone
+    assert ps[1].text == "f\u00a0 g"  # the run holding the break becomes a space; the no-break space stays
+    pre = tree.find("pre")
+    assert pre.text == "x\n  y " and pre[0].text == "z\n w"  # inside <pre>: untouched
+    assert tree.find("code").text == "k\nl" and tree.find("code").tail == "\n"  # code; then a <p>
+    assert ps[2][0].tail == "\nn"  # after <br>: the break is the <br>'s, left as it is
+    comment = ps[2].getnext()
+    assert comment.tail == " "  # a comment is transparent: between it and an inline <span>
+
+
 def test_pdf_text_is_extracted():
     lines = ["Hello from a hand made PDF.", "Second line of the page."]
     out = Extract().process(pdf_doc(make_pdf(lines)))
