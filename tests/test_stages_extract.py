@@ -8,6 +8,7 @@ from lmforge.corpus.document import Doc, Drop
 from lmforge.corpus.stages.extract import Extract, ExtractParams
 from lmforge.corpus.stages.langid import LangId, LangIdParams
 from lmforge.corpus.stages.normalize import Normalize, NormalizeParams
+from lmforge.corpus.stages.quality import C4Filter, C4Params
 
 ARTICLE = [
     "Tide pools form where the sea retreats twice a day and leaves water trapped among the rocks.",
@@ -170,6 +171,37 @@ def test_wrapped_lines_of_a_paragraph_are_joined():
     old = Extract(ExtractParams(join_wrapped_lines=False)).process(html_doc(WRAPPED))
     assert "you wish\nto call" in old.text and "normally\nDEMO_DEFAULT_ABI" in old.text
     assert len(old.text.splitlines()) == len(out.text.splitlines()) + 7  # 2 + 3 + 1 + 1 breaks kept
+
+
+def test_web_recipe_keeps_the_prose_of_wrapped_documentation():
+    """The web recipe's extract -> normalize -> c4 keeps every prose paragraph of the page whole. With
+    the old settings (source line breaks kept, C4's terminal-punctuation line rule on) only the lines
+    that happened to end a sentence survived: sentence fragments."""
+    from pathlib import Path
+
+    from lmforge.corpus.config import load_pipeline_config
+    from lmforge.corpus.stages.base import run_doc_stages
+
+    recipe = load_pipeline_config(Path(__file__).parents[1] / "configs" / "data" / "web.toml")
+    specs = {spec.name: spec for spec in recipe.stages}
+    assert specs["c4"].params["filter_no_terminal_punct"] is False  # as FineWeb
+    assert specs["extract"].params["join_wrapped_lines"] is True
+    prose = [WRAPPED_LINES[i] for i in (1, 2, 3, 4, -1)]
+
+    def kept(extract: ExtractParams, c4: C4Params) -> list[str]:
+        [out] = run_doc_stages([Extract(extract), Normalize(), C4Filter(c4)], [html_doc(WRAPPED)])
+        assert isinstance(out, Doc)
+        return out.text.splitlines()
+
+    now = kept(ExtractParams(**specs["extract"].params), C4Params(**specs["c4"].params))
+    assert now == prose  # headings, the address and the code are short lines: C4's 5-word rule
+    before = kept(ExtractParams(join_wrapped_lines=False), C4Params())
+    assert before == [
+        "it, as well as the return type of the function.",
+        "DEMO_DEFAULT_ABI is what you want.",
+        "- nargs is the number of arguments.",
+        "suitably aligned; it is the caller's responsibility to ensure this.",
+    ]
 
 
 def test_join_wrapped_lines_leaves_block_whitespace_code_and_no_break_spaces():
