@@ -184,7 +184,8 @@ def test_web_recipe_keeps_the_prose_of_wrapped_documentation():
 
     recipe = load_pipeline_config(Path(__file__).parents[1] / "configs" / "data" / "web.toml")
     specs = {spec.name: spec for spec in recipe.stages}
-    assert specs["c4"].params["filter_no_terminal_punct"] is False  # as FineWeb
+    assert specs["c4"].params["filter_no_terminal_punct"] is False  # as FineWeb, which checks ...
+    assert specs["c4"].params["filter_ellipsis_lines"] is False  # ... '...' inside the same rule
     assert specs["extract"].params["join_wrapped_lines"] is True
     prose = [WRAPPED_LINES[i] for i in (1, 2, 3, 4, -1)]
 
