@@ -221,9 +221,12 @@ def test_keeps_first_in_corpus_order(tmp_path: Path):
     ]
     outcomes, figures = run_corpus_stage(MinHashDedup(), docs, tmp_path / "a")
     dropped = {o[0].id: o[1] for o in outcomes if isinstance(o, tuple)}
+    # value: the signatures' estimate of the similarity to the kept document (equal values / 112)
+    estimate = dropped["late"].value
+    assert 0.9 <= estimate <= 1 and round(estimate * 112, 9) == round(estimate * 112)
     assert dropped == {
-        "late": Drop("dedup_minhash.duplicate", "first"),
-        "middle": Drop("dedup_minhash.duplicate", "first"),
+        "late": Drop("dedup_minhash.duplicate", "first", estimate, 0.7),
+        "middle": Drop("dedup_minhash.duplicate", "first", estimate, 0.7),
     }
     assert figures["clusters"] == 1 and figures["duplicates"] == 2
     # Same outcome when the input arrives in corpus order (no ranking needed), and from a pickled stage
@@ -236,6 +239,22 @@ def test_keeps_first_in_corpus_order(tmp_path: Path):
         o if isinstance(o, Doc) else o[1] for o in outcomes
     ]
     assert {o[0].id for o in outcomes if isinstance(o, tuple)} == {"late", "middle"}
+
+
+def test_duplicates_carry_their_similarity_to_the_kept_document(tmp_path: Path):
+    """With exact verification the value is the exact Jaccard of the shingle sets. A chain A ~ B ~ C
+    puts C in A's cluster although C is less similar to A than the threshold: the value shows it."""
+    words = [f"w{i}" for i in range(120)]
+    docs = [
+        Doc(name, " ".join(words[k : k + 100]), "t", (0, 0, k))
+        for name, k in (("A", 0), ("B", 10), ("C", 20))
+    ]
+    outcomes, _ = run_corpus_stage(MinHashDedup(Params(preset="near_duplicates")), docs, tmp_path)
+    # 100 words -> 98 3-gram shingles; B shares 90 words (88 shingles) with A, C shares 80 (78)
+    assert outcomes[0] is docs[0]
+    assert outcomes[1] == (docs[1], Drop("dedup_minhash.duplicate", "A", 88 / (98 + 98 - 88), 0.7))
+    assert outcomes[2] == (docs[2], Drop("dedup_minhash.duplicate", "A", 78 / (98 + 98 - 78), 0.7))
+    assert outcomes[2][1].value < 0.7
 
 
 def test_empty_documents_are_kept_and_counted(tmp_path: Path):

@@ -71,11 +71,11 @@ def test_documents_left_empty_or_too_short_are_dropped(tmp_path: Path):
         Doc("long", boiler + noise(rng, 200), "t", (0, 0, 3)),
     ]
     outcomes, _ = run(docs, tmp_path)  # default min_chars = 1: only the empty one goes
-    assert outcomes[1] == (docs[1], Drop("dedup_substring.empty"))
+    assert outcomes[1] == (docs[1], Drop("dedup_substring.empty", value=0, threshold=1))
     assert isinstance(outcomes[2], Doc) and outcomes[2].text.split() == ["ok!"]
     outcomes, figures = run(docs, tmp_path / "strict", min_chars=20)
-    assert outcomes[1] == (docs[1], Drop("dedup_substring.empty"))
-    assert outcomes[2] == (docs[2], Drop("dedup_substring.empty"))
+    assert outcomes[1] == (docs[1], Drop("dedup_substring.empty", value=0, threshold=20))
+    assert outcomes[2] == (docs[2], Drop("dedup_substring.empty", value=3, threshold=20))
     assert isinstance(outcomes[3], Doc) and len(outcomes[3].text) == 200
     assert outcomes[0] is docs[0]
     assert figures["duplicate_bytes"] == 3 * 300

@@ -89,10 +89,10 @@ def _tree(root: Path) -> dict[str, bytes]:
 def test_length_rules():
     stage = LengthFilter(LengthParams(min_chars=5, max_chars=40, min_words=2, max_words=5))
     doc = lambda t: Doc("d", t, "web")  # noqa: E731
-    assert stage.process(doc("abc")) == Drop("length.too_few_chars")
-    assert stage.process(doc("x" * 41)) == Drop("length.too_many_chars")
-    assert stage.process(doc("oneword")) == Drop("length.too_few_words")
-    assert stage.process(doc("a b c d e f")) == Drop("length.too_many_words")
+    assert stage.process(doc("abc")) == Drop("length.too_few_chars", value=3, threshold=5)
+    assert stage.process(doc("x" * 41)) == Drop("length.too_many_chars", value=41, threshold=40)
+    assert stage.process(doc("oneword")) == Drop("length.too_few_words", value=1, threshold=2)
+    assert stage.process(doc("a b c d e f")) == Drop("length.too_many_words", value=6, threshold=5)
     assert isinstance(stage.process(doc("two  words\n")), Doc)
     assert LengthFilter().params.min_words == 50  # Gopher's bound by default
     with pytest.raises(ValueError, match="min_words"):
@@ -324,6 +324,8 @@ def test_domains_meta_counters_errors_and_dedup_against_reference(tmp_path, monk
         "source": 0,
         "reason": "dedup_exact.duplicate",
         "duplicate_of": "w0",
+        "value": None,
+        "threshold": None,
     }
     assert removed["w2"]["reason"] == "count_vowels.error" and removed["w3"]["reason"] == "count_vowels.asked"
     vowels = next(s for s in report["stages"] if s["stage"] == "count_vowels")
@@ -337,6 +339,43 @@ def test_domains_meta_counters_errors_and_dedup_against_reference(tmp_path, monk
     docs = [Doc(f"w{i}", t, "web", (0, 0, i + 1)) for i, t in enumerate(web_texts) if i in (0, 1, 4, 5)]
     outcomes, _ = run_corpus_stage(ExactDedup(), docs, tmp_path / "ref")
     assert [o.id for o in outcomes if isinstance(o, Doc)] == ["w0", "w4", "w5"]
+
+
+def test_removed_records_carry_value_threshold_and_optionally_text(tmp_path):
+    """Every removal names its rule, what the rule measured and the bound; ``output.removed_text``
+    adds the text as the removing stage saw it (here: after normalize), and changes nothing else."""
+    texts = {"a": "one two three four", "b": "too short\r\n\r\n", "c": "One  two three four", "d": "x" * 50}
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in texts.items()))
+    stages = [
+        {"name": "normalize"},
+        {"name": "length", "min_words": 3, "max_chars": 40},
+        {"name": "dedup_exact"},
+    ]
+    run_pipeline(_cfg(tmp_path, [{"path": str(src)}], stages), tmp_path / "plain", workers=1)
+    with_text = _cfg(tmp_path, [{"path": str(src)}], stages, output={"removed_text": True})
+    run_pipeline(with_text, tmp_path / "text", workers=1)
+    plain = {r["id"]: r for r in _records(tmp_path / "plain" / "removed")}
+    text = {r["id"]: r for r in _records(tmp_path / "text" / "removed")}
+    base = {"domain": "default", "source": 0}
+    assert plain == {
+        "b": {"id": "b", **base, "reason": "length.too_few_words", "value": 2, "threshold": 3},
+        "c": {
+            "id": "c",
+            **base,
+            "reason": "dedup_exact.duplicate",
+            "duplicate_of": "a",
+            "value": None,
+            "threshold": None,
+        },
+        "d": {"id": "d", **base, "reason": "length.too_many_chars", "value": 50, "threshold": 40},
+    }
+    assert text == {
+        "b": plain["b"] | {"text": "too short"},  # normalised: the text the length stage measured
+        "c": plain["c"] | {"text": "One  two three four"},
+        "d": plain["d"] | {"text": "x" * 50},
+    }
+    assert _records(tmp_path / "plain" / "kept") == _records(tmp_path / "text" / "kept")
 
 
 def test_local_processes_equal_inline_and_report_is_consistent(tmp_path):

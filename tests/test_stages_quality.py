@@ -50,32 +50,50 @@ def test_good_prose_passes_every_prose_filter():
 # ------------------------------------------------------------------------------------------ gopher quality
 
 
+N_PROSE = len(PROSE.split())
+
+
 @pytest.mark.parametrize(
-    ("text", "rule"),
+    ("text", "rule", "value", "threshold"),
     [
-        ("Too short to be a document, with only a handful of words in it.", "word_count"),
-        (" ".join(["internationalisation", "characterisation", "the", "and"] * 30), "mean_word_length"),
-        (" ".join(["a", "of", "the", "to", "and", "is"] * 20), "mean_word_length"),
-        (PROSE + " #tag" * 50, "hash_ratio"),
-        (PROSE + " and so on..." * 40, "ellipsis_ratio"),
-        ("\n".join(f"- item number {i} of the list and the rest" for i in range(40)), "bullet_lines"),
+        ("Too short to be a document, with only a handful of words in it.", "word_count", 14, 50),
+        # 20 + 16 + 3 + 3 characters over 4 words; 1 + 2 + 3 + 2 + 3 + 2 over 6
+        (
+            " ".join(["internationalisation", "characterisation", "the", "and"] * 30),
+            "mean_word_length",
+            10.5,
+            10,
+        ),
+        (" ".join(["a", "of", "the", "to", "and", "is"] * 20), "mean_word_length", 13 / 6, 3),
+        (PROSE + " #tag" * 50, "hash_ratio", 50 / (N_PROSE + 50), 0.1),
+        (PROSE + " and so on..." * 40, "ellipsis_ratio", 40 / (N_PROSE + 120), 0.1),
+        (
+            "\n".join(f"- item number {i} of the list and the rest" for i in range(40)),
+            "bullet_lines",
+            1.0,
+            0.9,
+        ),
         (
             "\n".join(
                 f"and then the long story of line {i} went on and on for a while..." for i in range(40)
             ),
             "ellipsis_lines",
+            1.0,
+            0.3,
         ),
-        ("the and " + " ".join(str(i * 7919) for i in range(200)), "alpha_words"),
-        (" ".join(["quickly", "running", "horses", "jumped", "over", "fences"] * 20), "stop_words"),
+        ("the and " + " ".join(str(i * 7919) for i in range(200)), "alpha_words", 2 / 202, 0.8),
+        (" ".join(["quickly", "running", "horses", "jumped", "over", "fences"] * 20), "stop_words", 0, 2),
+        ("The horses ran over fences quickly today. " * 10, "stop_words", 1, 2),  # "the" only
     ],
 )
-def test_gopher_quality_rules(text, rule):
-    assert GopherQuality().process(doc(text)) == Drop(f"gopher_quality.{rule}")
+def test_gopher_quality_rules(text, rule, value, threshold):
+    """Each rule names itself, the value it measured and the bound it failed."""
+    assert GopherQuality().process(doc(text)) == Drop(f"gopher_quality.{rule}", None, value, threshold)
 
 
 def test_gopher_quality_thresholds_are_configurable():
     short = doc("The cat and the dog sat on the mat together.")
-    assert GopherQuality().process(short) == Drop("gopher_quality.word_count")
+    assert GopherQuality().process(short) == Drop("gopher_quality.word_count", value=10, threshold=50)
     assert isinstance(GopherQuality(GopherQualityParams(min_words=5)).process(short), Doc)
     assert isinstance(GopherQuality(GopherQualityParams(min_words=None)).process(short), Doc)
 
@@ -139,19 +157,35 @@ def test_gopher_repetition_early_exit_changes_no_decision():
         assert (out.reason if isinstance(out, Drop) else None) == expected, (words, params)
 
 
+LINES = PROSE.splitlines()
+REPEATED_40 = " ".join(PROSE.split()[:40] * 2 + PROSE.split()[40:])
+
+
 @pytest.mark.parametrize(
-    ("text", "rule"),
+    ("text", "rule", "value", "threshold"),
     [
-        ("\n".join([PROSE.splitlines()[0]] * 5 + PROSE.splitlines()[1:4]), "dup_line_frac"),
-        (PROSE + "\n\n" + PROSE + "\n\n" + PROSE, "dup_para_frac"),
-        ("\n\n".join([PROSE, "A different paragraph.", "And another one.", PROSE]), "dup_para_char_frac"),
-        (PROSE + "\n" + "\n".join(PROSE.splitlines()[:3]), "dup_line_char_frac"),
-        (" ".join(["buy cheap", "shoes"] * 40 + PROSE.split()), "top_2_gram"),
-        (" ".join(PROSE.split()[:40] * 2 + PROSE.split()[40:]), "dup_5_gram"),
+        ("\n".join([LINES[0]] * 5 + LINES[1:4]), "dup_line_frac", lambda t: 4 / 8, 0.3),
+        (PROSE + "\n\n" + PROSE + "\n\n" + PROSE, "dup_para_frac", lambda t: 2 / 3, 0.3),
+        (
+            "\n\n".join([PROSE, "A different paragraph.", "And another one.", PROSE]),
+            "dup_para_char_frac",
+            lambda t: len(PROSE) / len(t),
+            0.2,
+        ),
+        (
+            PROSE + "\n" + "\n".join(LINES[:3]),
+            "dup_line_char_frac",
+            lambda t: len("".join(LINES[:3])) / len(t),
+            0.2,
+        ),
+        # "buy cheap" is the first of the two most frequent 2-grams, 40 times
+        (" ".join(["buy cheap", "shoes"] * 40 + PROSE.split()), "top_2_gram", lambda t: 9 * 40 / len(t), 0.2),
+        (REPEATED_40, "dup_5_gram", lambda t: reference_ngram_stats(t.split(), 5)[1] / len(t), 0.15),
     ],
 )
-def test_gopher_repetition_rules(text, rule):
-    assert GopherRepetition().process(doc(text)) == Drop(f"gopher_repetition.{rule}")
+def test_gopher_repetition_rules(text, rule, value, threshold):
+    want = Drop(f"gopher_repetition.{rule}", None, value(text), threshold)
+    assert GopherRepetition().process(doc(text)) == want
 
 
 def test_gopher_repetition_rules_can_be_turned_off():
@@ -191,16 +225,20 @@ def test_c4_line_rules_edit_the_page():
     ],
 )
 def test_c4_page_rules(extra, rule):
-    assert C4Filter().process(doc(PROSE + "\n" + extra)) == Drop(f"c4.{rule}")
+    """A page rule that matches rather than measures gives the line it matched as the value."""
+    assert C4Filter().process(doc(PROSE + "\n" + extra)) == Drop(f"c4.{rule}", value=extra)
+    long = "{" + " word" * 100 + "."
+    assert C4Filter().process(doc(PROSE + "\n" + long)).value == long[:199] + "…"  # long lines cut
 
 
 def test_c4_too_few_sentences_and_bad_words():
     two = "\n".join(PROSE.splitlines()[:2])
-    assert C4Filter().process(doc(two)) == Drop("c4.too_few_sentences")
+    assert C4Filter().process(doc(two)) == Drop("c4.too_few_sentences", value=2, threshold=3)
     assert isinstance(C4Filter(C4Params(min_sentences=2)).process(doc(two)), Doc)
     assert C4Filter().process(doc("menu\nlogin\nsearch")) == Drop("c4.empty")
     assert isinstance(C4Filter().process(doc(PROSE)), Doc)  # no list given: the rule is off
-    assert C4Filter(C4Params(bad_words=["bakery"])).process(doc(PROSE)) == Drop("c4.bad_words")
+    bad = C4Filter(C4Params(bad_words=["harbour", "bakery"])).process(doc(PROSE))
+    assert bad == Drop("c4.bad_words", value="bakery")  # the first in the text
     assert isinstance(C4Filter(C4Params(bad_words=["bake"])).process(doc(PROSE)), Doc)  # whole words
 
 
@@ -209,11 +247,17 @@ def test_c4_too_few_sentences_and_bad_words():
 
 def test_fineweb_rules():
     listy = "\n".join(f"Item {i}: blue cotton shirt size {i}" for i in range(30))
-    assert FineWebFilter().process(doc(listy)) == Drop("fineweb.line_punct_ratio")
+    assert FineWebFilter().process(doc(listy)) == Drop("fineweb.line_punct_ratio", value=0.0, threshold=0.12)
     short = "\n".join(f"Line {i} is short." for i in range(30)) + "\n" + PROSE
-    assert FineWebFilter().process(doc(short)) == Drop("fineweb.short_line_ratio")
-    dup = PROSE + "\nShare this article with your friends on social media today.\n" * 2
-    assert FineWebFilter().process(doc(dup)) == Drop("fineweb.char_dup_ratio")
+    assert FineWebFilter().process(doc(short)) == Drop(
+        "fineweb.short_line_ratio", value=30 / 38, threshold=0.67
+    )
+    share = "Share this article with your friends on social media today."
+    dup = PROSE + f"\n{share}\n" * 2
+    want = Drop("fineweb.char_dup_ratio", value=len(share) / (len(dup) - dup.count("\n")), threshold=0.01)
+    assert FineWebFilter().process(doc(dup)) == want
+    newline_rule = FineWebFilter(FineWebParams(max_newline_word_ratio=0.04))  # 7 newlines, 158 words
+    assert newline_rule.process(doc(PROSE)) == Drop("fineweb.list_ratio", value=7 / N_PROSE, threshold=0.04)
     lenient = FineWebParams(max_char_dup_ratio=0.2)
     assert isinstance(FineWebFilter(lenient).process(doc(dup)), Doc)
 
@@ -246,24 +290,31 @@ def test_prose_rules_destroy_good_code_while_code_quality_keeps_it():
 
 def test_code_quality_removes_minified_generated_and_blob_files():
     minified = "var a=" + ";".join(f"function f{i}(x){{return x*{i}+{i}}}" for i in range(120)) + ";"
-    assert CodeQuality().process(doc(minified, "code")) == Drop("code_quality.max_line_length")
-    wide = "\n".join("x = [" + ", ".join(str(j) for j in range(40)) + "]" for _ in range(30))
-    assert CodeQuality().process(doc(wide, "code")) == Drop("code_quality.mean_line_length")
+    got = CodeQuality().process(doc(minified, "code"))
+    assert got == Drop("code_quality.max_line_length", value=len(minified), threshold=1000)
+    row = "x = [" + ", ".join(str(j) for j in range(40)) + "]"
+    wide = "\n".join([row] * 30)
+    got = CodeQuality().process(doc(wide, "code"))
+    assert got == Drop("code_quality.mean_line_length", value=len(wide) / 30, threshold=100)
     generated = (
         "# -*- coding: utf-8 -*-\n# Generated by the protocol buffer compiler.  DO NOT EDIT!\n"
         "# source: person.proto\nimport sys\n\nclass Person:\n    pass\n"
     )
-    assert CodeQuality().process(doc(generated, "code")) == Drop("code_quality.autogenerated")
+    got = CodeQuality().process(doc(generated, "code"))
+    assert got == Drop("code_quality.autogenerated", value="do not edit", threshold=5)  # the marker found
     keyword_py = (stdlib_root() / "keyword.py").read_text()  # "This file is automatically generated"
-    assert CodeQuality().process(doc(keyword_py, "code")) == Drop("code_quality.autogenerated")
+    got = CodeQuality().process(doc(keyword_py, "code"))
+    assert got == Drop("code_quality.autogenerated", value="automatically generated", threshold=5)
     blob = (
         "DATA = (\n"
         + "\n".join(f'    "{"QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo" * 2}"' for _ in range(20))
         + "\n)\n"
     )
-    assert CodeQuality().process(doc(blob, "code")) == Drop("code_quality.encoded_data")
+    got = CodeQuality().process(doc(blob, "code"))
+    assert got.reason == "code_quality.encoded_data" and 0.5 < got.value < 1 and got.threshold == 0.5
     symbols = "\n".join("{}[]();,.<>+-*/=&|!~^%" * 2 for _ in range(20))
-    assert CodeQuality().process(doc(symbols, "code")) == Drop("code_quality.alnum_fraction")
+    got = CodeQuality().process(doc(symbols, "code"))
+    assert got == Drop("code_quality.alnum_fraction", value=0.0, threshold=0.25)
     assert CodeQuality().process(doc(" \n ", "code")) == Drop("code_quality.empty")
 
 

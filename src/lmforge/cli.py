@@ -188,6 +188,61 @@ def _print_data_summary(report: dict, out: str, elapsed: float) -> None:
         )
 
 
+def cmd_data_inspect(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.corpus.removals import excerpt, sample_removals
+
+    if args.chars < 1:
+        raise UserError(
+            f"--chars: give how many characters of each text to show, at least 1 (got {args.chars})"
+        )
+    found = sample_removals(args.out, args.reason, args.n)
+    by_reason = ", ".join(f"{r} {c:,}" for r, c in found.counts.items())
+    shown = f"the first {len(found.samples)}" if len(found.samples) < found.total else "all"
+    print(f"{found.rule}: {found.total:,} documents removed in {args.out} ({by_reason}); {shown}:")
+    for i, rec in enumerate(found.samples, 1):
+        source = rec["source"]
+        where = found.sources[source] if 0 <= source < len(found.sources) else "?"
+        print(f"\n[{i}] {rec['id']}  (source {source}: {where}; domain {rec['domain']})")
+        print(f"    {rec['reason']}: {_measure(rec)}")
+        if found.text_kept:
+            text, rest = excerpt(rec.get("text", ""), args.chars, 12)
+            print("\n".join(f"    | {line}" for line in text.split("\n")) if text else "    | (empty text)")
+            if rest:
+                print(f"    | ... {rest:,} more characters")
+    if not found.text_kept:
+        print(
+            "\n(the run kept no removed text: run it with --output.removed_text=true into a new --out "
+            "to see the documents here)"
+        )
+    return 0
+
+
+def _measure(rec: dict) -> str:
+    """A removal record's measure in words: value against threshold, the kept copy, the input line."""
+    parts = []
+    if rec.get("value") is not None:
+        parts.append(f"value {_shown(rec['value'])}")
+    if rec.get("threshold") is not None:
+        parts.append(f"threshold {_shown(rec['threshold'])}")
+    if rec.get("duplicate_of") is not None:
+        parts.append(f"duplicate of {rec['duplicate_of']}")
+    if rec.get("file") is not None:
+        parts.append(f"at {rec['file']}:{rec.get('line')}")
+    return ", ".join(parts) or "no value or threshold"
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
 def cmd_plot_schedule(args: argparse.Namespace, extra: list[str]) -> int:
     from lmforge.charts import write_schedule
 
@@ -270,6 +325,8 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
         description="Run the pipeline of a recipe (configs/data/) into OUT: kept/ and removed/ documents, "
         "report.json and token shards (tokens/). A run started again continues where it stopped. "
         "Keys can be overridden as --SECTION.KEY=VALUE (e.g. --output.compression=none).",
+        epilog="lmforge data inspect OUT --reason RULE [--n 5]: samples of what a rule removed "
+        "(lmforge data inspect --help)",
     )
     p.add_argument("--config", required=True, help="pipeline recipe (TOML), e.g. configs/data/web.toml")
     p.add_argument("--out", required=True, help="output folder (new, or the one of a run to continue)")
@@ -277,6 +334,34 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--executor", choices=["local", "ray"], default=None, help="default: execution.executor")
     p.add_argument("--no-tokenize", action="store_true", help="stop after the documents (no token shards)")
     p.set_defaults(func=cmd_data)
+
+
+def build_inspect_parser() -> argparse.ArgumentParser:
+    """``lmforge data inspect``: parsed on its own (``lmforge data`` takes free ``--KEY VALUE`` overrides,
+    which a sub-command under it would mistake for its name)."""
+    p = argparse.ArgumentParser(
+        prog="lmforge data inspect",
+        description="Show what a rule removed in a finished `lmforge data` run: how many documents, and the "
+        "first N with the value the rule measured, its threshold and (with output.removed_text = true) "
+        "the start of the text.",
+    )
+    p.add_argument("out", metavar="OUT", help="the --out folder of a finished lmforge data run")
+    p.add_argument(
+        "--reason",
+        required=True,
+        metavar="RULE",
+        help="a removal reason (c4.too_few_sentences) or a prefix of reasons (c4: every c4.* rule)",
+    )
+    p.add_argument("--n", type=int, default=5, help="how many removed documents to show (default 5)")
+    p.add_argument("--chars", type=int, default=600, help="characters of each text to show (default 600)")
+    p.set_defaults(func=cmd_data_inspect, command="data inspect")
+    return p
+
+
+def _is_data_inspect(argv: list[str]) -> bool:
+    """``argv`` is ``[-v] data inspect ...``."""
+    at = next((i for i, a in enumerate(argv) if a not in ("-v", "--verbose")), len(argv))
+    return argv[at : at + 2] == ["data", "inspect"]
 
 
 def _add_run_commands(sub: argparse._SubParsersAction) -> None:
@@ -343,10 +428,16 @@ TAKES_OVERRIDES = {"train", "data", "plot-schedule", "lr-find", "mup-check"}
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in TAKES_OVERRIDES:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _is_data_inspect(argv):
+        at = argv.index("data")
+        args, extra = build_inspect_parser().parse_args(argv[at + 2 :]), []
+        args.verbose = at > 0
+    else:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command not in TAKES_OVERRIDES:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(args.verbose)
     try:
         code = args.func(args, extra)

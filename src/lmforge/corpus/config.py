@@ -95,6 +95,12 @@ class OutputConfig(_Section):
     bad_input_listed: int = Field(
         1000, ge=0, description="bad-input records listed in report.json (all are counted and in removed/)"
     )
+    removed_text: bool = Field(
+        False,
+        description="removed/ records also keep the document's text as the stage that removed it saw it "
+        "(off: id, source, rule, value and threshold only; on: removed/ grows to about the size of its "
+        "documents' text)",
+    )
 
 
 class ExecutionConfig(_Section):
@@ -215,8 +221,9 @@ def reference_markdown() -> str:
         "# Data pipeline configuration reference",
         "",
         "Keys of a `lmforge data` recipe (`configs/data/*.toml`), their defaults and meaning, then every",
-        "stage with its parameters. This file is generated from `lmforge/corpus/config.py` and the",
-        "stage modules:",
+        "stage with its parameters. The rules' sources, what a removal records, and the extraction",
+        "measured on real pages are in [data-stages.md](data-stages.md). This file is generated from",
+        "`lmforge/corpus/config.py` and the stage modules:",
         "`python -c \"from lmforge.corpus.config import reference_markdown as r; print(r(), end='')\" > docs/data.md`.",
         "",
         "## Sources (`[[sources]]`, one table per input)",

@@ -8,7 +8,11 @@ from raw file to token shard. :class:`Drop` is why a document was removed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
+
+Measure: TypeAlias = int | float | str | tuple[str, ...] | None
+"""What a rule measured or matched, and the bound it compared against: a number, a matched item (a
+word, a line, a language code) or a tuple of allowed items; ``None`` where the rule has none."""
 
 
 @dataclass
@@ -30,7 +34,15 @@ class Doc:
 
 @dataclass(frozen=True)
 class Drop:
-    """Why a document was removed: ``reason`` is ``"<stage>.<rule>"``; duplicates name the kept one."""
+    """Why a document was removed: ``reason`` is ``"<stage>.<rule>"``; duplicates name the kept one.
+
+    ``value`` is what the rule measured on the document (a ratio, a count, or the matched item such as
+    a bad word or the line holding a ``{``) and ``threshold`` the bound it failed (for a list rule, the
+    allowed items); both stay ``None`` for rules without a measure (an empty page, a parser failure).
+    They are written into ``OUT/removed`` so a removal can be checked without re-running the stage.
+    """
 
     reason: str
     duplicate_of: str | None = None
+    value: Measure = None
+    threshold: Measure = None

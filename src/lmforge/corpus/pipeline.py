@@ -56,7 +56,7 @@ from lmforge.errors import DataError, UserError
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 2  # 2: markers count stage errors
+PLAN_VERSION = 3  # 2: markers count stage errors; 3: removed records carry value and threshold
 WORK = "work"
 
 
@@ -362,13 +362,19 @@ def _add_counters(into: dict[str, int], meta: dict[str, Any], prefix: str) -> No
             _add_counters(into, value, f"{prefix}{key}.")
 
 
-def _removed_record(doc: Doc, drop: Drop) -> str:
+def _removed_record(doc: Doc, drop: Drop, text: bool = False) -> str:
+    """One line of ``OUT/removed``: who, which rule, what it measured against which bound; with
+    ``text`` (``output.removed_text``) also the document's text as the removing stage saw it."""
     rec: dict[str, Any] = {"id": doc.id, "domain": doc.domain, "source": doc.key[0], "reason": drop.reason}
     if drop.duplicate_of is not None:
         rec["duplicate_of"] = drop.duplicate_of
+    rec["value"] = drop.value
+    rec["threshold"] = drop.threshold
     if drop.reason.startswith("read."):
         rec["file"] = doc.meta.get("file")
         rec["line"] = doc.meta.get("line")
+    if text:
+        rec["text"] = doc.text
     return json.dumps(rec, ensure_ascii=False) + "\n"
 
 
@@ -464,12 +470,13 @@ def run_task(out: str, k: int, shard: int) -> None:
         docs_fh, sigs_fh = docs_tmp.open("wb"), sigs_tmp.open("wb")
         sig_slot = ctx.stages.corpus[k]
 
+    text = ctx.cfg.output.removed_text
     for doc in _pass_input(ctx, k, shard, stats, removed):
         out_doc = _run_segment(ctx.stages.segments[k], doc, stats)
         if isinstance(out_doc, tuple):
-            label, drop = out_doc
+            label, drop, seen = out_doc
             stats.removed(label, doc, drop)
-            removed.write(_removed_record(doc, drop))
+            removed.write(_removed_record(seen, drop, text))
             continue
         if last:
             stats.kept(out_doc)
@@ -484,7 +491,7 @@ def run_task(out: str, k: int, shard: int) -> None:
                 drop = Drop(f"{sig_slot.spec.name}.error")
                 stats.passed(sig_slot.label, _nbytes(out_doc.text), None)
                 stats.removed(sig_slot.label, doc, drop)
-                removed.write(_removed_record(doc, drop))
+                removed.write(_removed_record(out_doc, drop, text))
                 continue
             pickle.dump((out_doc.id, out_doc.domain, out_doc.key, sig), sigs_fh, protocol=5)
         pickle.dump(out_doc, docs_fh, protocol=5)
@@ -503,6 +510,7 @@ def run_task(out: str, k: int, shard: int) -> None:
 
 def _pass_input(ctx: Context, k: int, shard: int, stats: ShardStats, removed: _TextSink) -> Iterator[Doc]:
     """Documents entering pass ``k``: read from the input (k = 0) or left by pass k - 1 after its corpus stage."""
+    text = ctx.cfg.output.removed_text
     if k == 0:
         for piece in ctx.shards[shard]:
             source = ctx.cfg.sources[piece.source]
@@ -514,7 +522,7 @@ def _pass_input(ctx: Context, k: int, shard: int, stats: ShardStats, removed: _T
                 st["docs_in"] += 1
                 if isinstance(item, tuple):
                     stats.removed("read", *item)
-                    removed.write(_removed_record(*item))
+                    removed.write(_removed_record(*item, text))
                     continue
                 st["docs_out"] += 1
                 st["bytes_out"] += _nbytes(doc.text)
@@ -532,14 +540,15 @@ def _pass_input(ctx: Context, k: int, shard: int, stats: ShardStats, removed: _T
         if isinstance(out, Drop):
             stats.passed(slot.label, n, None)
             stats.removed(slot.label, doc, out)
-            removed.write(_removed_record(doc, out))
+            removed.write(_removed_record(doc, out, text))
             continue
         stats.passed(slot.label, n, _nbytes(out.text))
         yield out
 
 
-def _run_segment(segment: list[Slot], doc: Doc, stats: ShardStats) -> Doc | tuple[str, Drop]:
-    """The doc stages of one pass in order; a removal comes back with the label of the stage that made it."""
+def _run_segment(segment: list[Slot], doc: Doc, stats: ShardStats) -> Doc | tuple[str, Drop, Doc]:
+    """The doc stages of one pass in order; a removal comes back with the label of the stage that made it
+    and the document as that stage was given it."""
     n = _nbytes(doc.text)
     for slot in segment:
         if not slot.applies(doc):
@@ -550,7 +559,7 @@ def _run_segment(segment: list[Slot], doc: Doc, stats: ShardStats) -> Doc | tupl
         out = _safe(slot, doc, stats, lambda d=doc, s=slot: s.stage.process(d))  # type: ignore[union-attr]
         if isinstance(out, Drop):
             stats.passed(slot.label, n, None)
-            return slot.label, out
+            return slot.label, out, doc
         m = n if out.text is before else _nbytes(out.text)
         stats.passed(slot.label, n, m)
         doc, n = out, m

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.document import Doc, Drop, Measure
 
 
 class StageParams(BaseModel):
@@ -46,8 +46,16 @@ class DocStage(ABC):
     @abstractmethod
     def process(self, doc: Doc) -> Doc | Drop: ...
 
-    def drop(self, rule: str, duplicate_of: str | None = None) -> Drop:
-        return Drop(f"{self.name}.{rule}", duplicate_of)
+    def drop(
+        self,
+        rule: str,
+        duplicate_of: str | None = None,
+        *,
+        value: Measure = None,
+        threshold: Measure = None,
+    ) -> Drop:
+        """A removal by ``rule`` of this stage, with what the rule measured and the bound it failed."""
+        return Drop(f"{self.name}.{rule}", duplicate_of, value, threshold)
 
 
 class CorpusStage(ABC):
@@ -75,8 +83,16 @@ class CorpusStage(ABC):
     def apply(self, doc: Doc, workdir: Path) -> Doc | Drop:
         """The decision for one document, read from ``workdir``; runs in parallel after ``plan``."""
 
-    def drop(self, rule: str, duplicate_of: str | None = None) -> Drop:
-        return Drop(f"{self.name}.{rule}", duplicate_of)
+    def drop(
+        self,
+        rule: str,
+        duplicate_of: str | None = None,
+        *,
+        value: Measure = None,
+        threshold: Measure = None,
+    ) -> Drop:
+        """A removal by ``rule`` of this stage, with what the rule measured and the bound it failed."""
+        return Drop(f"{self.name}.{rule}", duplicate_of, value, threshold)
 
 
 def run_doc_stages(stages: Iterable[DocStage], docs: Iterable[Doc]) -> Iterator[Doc | tuple[Doc, Drop]]:

@@ -29,7 +29,10 @@ Over the corpus (``plan``, one process, bounded memory):
    the exact Jaccard similarity of the two shingle sets (then the signature also carries them).
 6. clusters: union-find over document numbers; each cluster keeps its first document in corpus order
    (smallest ``Doc.key``, ties by arrival) and the others are dropped as
-   ``dedup_minhash.duplicate`` with ``duplicate_of`` = the kept document's id.
+   ``dedup_minhash.duplicate`` with ``duplicate_of`` = the kept document's id, ``value`` = the
+   similarity of the two (measured as verification measures it: the signatures' estimate, or the exact
+   Jaccard with ``verify = "exact"``) and ``threshold``. A document that joined the cluster through
+   other members can be less similar to the kept one than ``threshold``; the value shows it.
 
 What ``plan`` holds in memory: the union-find parent array (8 bytes per document), one batch of
 signatures while writing, one band partition while sorting (at most ``sort_memory_mb``) and one chunk
@@ -416,7 +419,8 @@ class MinHashDedup(CorpusStage):
                     verified += v
             roots = uf.roots() if n else np.zeros(0, dtype=np.int64)
             dropped = np.flatnonzero(roots != np.arange(n))
-            index.add_links(zip(dropped.tolist(), roots[dropped].tolist(), strict=True))
+            similarity = self._similarity(dropped, roots[dropped], sigs, exact)
+            index.add_links(zip(dropped.tolist(), roots[dropped].tolist(), similarity, strict=True))
         clusters = int(np.unique(roots[dropped]).size)
         log.info("dedup_minhash: %d documents, %d duplicates in %d clusters", n, dropped.size, clusters)
         return {
@@ -439,9 +443,12 @@ class MinHashDedup(CorpusStage):
         row = docindex.lookup(
             Path(workdir) / self.DB,
             doc.id,
-            "SELECT k.id FROM docs d JOIN links l ON l.idx = d.idx JOIN docs k ON k.idx = l.other WHERE d.id = ?",
+            "SELECT k.id, l.value FROM docs d JOIN links l ON l.idx = d.idx JOIN docs k ON k.idx = l.other "
+            "WHERE d.id = ?",
         )
-        return doc if row is None else self.drop("duplicate", duplicate_of=row[0])
+        if row is None:
+            return doc
+        return self.drop("duplicate", duplicate_of=row[0], value=row[1], threshold=self.params.threshold)
 
     # --- plan internals ---------------------------------------------------------------------------
 
@@ -522,6 +529,34 @@ class MinHashDedup(CorpusStage):
         if sh_f is not None:
             np.frombuffer(offsets, dtype=np.int64).tofile(scratch / "offsets.i64")
         return n, empty, sorted_keys
+
+    @staticmethod
+    def _similarity(
+        a: np.ndarray,
+        b: np.ndarray,
+        sigs: np.ndarray | None,
+        exact: tuple[np.ndarray, np.ndarray] | None,
+    ) -> list[float]:
+        """Similarity of each pair ``(a[k], b[k])`` (a duplicate and its kept document), measured as
+        verification measures it: exact Jaccard of the shingle sets, else the signatures' estimate."""
+        if a.size == 0:
+            return []
+        if exact is not None:
+            offsets, data = exact
+            out = []
+            for x, y in zip(a.tolist(), b.tolist(), strict=True):
+                sa = data[offsets[x] : offsets[x + 1]]
+                sb = data[offsets[y] : offsets[y + 1]]
+                inter = np.intersect1d(sa, sb, assume_unique=True).size
+                out.append(inter / (sa.size + sb.size - inter))
+            return out
+        assert sigs is not None
+        step = 65536
+        return [
+            v
+            for s in range(0, a.size, step)
+            for v in (sigs[a[s : s + step]] == sigs[b[s : s + step]]).mean(axis=1).tolist()
+        ]
 
     @staticmethod
     def _corpus_rank(scratch: Path, n: int) -> np.ndarray:

@@ -253,8 +253,9 @@ class SubstringDedup(CorpusStage):
             return doc
         keep = ~coverage(flags, p.min_length)
         text = np.frombuffer(raw, dtype=np.uint8)[keep].tobytes().decode("utf-8", errors="ignore")
-        if len("".join(text.split())) < p.min_chars:
-            return self.drop("empty")
+        left = len("".join(text.split()))
+        if left < p.min_chars:
+            return self.drop("empty", value=left, threshold=p.min_chars)
         return Doc(
             doc.id, text, doc.domain, doc.key, {**doc.meta, "dedup_substring_removed": int((~keep).sum())}
         )

@@ -23,7 +23,7 @@ _READERS: dict[tuple[int, str], sqlite3.Connection] = {}
 
 
 class DocIndexWriter:
-    """Writes ``docs(idx, id, a, b)`` and ``links(idx, other)`` rows; :meth:`close` indexes them and renames the file into place.
+    """Writes ``docs(idx, id, a, b)`` and ``links(idx, other, value)`` rows; :meth:`close` indexes them and renames the file into place.
 
     ``a`` and ``b`` are two integers per document whose meaning belongs to the stage.
     """
@@ -39,14 +39,15 @@ class DocIndexWriter:
         self.conn.execute(
             "CREATE TABLE docs (idx INTEGER PRIMARY KEY, id TEXT NOT NULL, a INTEGER, b INTEGER)"
         )
-        self.conn.execute("CREATE TABLE links (idx INTEGER PRIMARY KEY, other INTEGER NOT NULL)")
+        self.conn.execute("CREATE TABLE links (idx INTEGER PRIMARY KEY, other INTEGER NOT NULL, value REAL)")
 
     def add(self, rows: Iterable[tuple[int, str, int, int]]) -> None:
         self.conn.executemany("INSERT INTO docs VALUES (?, ?, ?, ?)", rows)
 
-    def add_links(self, rows: Iterable[tuple[int, int]]) -> None:
-        """Records ``(idx, other)``: document ``idx`` points at document ``other`` (its cluster's kept one)."""
-        self.conn.executemany("INSERT INTO links VALUES (?, ?)", rows)
+    def add_links(self, rows: Iterable[tuple[int, int, float | None]]) -> None:
+        """Records ``(idx, other, value)``: document ``idx`` points at document ``other`` (its cluster's
+        kept one); ``value`` is a measure of the pair the stage reports (a similarity), or None."""
+        self.conn.executemany("INSERT INTO links VALUES (?, ?, ?)", rows)
 
     def id_of(self, idx: int) -> str:
         return self.conn.execute("SELECT id FROM docs WHERE idx = ?", (idx,)).fetchone()[0]

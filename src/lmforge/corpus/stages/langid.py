@@ -3,7 +3,9 @@
 The classifier scores all 97 languages of the model; the score kept is the normalised probability of
 the best one (``norm_probs=True``). A document is kept when its language is one of ``languages`` and
 its score is at least ``min_score``; a kept document's ``meta`` gets ``language`` and
-``language_score``. Removal reasons: ``langid.language`` (another language), ``langid.low_score``.
+``language_score``. Removal reasons: ``langid.language`` (another language: ``value`` is the detected
+one, ``threshold`` the languages kept), ``langid.low_score`` (``value`` the score, ``threshold``
+``min_score``).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class LangId(DocStage):
         text = doc.text if p.max_chars is None else doc.text[: p.max_chars]
         lang, score = classify(text)
         if lang not in self._keep:
-            return self.drop("language")
+            return self.drop("language", value=lang, threshold=tuple(p.languages))
         if score < p.min_score:
-            return self.drop("low_score")
+            return self.drop("low_score", value=score, threshold=p.min_score)
         return replace(doc, meta={**doc.meta, "language": lang, "language_score": round(score, 4)})

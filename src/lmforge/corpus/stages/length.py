@@ -1,7 +1,8 @@
 """``length``: drop documents outside a range of characters and of words.
 
 Words are runs of non-whitespace (``str.split()``), as in the Gopher rules. Removal reasons:
-``length.too_few_chars``, ``length.too_many_chars``, ``length.too_few_words``, ``length.too_many_words``.
+``length.too_few_chars``, ``length.too_many_chars``, ``length.too_few_words``, ``length.too_many_words``,
+each with the document's count as ``value`` and the bound as ``threshold``.
 """
 
 from __future__ import annotations
@@ -45,14 +46,14 @@ class LengthFilter(DocStage):
         assert isinstance(p, LengthParams)
         n = len(doc.text)
         if p.min_chars is not None and n < p.min_chars:
-            return self.drop("too_few_chars")
+            return self.drop("too_few_chars", value=n, threshold=p.min_chars)
         if p.max_chars is not None and n > p.max_chars:
-            return self.drop("too_many_chars")
+            return self.drop("too_many_chars", value=n, threshold=p.max_chars)
         if p.min_words is None and p.max_words is None:
             return doc
         words = len(doc.text.split())
         if p.min_words is not None and words < p.min_words:
-            return self.drop("too_few_words")
+            return self.drop("too_few_words", value=words, threshold=p.min_words)
         if p.max_words is not None and words > p.max_words:
-            return self.drop("too_many_words")
+            return self.drop("too_many_words", value=words, threshold=p.max_words)
         return doc

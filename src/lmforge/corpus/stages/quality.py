@@ -2,7 +2,10 @@
 
 Every stage reads only the document's text (pure functions of text and parameters), checks its rules
 from the cheapest to the dearest and stops at the first that fails; the removal reason names the rule
-(``"<stage>.<rule>"``). Every threshold is a parameter; ``None`` turns a rule off.
+(``"<stage>.<rule>"``) and carries what the rule measured (``Drop.value``) and the bound it failed
+(``Drop.threshold``); rules that match rather than measure give the match as ``value`` (the bad word,
+the line with "lorem ipsum" or ``{``, the auto-generated marker). Every threshold is a parameter;
+``None`` turns a rule off.
 
 Hand-written rather than wrapping datatrove's filter blocks: those split words with a spaCy tokenizer
 (a heavy dependency, and most of their run time); here words come from whitespace and precompiled
@@ -129,53 +132,51 @@ class GopherQuality(DocStage):
         words = _WORD_CORE.findall(text)
         n_words = len(words)
         if p.min_words is not None and n_words < p.min_words:
-            return self.drop("word_count")
+            return self.drop("word_count", value=n_words, threshold=p.min_words)
         if p.max_words is not None and n_words > p.max_words:
-            return self.drop("word_count")
+            return self.drop("word_count", value=n_words, threshold=p.max_words)
         if n_words == 0:
-            return self.drop("word_count")
+            return self.drop("word_count", value=0, threshold=p.min_words)
 
         if p.min_mean_word_length is not None or p.max_mean_word_length is not None:
             mean = sum(map(len, words)) / n_words
             if p.min_mean_word_length is not None and mean < p.min_mean_word_length:
-                return self.drop("mean_word_length")
+                return self.drop("mean_word_length", value=mean, threshold=p.min_mean_word_length)
             if p.max_mean_word_length is not None and mean > p.max_mean_word_length:
-                return self.drop("mean_word_length")
+                return self.drop("mean_word_length", value=mean, threshold=p.max_mean_word_length)
 
-        if p.max_hash_ratio is not None and text.count("#") / n_tokens > p.max_hash_ratio:
-            return self.drop("hash_ratio")
-        if (
-            p.max_ellipsis_ratio is not None
-            and (text.count("...") + text.count("…")) / n_tokens > p.max_ellipsis_ratio
-        ):
-            return self.drop("ellipsis_ratio")
+        if p.max_hash_ratio is not None:
+            ratio = text.count("#") / n_tokens
+            if ratio > p.max_hash_ratio:
+                return self.drop("hash_ratio", value=ratio, threshold=p.max_hash_ratio)
+        if p.max_ellipsis_ratio is not None:
+            ratio = (text.count("...") + text.count("…")) / n_tokens
+            if ratio > p.max_ellipsis_ratio:
+                return self.drop("ellipsis_ratio", value=ratio, threshold=p.max_ellipsis_ratio)
 
         n_lines = _count_lines(text)
-        if (
-            p.max_bullet_lines is not None
-            and self._bullet is not None
-            and len(self._bullet.findall(text)) / n_lines > p.max_bullet_lines
-        ):
-            return self.drop("bullet_lines")
-        if (
-            p.max_ellipsis_lines is not None
-            and len(self._ellipsis_line.findall(text)) / n_lines > p.max_ellipsis_lines
-        ):
-            return self.drop("ellipsis_lines")
+        if p.max_bullet_lines is not None and self._bullet is not None:
+            frac = len(self._bullet.findall(text)) / n_lines
+            if frac > p.max_bullet_lines:
+                return self.drop("bullet_lines", value=frac, threshold=p.max_bullet_lines)
+        if p.max_ellipsis_lines is not None:
+            frac = len(self._ellipsis_line.findall(text)) / n_lines
+            if frac > p.max_ellipsis_lines:
+                return self.drop("ellipsis_lines", value=frac, threshold=p.max_ellipsis_lines)
 
-        if p.min_alpha_words is not None and len(_ALPHA_TOKEN.findall(text)) / n_tokens < p.min_alpha_words:
-            return self.drop("alpha_words")
+        if p.min_alpha_words is not None:
+            frac = len(_ALPHA_TOKEN.findall(text)) / n_tokens
+            if frac < p.min_alpha_words:
+                return self.drop("alpha_words", value=frac, threshold=p.min_alpha_words)
 
         if p.min_stop_words:
-            if self._stop is None:
-                return self.drop("stop_words")
             seen: set[str] = set()
-            for m in self._stop.finditer(text):
+            for m in self._stop.finditer(text) if self._stop is not None else ():
                 seen.add(m.group().lower())
                 if len(seen) >= p.min_stop_words:
                     break
             else:
-                return self.drop("stop_words")
+                return self.drop("stop_words", value=len(seen), threshold=p.min_stop_words)
         return doc
 
 
@@ -284,26 +285,27 @@ class GopherRepetition(DocStage):
             return self.drop("empty")
         stripped = text.strip()
 
-        if p.max_dup_para_frac is not None or p.max_dup_para_char_frac is not None:
-            paragraphs = _PARAGRAPH_BREAK.split(stripped)
-            dups, dup_chars = _duplicates(paragraphs)
-            if p.max_dup_para_frac is not None and dups / len(paragraphs) > p.max_dup_para_frac:
-                return self.drop("dup_para_frac")
-            if p.max_dup_para_char_frac is not None and dup_chars / n_chars > p.max_dup_para_char_frac:
-                return self.drop("dup_para_char_frac")
+        for name, split, max_frac, max_char_frac in (
+            ("para", _PARAGRAPH_BREAK.split, p.max_dup_para_frac, p.max_dup_para_char_frac),
+            ("line", _LINE_BREAKS.split, p.max_dup_line_frac, p.max_dup_line_char_frac),
+        ):
+            if max_frac is None and max_char_frac is None:
+                continue
+            parts = split(stripped)
+            dups, dup_chars = _duplicates(parts)
+            if max_frac is not None and dups / len(parts) > max_frac:
+                return self.drop(f"dup_{name}_frac", value=dups / len(parts), threshold=max_frac)
+            if max_char_frac is not None and dup_chars / n_chars > max_char_frac:
+                return self.drop(f"dup_{name}_char_frac", value=dup_chars / n_chars, threshold=max_char_frac)
 
-        if p.max_dup_line_frac is not None or p.max_dup_line_char_frac is not None:
-            lines = _LINE_BREAKS.split(stripped)
-            dups, dup_chars = _duplicates(lines)
-            if p.max_dup_line_frac is not None and dups / len(lines) > p.max_dup_line_frac:
-                return self.drop("dup_line_frac")
-            if p.max_dup_line_char_frac is not None and dup_chars / n_chars > p.max_dup_line_char_frac:
-                return self.drop("dup_line_char_frac")
+        failed = self._ngram_rules(text.split(), n_chars)
+        if failed is None:
+            return doc
+        rule, frac, bound = failed
+        return self.drop(rule, value=frac, threshold=bound)
 
-        rule = self._ngram_rules(text.split(), n_chars)
-        return self.drop(rule) if rule else doc
-
-    def _ngram_rules(self, words: list[str], n_chars: int) -> str | None:
+    def _ngram_rules(self, words: list[str], n_chars: int) -> tuple[str, float, float] | None:
+        """The first n-gram rule that fails: (rule, measured fraction, its bound); None if all pass."""
         p: GopherRepetitionParams = self.params
         levels = set(p.top_ngram_char_frac) | set(p.dup_ngram_char_frac)
         if not levels:
@@ -311,11 +313,11 @@ class GopherRepetition(DocStage):
         last_top = max(p.top_ngram_char_frac, default=0)
         for n, top_chars, dup_chars in ngram_repetition(words, max(levels)):
             if n in p.top_ngram_char_frac and top_chars / n_chars > p.top_ngram_char_frac[n]:
-                return f"top_{n}_gram"
+                return f"top_{n}_gram", top_chars / n_chars, p.top_ngram_char_frac[n]
             if n in p.dup_ngram_char_frac:
                 frac = dup_chars / n_chars
                 if frac > p.dup_ngram_char_frac[n]:
-                    return f"dup_{n}_gram"
+                    return f"dup_{n}_gram", frac, p.dup_ngram_char_frac[n]
                 # The words covered by repeated n-grams include those covered by repeated (n+1)-grams
                 # (both halves of a repeated (n+1)-gram are repeated n-grams), so the fraction only
                 # falls as n grows: once it is under every later threshold, no later rule can fail.
@@ -372,6 +374,12 @@ class C4Params(StageParams):
 
 
 _CITATION = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]")
+_EXCERPT = 200
+
+
+def _excerpt(line: str) -> str:
+    """A matched line as a removal's ``value``: its first 200 characters."""
+    return line if len(line) <= _EXCERPT else line[: _EXCERPT - 1] + "…"
 
 
 class C4Filter(DocStage):
@@ -420,11 +428,11 @@ class C4Filter(DocStage):
             lower = line.lower()
             special = self._phrases is not None and self._phrases.search(lower) is not None
             if special and p.filter_lorem_ipsum and "lorem ipsum" in lower:
-                return self.drop("lorem_ipsum")
+                return self.drop("lorem_ipsum", value=_excerpt(line))
             if special and p.filter_javascript and "javascript" in lower:
                 continue
             if p.filter_curly_bracket and "{" in line:
-                return self.drop("curly_bracket")
+                return self.drop("curly_bracket", value=_excerpt(line))
             if special and any(s in lower for s in self._policy):
                 continue
             sentences += max(1, len(_SENTENCE_END.findall(line)))
@@ -432,10 +440,11 @@ class C4Filter(DocStage):
         if not kept:
             return self.drop("empty")
         if p.min_sentences is not None and sentences < p.min_sentences:
-            return self.drop("too_few_sentences")
+            return self.drop("too_few_sentences", value=sentences, threshold=p.min_sentences)
         text = "\n".join(kept)
-        if self._bad is not None and self._bad.search(text.lower()):
-            return self.drop("bad_words")
+        bad = self._bad.search(text.lower()) if self._bad is not None else None
+        if bad is not None:
+            return self.drop("bad_words", value=bad.group())
         return doc if text == doc.text else replace(doc, text=text)
 
 
@@ -494,20 +503,20 @@ class FineWebFilter(DocStage):
             stops = self._stops
             ended = sum(1 for line in lines if line.rstrip().endswith(stops))
             if ended / n < p.min_line_punct_ratio:
-                return self.drop("line_punct_ratio")
+                return self.drop("line_punct_ratio", value=ended / n, threshold=p.min_line_punct_ratio)
         if p.max_short_line_ratio is not None:
             limit = p.short_line_length
             short = sum(1 for line in lines if len(line) <= limit)
             if short / n > p.max_short_line_ratio:
-                return self.drop("short_line_ratio")
+                return self.drop("short_line_ratio", value=short / n, threshold=p.max_short_line_ratio)
         if p.max_char_dup_ratio is not None:
-            dup_chars = _duplicates(lines)[1]
-            if dup_chars / max(1, len(text) - text.count("\n")) > p.max_char_dup_ratio:
-                return self.drop("char_dup_ratio")
+            ratio = _duplicates(lines)[1] / max(1, len(text) - text.count("\n"))
+            if ratio > p.max_char_dup_ratio:
+                return self.drop("char_dup_ratio", value=ratio, threshold=p.max_char_dup_ratio)
         if p.max_newline_word_ratio is not None:
-            words = len(text.split())
-            if words == 0 or text.count("\n") / words > p.max_newline_word_ratio:
-                return self.drop("list_ratio")
+            ratio = text.count("\n") / len(text.split())  # at least one word: there is a non-blank line
+            if ratio > p.max_newline_word_ratio:
+                return self.drop("list_ratio", value=ratio, threshold=p.max_newline_word_ratio)
         return doc
 
 
@@ -565,26 +574,32 @@ class CodeQuality(DocStage):
         if not text.strip():
             return self.drop("empty")
         lines = text.splitlines()
-        if p.max_line_length is not None and max(map(len, lines)) > p.max_line_length:
-            return self.drop("max_line_length")
-        if p.max_mean_line_length is not None and len(text) / len(lines) > p.max_mean_line_length:
-            return self.drop("mean_line_length")
+        if p.max_line_length is not None:
+            longest = max(map(len, lines))
+            if longest > p.max_line_length:
+                return self.drop("max_line_length", value=longest, threshold=p.max_line_length)
+        if p.max_mean_line_length is not None:
+            mean = len(text) / len(lines)
+            if mean > p.max_mean_line_length:
+                return self.drop("mean_line_length", value=mean, threshold=p.max_mean_line_length)
         if self._markers is not None and p.autogenerated_lines > 0:
             head = "\n".join(lines[: p.autogenerated_lines]).lower()
-            if self._markers.search(head):
-                return self.drop("autogenerated")
+            marker = self._markers.search(head)
+            if marker is not None:
+                return self.drop("autogenerated", value=marker.group(), threshold=p.autogenerated_lines)
         if p.min_alnum_fraction is not None:
             # str.isalnum per character in C: count of non-alphanumerics via translate would need a
             # table of all of Unicode; a regex over the complement is the fast path here.
             alnum = len(text) - sum(map(len, _NON_ALNUM.findall(text)))
             if alnum / len(text) < p.min_alnum_fraction:
-                return self.drop("alnum_fraction")
+                return self.drop("alnum_fraction", value=alnum / len(text), threshold=p.min_alnum_fraction)
         if p.max_encoded_fraction is not None:
             encoded = sum(
                 sum(map(len, pattern.findall(text))) for pattern in (_BASE64_RUN, _HEX_RUN, _UNICODE_ESCAPES)
             )
             if encoded / len(text) > p.max_encoded_fraction:
-                return self.drop("encoded_data")
+                frac = encoded / len(text)
+                return self.drop("encoded_data", value=frac, threshold=p.max_encoded_fraction)
         return doc
 
 
