@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,16 @@ def model_of(cfg: ModelConfig, vocab_size: int, seq_len: int, **kw) -> Transform
 def loss_of(model: Transformer, *args, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of token losses, targets) of ``model`` on ``args = (inputs, targets[, doc_ids])``."""
     return NextTokenLoss(model, chunk)(*args)
+
+
+@pytest.fixture
+def cli_logging():
+    """The CLI points lmforge's logger at the (captured) stderr of the moment; give it back afterwards."""
+    logger = logging.getLogger("lmforge")
+    handlers, level = logger.handlers[:], logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,8 @@ LONG = " ".join(f"word{i}" for i in range(400))  # 3,089 characters: over max_ch
 
 
 @pytest.fixture(autouse=True)
-def _cli_logging():
-    """The CLI points lmforge's logger at the captured stderr; give it back afterwards."""
-    logger = logging.getLogger("lmforge")
-    handlers, level = logger.handlers[:], logger.level
-    yield
-    logger.handlers[:] = handlers
-    logger.setLevel(level)
+def _cli_logging(cli_logging):
+    """Every test here runs the CLI."""
 
 
 def _run(tmp_path: Path, name: str, removed_text: bool) -> Path:

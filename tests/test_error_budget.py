@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
 import tomllib
 import zlib
 from collections.abc import Iterable
@@ -99,16 +98,6 @@ def _stages(monkeypatch):
     monkeypatch.setitem(registry.STAGES, "flaky_corpus", "tests.test_error_budget:FlakyCorpus")
 
 
-@pytest.fixture
-def _cli_logging():
-    """The CLI points lmforge's logger at the captured stderr; give it back afterwards."""
-    logger = logging.getLogger("lmforge")
-    handlers, level = logger.handlers[:], logger.level
-    yield
-    logger.handlers[:] = handlers
-    logger.setLevel(level)
-
-
 def _corpus(path: Path, docs: int, booms: set[int], seed: int = 0) -> list[str]:
     """A JSONL file of ``docs`` distinct documents; those numbered in ``booms`` contain "boom"."""
     ids = []
@@ -184,7 +173,7 @@ def test_errors_within_the_budget_are_removals_counted_in_the_report(tmp_path):
     assert not (tmp_path / "out" / "work" / "redo.json").exists()
 
 
-@pytest.mark.usefixtures("_cli_logging")
+@pytest.mark.usefixtures("cli_logging")
 def test_over_the_budget_the_cli_stops_with_one_line(tmp_path, capsys):
     booms = {17, 123, 240, 300, 399}  # 5 of 400: one more than 1 % allows
     ids = _corpus(tmp_path / "web.jsonl", 400, booms)
@@ -206,7 +195,7 @@ def test_over_the_budget_the_cli_stops_with_one_line(tmp_path, capsys):
         run_pipeline(build_pipeline_config(_toml(recipe)), out, workers=1)
 
 
-@pytest.mark.usefixtures("_cli_logging")
+@pytest.mark.usefixtures("cli_logging")
 @pytest.mark.parametrize(
     ("stage", "redone"),
     [("flaky", [1]), ("flaky_corpus", [1, 2])],  # a corpus stage's work starts in its signature pass

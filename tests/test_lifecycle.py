@@ -37,14 +37,14 @@ from lmforge.train.resume import Change, check_changes, config_changes, read_his
 from tests.conftest import cli_args, tiny_overrides
 
 
+@pytest.fixture(autouse=True)
+def _cli_logging(cli_logging):
+    """Tests here run the CLI in this process."""
+
+
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    root = logging.getLogger("lmforge")
-    handlers, level = root.handlers[:], root.level
-    try:
-        with pytest.raises(SystemExit) as exc:
-            main(list(argv))
-    finally:  # the CLI's handler writes to the captured stderr, which capsys closes
-        root.handlers[:], root.level = handlers, level
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
     out = capsys.readouterr()
     return exc.value.code, out.out, out.err
 

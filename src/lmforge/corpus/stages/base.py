@@ -34,17 +34,14 @@ class StageParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class DocStage(ABC):
-    """A per-document stage: ``process(doc) -> Doc | Drop``."""
+class _Stage(ABC):
+    """What both kinds share: a name, parameters, and how a removal is recorded."""
 
     name: ClassVar[str]
     Params: ClassVar[type[StageParams]] = StageParams
 
     def __init__(self, params: StageParams | None = None):
         self.params = params if params is not None else self.Params()
-
-    @abstractmethod
-    def process(self, doc: Doc) -> Doc | Drop: ...
 
     def drop(
         self,
@@ -58,14 +55,15 @@ class DocStage(ABC):
         return Drop(f"{self.name}.{rule}", duplicate_of, value, threshold)
 
 
-class CorpusStage(ABC):
+class DocStage(_Stage):
+    """A per-document stage: ``process(doc) -> Doc | Drop``."""
+
+    @abstractmethod
+    def process(self, doc: Doc) -> Doc | Drop: ...
+
+
+class CorpusStage(_Stage):
     """A stage that decides from the whole corpus: ``signature`` -> ``plan`` -> ``apply``."""
-
-    name: ClassVar[str]
-    Params: ClassVar[type[StageParams]] = StageParams
-
-    def __init__(self, params: StageParams | None = None):
-        self.params = params if params is not None else self.Params()
 
     @abstractmethod
     def signature(self, doc: Doc) -> Any:
@@ -82,17 +80,6 @@ class CorpusStage(ABC):
     @abstractmethod
     def apply(self, doc: Doc, workdir: Path) -> Doc | Drop:
         """The decision for one document, read from ``workdir``; runs in parallel after ``plan``."""
-
-    def drop(
-        self,
-        rule: str,
-        duplicate_of: str | None = None,
-        *,
-        value: Measure = None,
-        threshold: Measure = None,
-    ) -> Drop:
-        """A removal by ``rule`` of this stage, with what the rule measured and the bound it failed."""
-        return Drop(f"{self.name}.{rule}", duplicate_of, value, threshold)
 
 
 def run_doc_stages(stages: Iterable[DocStage], docs: Iterable[Doc]) -> Iterator[Doc | tuple[Doc, Drop]]:
