@@ -175,6 +175,15 @@ class SignalAt(Callback):
             os.kill(os.getpid(), self.sig)
 
 
+@pytest.fixture
+def sigint_default():
+    """SIGINT as an interactive process has it (a background job of a script starts with it ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("sigint_default")
 def test_sigint_finishes_the_step_checkpoints_and_resumes_exactly(tiny_config, tmp_path):
     straight = train(tiny_config, tmp_path / "straight", progress_bar=False)
     run = tmp_path / "run"
@@ -186,6 +195,18 @@ def test_sigint_finishes_the_step_checkpoints_and_resumes_exactly(tiny_config, t
     resumed = train(tiny_config, run, resume=True, progress_bar=False)
     assert resumed["val_loss"] == straight["val_loss"]
     assert _losses(run) == _losses(tmp_path / "straight")
+
+
+def test_an_ignored_signal_stays_ignored(tiny_config, tmp_path):
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        summary = train(
+            tiny_config, tmp_path / "run", progress_bar=False, callbacks=[SignalAt(6, signal.SIGINT)]
+        )
+        assert not summary.get("stopped") and summary["step"] == 20
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_second_signal_exits_at_once():

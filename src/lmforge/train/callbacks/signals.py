@@ -40,7 +40,9 @@ def any_rank(flag: bool) -> bool:
 
 class StopOnSignal(Callback):
     """Installs handlers for :data:`STOP_SIGNALS` while the trainer runs (main thread only; elsewhere
-    signals keep their handlers) and restores the previous ones when it closes."""
+    signals keep their handlers) and restores the previous ones when it closes. A signal the process was
+    started with ignored (SIGINT of a background job of a non-interactive shell) stays ignored, as Python
+    itself leaves it."""
 
     def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
         self.signals = signals
@@ -52,7 +54,8 @@ class StopOnSignal(Callback):
         self._step = trainer.progress.step
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored on purpose (nohup, `cmd &`)
+                    self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
