@@ -125,6 +125,26 @@ def test_resume_allows_safe_changes_and_keeps_their_history(tiny_config, tmp_pat
     assert vals == [10, 15, 20]
 
 
+def test_extending_a_wsd_run_before_its_decay_equals_planning_it_longer(tiny_config, tmp_path, capsys):
+    """WSD's stable phase does not depend on the length of the run, so a 20-step WSD run stopped at step
+    10 and extended to 30 steps (its decay moved from step 16 to 24) trains exactly as a 30-step run."""
+    from lmforge.train.callbacks.stop import StopAfter
+
+    def wsd(steps: int):
+        t = tiny_config.train.model_copy(update={"steps": steps, "eval_interval": 0, "log_interval": 1})
+        return tiny_config.model_copy(
+            update={"train": t, "schedule": tiny_config.schedule.model_copy(update={"name": "wsd"})}
+        )
+
+    train(wsd(30), tmp_path / "planned", progress_bar=False)
+    run = tmp_path / "extended"
+    train(wsd(20), run, progress_bar=False, callbacks=[StopAfter(10)])
+    code, _, err = run_cli(capsys, "train", "--resume", "--run-dir", str(run), "--train.steps=30")
+    assert code == 0, err
+    assert _losses(run) == _losses(tmp_path / "planned")
+    assert read_history(run / "config.toml") == ["# step 10: train.steps 20 -> 30"]
+
+
 def test_check_changes_rules():
     check_changes([Change("train.eval_interval", 10, 5), Change("data.cache_dir", "a", "b")], 10, 20)
     with pytest.raises(ConfigError, match=r"^model\.n_layers: "):

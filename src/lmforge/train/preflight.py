@@ -69,14 +69,15 @@ def check_sample_prompt(prompt: str, corpus_text: str) -> str | None:
 
 def default_sample_prompt(val: list[Shard], tok: Tokenizer) -> str:
     """The first words of the first validation document: its first :data:`DEFAULT_PROMPT_TOKENS` tokens,
-    cut to the first line and back to a word boundary when there is one."""
+    cut to the first line and back to the end of its last whole word when there is one (no trailing
+    space: a byte-level BPE joins a word with the space before it)."""
     for shard in val:
         if len(shard.offsets) > 1:
             start, end = int(shard.offsets[0]), int(shard.offsets[1])
             ids = [int(t) for t in shard.tokens[start:end] if int(t) != tok.eot_id][:DEFAULT_PROMPT_TOKENS]
-            text = tok.decode(ids).split("\n", 1)[0]
-            cut = text.rstrip().rfind(" ")
-            return text[: cut + 1] if cut > 0 else text
+            text = tok.decode(ids).split("\n", 1)[0].rstrip()
+            cut = text.rfind(" ")  # drop a word the 8 tokens may have cut, and the space before it
+            return text[:cut] if cut > 0 else text
     return ""
 
 
