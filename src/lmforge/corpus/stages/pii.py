@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Callable
 from dataclasses import replace
 
 from pydantic import Field
@@ -167,65 +168,53 @@ class PiiRedact(DocStage):
         p: PiiParams = self.params
         counts = {"email": 0, "ip": 0, "phone": 0, "card": 0}
 
+        def sub(
+            pattern: re.Pattern[str], kind: str, placeholder: str, personal: Callable[[re.Match[str]], bool]
+        ) -> None:
+            """Replace each match of ``pattern`` for which ``personal(match)`` holds; count it."""
+            nonlocal text
+
+            def one(m: re.Match[str]) -> str:
+                if not personal(m):
+                    return m.group()
+                counts[kind] += 1
+                return placeholder
+
+            text = pattern.sub(one, text)
+
         if p.email and "@" in text:
-
-            def email(m: re.Match[str]) -> str:
-                if email_is_personal(m.group()):
-                    counts["email"] += 1
-                    return p.email_placeholder
-                return m.group()
-
-            text = _EMAIL.sub(email, text)
-
+            sub(_EMAIL, "email", p.email_placeholder, lambda m: email_is_personal(m.group()))
         if p.ip and ":" in text:
-
-            def ipv6(m: re.Match[str]) -> str:
-                if _is_ipv6(m.group()) and ip_is_personal(m.group(), p.redact_private_ip):
-                    counts["ip"] += 1
-                    return p.ip_placeholder
-                return m.group()
-
-            text = _IPV6.sub(ipv6, text)
-
+            sub(
+                _IPV6,
+                "ip",
+                p.ip_placeholder,
+                lambda m: _is_ipv6(m.group()) and ip_is_personal(m.group(), p.redact_private_ip),
+            )
         if p.ip and "." in text:
-
-            def ipv4(m: re.Match[str]) -> str:
-                span = m.group()
-                if (
-                    not _is_ipv4(span)
-                    or ipv4_is_version(m.string, m.start(), m.end())
-                    or not ip_is_personal(span, p.redact_private_ip)
-                ):
-                    return span
-                counts["ip"] += 1
-                return p.ip_placeholder
-
-            text = _IPV4.sub(ipv4, text)
-
+            sub(
+                _IPV4,
+                "ip",
+                p.ip_placeholder,
+                lambda m: (
+                    _is_ipv4(m.group())
+                    and not ipv4_is_version(m.string, m.start(), m.end())
+                    and ip_is_personal(m.group(), p.redact_private_ip)
+                ),
+            )
         if p.card:
-
-            def card(m: re.Match[str]) -> str:
-                if _is_card(m.group()):
-                    counts["card"] += 1
-                    return p.card_placeholder
-                return m.group()
-
-            text = _CARD.sub(card, text)
-
+            sub(_CARD, "card", p.card_placeholder, lambda m: _is_card(m.group()))
         if p.phone:
-
-            def phone(m: re.Match[str]) -> str:
-                span = m.group()
-                if (
-                    _phone_digits_ok(span)
-                    and not phone_is_postcode(span)
+            sub(
+                _PHONE,
+                "phone",
+                p.phone_placeholder,
+                lambda m: (
+                    _phone_digits_ok(m.group())
+                    and not phone_is_postcode(m.group())
                     and not phone_in_digit_run(m.string, m.start(), m.end())
-                ):
-                    counts["phone"] += 1
-                    return p.phone_placeholder
-                return m.group()
-
-            text = _PHONE.sub(phone, text)
+                ),
+            )
         return text, counts
 
     def process(self, doc: Doc) -> Doc | Drop:
