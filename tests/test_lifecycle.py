@@ -21,6 +21,7 @@ from lmforge.data.prepare import prepare_data
 from lmforge.errors import ConfigError, Interrupted, UserError
 from lmforge.recipe import load_config
 from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks.checkpointing import config_state
 from lmforge.train.callbacks.metrics import eta_seconds, format_duration
 from lmforge.train.callbacks.signals import StopOnSignal, any_rank
 from lmforge.train.checkpoint import latest_checkpoint
@@ -163,7 +164,7 @@ def test_resume_config_layers(tiny_config, tmp_path):
     recipe.write_text("[train]\nlog_interval = 2\n")
     cfg = resume_config(tmp_path, str(recipe), {"train.steps": 30})
     assert (cfg.train.log_interval, cfg.train.steps, cfg.data.vocab_size) == (2, 30, 512)
-    assert [c.key for c in config_changes(tiny_config.model_dump(mode="json"), cfg)] == [
+    assert [c.key for c in config_changes(config_state(tiny_config), cfg)] == [
         "train.log_interval",
         "train.steps",
     ]

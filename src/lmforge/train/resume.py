@@ -26,6 +26,7 @@ from lmforge.config import Config
 from lmforge.errors import ConfigError, UserError
 from lmforge.optim.schedules import Schedule
 from lmforge.recipe import build_config, migrate_moved, read_recipe, to_toml
+from lmforge.train.callbacks.checkpointing import config_state
 
 log = logging.getLogger(__name__)
 
@@ -75,19 +76,10 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _without_none(value: Any) -> Any:
-    """``value`` with None entries dropped at every depth (an unset key is saved as absent)."""
-    if isinstance(value, dict):
-        return {k: _without_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_none(v) for v in value]
-    return value
-
-
 def config_changes(saved: dict[str, Any], cfg: Config) -> list[Change]:
-    """Keys whose value in ``cfg`` differs from ``saved`` (a checkpoint's config state), sorted."""
-    old = flatten(_without_none(migrate_moved(saved)))
-    new = flatten(_without_none(cfg.model_dump(mode="json")))
+    """Keys whose value in ``cfg`` differs from ``saved`` (a checkpoint's ``config_state``), sorted."""
+    old = flatten(migrate_moved(saved))
+    new = flatten(config_state(cfg))
     keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     return [Change(k, old.get(k), new.get(k)) for k in keys]
 

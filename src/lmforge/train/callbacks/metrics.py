@@ -38,6 +38,9 @@ class StepMetrics(Callback):
     SMOOTHING = 0.3  # weight of the newest window in the step-time average
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self._window_s = 0.0  # training-step time in the current window
         self._window_steps = 0
         self._clipped: torch.Tensor | int = 0
@@ -48,7 +51,7 @@ class StepMetrics(Callback):
         self._step_s: float | None = None  # smoothed seconds per step
 
     def on_train_start(self, trainer: Trainer) -> None:
-        self.__init__()
+        self._reset()
         self._start = time.perf_counter()
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
