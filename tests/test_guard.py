@@ -325,9 +325,8 @@ def test_rollback_run_resumes_exactly_with_adaptive_clipping(guard_overrides, tm
     b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "step_00000030")
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
-    for k, state in a["optimizer"]["state"].items():
-        for name, value in state.items():
-            assert torch.equal(value, b["optimizer"]["state"][k][name]), (k, name)
+    for k, value in a["optimizer"].items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["optimizer"][k])), k
     assert a["guard"] == b["guard"] and a["guard"]["lr_scale"] == 0.5 and a["guard"]["rollbacks"] == 1
     assert torch.equal(a["clip"]["ema"], b["clip"]["ema"]) and a["clip"]["count"] == b["clip"]["count"] == 30
     assert resumed["val_loss"] == straight["val_loss"]

@@ -25,7 +25,7 @@ from lmforge.errors import ConfigError
 from lmforge.recipe import load_config, to_toml
 from lmforge.train.build import build_run
 from lmforge.train.callbacks.stop import StopAfter
-from lmforge.train.checkpoint import latest_checkpoint
+from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
 from lmforge.train.launch import train
 from lmforge.train.lr_find import sweep, sweep_run
 from tests.conftest import tiny_overrides
@@ -218,7 +218,7 @@ def _mixture_config(corpus: Path, cache: Path, **extra):
 
 
 def _final_params(run):
-    return torch.load(latest_checkpoint(run) / "state.pt", weights_only=False)["model"]
+    return load_checkpoint(latest_checkpoint(run))["model"]
 
 
 def test_training_resumes_exactly_across_a_phase_boundary(two_domains, tmp_path):

@@ -17,7 +17,7 @@ from lmforge.optim.muon import NS_COEFFICIENTS, Muon, newton_schulz, update_scal
 from lmforge.optim.state_size import state_bytes_per_param
 from lmforge.recipe import load_config
 from lmforge.train.callbacks.stop import StopAfter
-from lmforge.train.checkpoint import latest_checkpoint
+from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
 from lmforge.train.launch import train
 from tests.conftest import loss_of, model_of
 
@@ -99,18 +99,6 @@ def test_build_each_optimizer_and_step(name):
         assert state["row_var"].numel() == 32 and state["col_var"].numel() == 32
 
 
-def _state_tensors(value, prefix=""):
-    """(name, plain tensor) pairs of a state value; tensor subclasses (8-bit state) give their parts."""
-    if (
-        isinstance(value, torch.Tensor)
-        and hasattr(value, "__tensor_flatten__")
-        and type(value) is not torch.Tensor
-    ):
-        names, _ = value.__tensor_flatten__()
-        return [pair for n in names for pair in _state_tensors(getattr(value, n), f"{prefix}.{n}")]
-    return [(prefix, torch.as_tensor(value))]
-
-
 @pytest.fixture(scope="module")
 def shared_data_cache(tmp_path_factory):
     """One prepared-data cache for every resume run of this module (the inputs are the same)."""
@@ -131,23 +119,19 @@ def test_optimizer_state_survives_resume(name, tiny_config, tmp_path, shared_dat
     train(cfg, tmp_path / "a", progress_bar=False)
     train(cfg, tmp_path / "b", progress_bar=False, callbacks=[StopAfter(4)])
     train(cfg, tmp_path / "b", resume=True, progress_bar=False)
-    a = torch.load(latest_checkpoint(tmp_path / "a") / "state.pt", weights_only=False)
-    b = torch.load(latest_checkpoint(tmp_path / "b") / "state.pt", weights_only=False)
+    a = load_checkpoint(latest_checkpoint(tmp_path / "a"))
+    b = load_checkpoint(latest_checkpoint(tmp_path / "b"))
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
-    kinds = set()
-    for k, state in a["optimizer"]["state"].items():
-        for sk, sv in state.items():
-            kinds.add(type(sv).__name__)
-            for (part, x), (_, y) in zip(
-                _state_tensors(sv), _state_tensors(b["optimizer"]["state"][k][sk]), strict=True
-            ):
-                assert torch.equal(x, y), (k, sk, part)
-    if name == "adamw8bit":  # the quantised state itself went through the checkpoint
-        assert "OptimState8bit" in kinds
+    states = {k: v for k, v in a["optimizer"].items() if k.startswith("state.")}
+    assert states and states.keys() == {k for k in b["optimizer"] if k.startswith("state.")}
+    for k, value in states.items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["optimizer"][k])), k
+    if name == "adamw8bit":  # the quantised state itself went through the checkpoint (codes and scales)
+        assert any(k.endswith(".exp_avg.codes") for k in states), sorted(states)[:8]
     if name == "muon":  # both halves kept state: Muon's momentum, AdamW's moments; routing logged at start
         assert "optim: muon moves 14 tensors" in caplog.text and "optim: adamw moves" in caplog.text
-        keys = {sk for state in a["optimizer"]["state"].values() for sk in state}
+        keys = {k.rsplit(".", 1)[1] for k in states}
         assert {"momentum_buffer", "exp_avg", "exp_avg_sq"} <= keys
 
 

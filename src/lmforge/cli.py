@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -16,8 +17,16 @@ from lmforge.recipe import load_config, parse_overrides, reference_text
 log = logging.getLogger("lmforge")
 
 
+def _rank() -> int:
+    """This process's rank under torchrun (0 otherwise)."""
+    return int(os.environ.get("RANK", "0") or 0)
+
+
 def _setup_logging(verbose: bool) -> None:
+    """Log to stderr; under torchrun only rank 0 logs progress, the other ranks warnings and errors."""
     level = logging.DEBUG if verbose else logging.INFO
+    if _rank() > 0 and not verbose:
+        level = logging.WARNING
     if sys.stderr.isatty():
         from rich.logging import RichHandler
 
@@ -40,9 +49,16 @@ def _newest_run(runs: Path) -> Path | None:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.train.checkpoint import latest_checkpoint
     from lmforge.train.launch import train
     from lmforge.train.resume import resume_config
 
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if "WORLD_SIZE" in os.environ and not args.run_dir:
+        raise UserError(
+            "--run-dir: required under torchrun, so that every process (and every restart) uses the same "
+            "folder; pass --run-dir runs/NAME"
+        )
     if args.run_dir:
         run_dir = Path(args.run_dir)
     elif args.resume:
@@ -51,28 +67,40 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
             raise UserError("--resume: no run under runs/; pass --run-dir DIR of the run to continue")
     else:
         run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if restarted and latest_checkpoint(run_dir) is not None:  # torchrun brought the job back: continue it
+        log.warning(
+            "torchrun restart %s: resuming from the newest complete checkpoint",
+            os.environ["TORCHELASTIC_RESTART_COUNT"],
+        )
+        args.resume = True
     if args.resume:  # the run's own config.toml is the base; the recipe and flags change it
         cfg = resume_config(run_dir, args.config, parse_overrides(extra))
     else:
         cfg = load_config(args.config, parse_overrides(extra))
-    print(f"run folder: {run_dir}")
+    _print(f"run folder: {run_dir}")
     summary = train(cfg, run_dir, resume=args.resume)
     if summary.get("stopped"):
-        print(
+        _print(
             f"stopped at step {summary['step']} ({summary['reason'] or 'requested'}); "
             f"checkpoint: {summary['checkpoint']}\n"
             f"continue with: lmforge train --resume --run-dir {run_dir}"
         )
         return 128 + signal.Signals[summary["reason"]].value if summary["reason"] in _SIGNALS else 0
     sample = summary.pop("sample", None)
-    print(
+    _print(
         f"done: step {summary['step']}, val_loss {summary['val_loss']:.4f} (ppl {summary['val_ppl']:.2f}), "
         f"unigram_loss {summary['unigram_loss']:.4f}, ratio {summary['val_loss_over_unigram']:.3f}, "
         f"{summary['tokens_seen']:,} tokens in {summary['wall_time_s']:.0f}s"
     )
     if sample is not None:
-        print("sample:\n" + sample)
+        _print("sample:\n" + sample)
     return 0
+
+
+def _print(text: str) -> None:
+    """Print the result of a command once: from rank 0 under torchrun."""
+    if _rank() == 0:
+        print(text)
 
 
 _SIGNALS = {s.name for s in signal.Signals}
@@ -442,7 +470,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = args.func(args, extra)
     except UserError as exc:
-        print(f"lmforge {args.command}: error: {exc}", file=sys.stderr)
+        if _rank() == 0:  # every rank meets the same error in the same config; one line is enough
+            print(f"lmforge {args.command}: error: {exc}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

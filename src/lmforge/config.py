@@ -205,6 +205,9 @@ class TrainConfig(_Section):
     )
     checkpoint_interval: int = Field(250, ge=0, description="steps between checkpoints (0: only at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept on disk")
+    async_checkpoint: bool = Field(
+        False, description="write checkpoints in the background while training goes on (DCP async save)"
+    )
     log_interval: int = Field(10, ge=1, description="steps between metrics lines")
     grad_clip: float = Field(
         1.0,
@@ -274,6 +277,44 @@ class GuardConfig(_Section):
                 f"({self.spike_window}); lower it or widen the window"
             )
         return self
+
+
+class ParallelConfig(_Section):
+    """How a run spreads over the processes ``torchrun`` starts (one process: every degree 1).
+
+    The degrees form one DeviceMesh ``(pp, dp_replicate, dp_shard, tp)`` whose size is the world size.
+    Data parallelism: ``dp_replicate`` copies (DDP; across groups of hybrid sharding) times ``dp_shard``
+    shards; how the shards are cut is ``parallel.zero``. Layouts and the machinery behind each stage:
+    docs/parallelism.md.
+    """
+
+    dp_replicate: int = Field(
+        1, ge=1, description="data-parallel replicas: DDP, or the replicate groups of hybrid sharding"
+    )
+    dp_shard: int = Field(
+        1, ge=1, description="data-parallel ranks that shard the model states among them (see parallel.zero)"
+    )
+    tp: int = Field(1, ge=1, description="tensor-parallel degree (heads, MLP width and vocabulary split)")
+    pp: int = Field(1, ge=1, description="pipeline stages (ranks), the model cut by layers")
+    zero: Literal[1, 2, 3] = Field(
+        3,
+        description="how dp_shard shards: 1 optimizer states (DDP + ZeroRedundancyOptimizer), 2 also "
+        "gradients (FSDP2, parameters kept after forward), 3 also parameters (FSDP2 full sharding)",
+    )
+    offload: bool = Field(
+        False, description="keep sharded parameters, gradients and optimizer states in host memory (FSDP2)"
+    )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = Field(
+        "1f1b", description="pipeline schedule"
+    )
+    pp_microbatches: int = Field(
+        0,
+        ge=0,
+        description="pipeline micro-batches per train.micro_batch_size batch (0: pp x stages per rank)",
+    )
+    pp_stages_per_rank: int = Field(
+        0, ge=0, description="model chunks per pipeline rank (0: 2 for the interleaved schedules, else 1)"
+    )
 
 
 PARAM_KINDS = {"embedding", "matrix", "norm", "bias"}
@@ -487,6 +528,10 @@ class Config(_Section):
     guard: GuardConfig = Field(
         default_factory=GuardConfig,
         description="stability guard: skip non-finite or spiking steps, roll back after repeated ones",
+    )
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig,
+        description="layout over torchrun processes: data, tensor and pipeline parallel degrees",
     )
     lr_find: LRFindConfig = Field(
         default_factory=LRFindConfig, description="lmforge lr-find: the exponential learning-rate sweep"

@@ -27,6 +27,8 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lmforge.config import TrainConfig
 
@@ -48,11 +50,21 @@ def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """``sqrt(sum_i g_i^2)`` over all tensors (0 when there are none)."""
-    if not grads:
-        return torch.zeros(())
-    return torch.nn.utils.get_total_norm(grads, foreach=True)
+def total_norm(grads: list[torch.Tensor], across: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``sqrt(sum_i g_i^2)`` over all tensors (0 when there are none), over every process that holds a part.
+
+    Sharded gradients (DTensors: FSDP2, tensor parallelism) count their shards on all ranks of their
+    mesh once (``full_tensor`` of the norm); ``across`` adds the squares of other processes holding
+    *different* tensors (the pipeline stages): ``n = sqrt(sum_r n_r^2)``.
+    """
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if across is not None:
+        squared = norm.float() ** 2
+        dist.all_reduce(squared, group=across)
+        norm = squared.sqrt()
+    return norm
 
 
 def norm_coefficient(norm: torch.Tensor, max_norm: float | torch.Tensor) -> torch.Tensor:
@@ -103,6 +115,7 @@ class Clipper:
         self.factor, self.beta, self.warmup = factor, beta, warmup
         self.ema = torch.zeros(())  # m_t (adaptive), kept on the gradients' device
         self.count = 0  # t (adaptive)
+        self.across: dist.ProcessGroup | None = None  # processes holding other parameters (pipeline stages)
 
     @classmethod
     def from_config(cls, t: TrainConfig) -> Clipper:
@@ -111,7 +124,7 @@ class Clipper:
 
     def measure(self, groups: Sequence[Iterable[torch.Tensor]]) -> torch.Tensor:
         """The pre-clip global gradient norm ``n`` (one fused norm; no host sync)."""
-        return total_norm([g for group in groups for g in _grads(group)])
+        return total_norm([g for group in groups for g in _grads(group)], self.across)
 
     def threshold(self) -> torch.Tensor | float | None:
         """The norm threshold ``c`` the next :meth:`clip` applies (None: no norm threshold)."""
@@ -136,7 +149,7 @@ class Clipper:
     ) -> ClipStats:
         params = [p for group in groups for p in group]
         torch.nn.utils.clip_grad_value_(params, self.value, foreach=True)
-        return ClipStats(torch.where(norm > 0, total_norm(_grads(params)) / norm, one), None)
+        return ClipStats(torch.where(norm > 0, total_norm(_grads(params), self.across) / norm, one), None)
 
     def _clip_groups(self, groups: list[list[torch.Tensor]], one: torch.Tensor) -> ClipStats:
         before, after = [], []

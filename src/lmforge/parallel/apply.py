@@ -13,15 +13,16 @@ the only place the order is written. The order is forced by what each stage need
 5. ``data_parallel`` (``fully_shard`` / DDP) comes last: it wraps the compiled modules and owns the
    parameters' storage from then on.
 
-Today ``compile`` is the only stage that does work; ``convert`` (FP8), ``tensor_parallel``,
-``activation_checkpointing`` and ``data_parallel`` return the module unchanged and are where those
-features go. Pipeline parallelism cuts the model into stages (``model.transformer.keep_stage``) before
-any of them.
+``convert`` (FP8) and ``activation_checkpointing`` return the module unchanged today and are where
+those features go. Pipeline parallelism cuts the model into stages (``lmforge/parallel/pipeline.py``)
+before any of them; the stages then run on each stage's objective.
 
-Compilation wraps the training objective (:class:`~lmforge.model.loss.NextTokenLoss`: blocks, output
-head and chunked loss as one graph); it never replaces a method of the model. Measured on 2 CPU cores
-(default Llama 4 x 256, vocab 4096, batch 8 x 256, BF16): eager 3,540 tokens/s, every block compiled
-separately 3,350, the whole objective compiled 4,070; so the whole objective is compiled.
+Compilation: a single process compiles the whole training objective
+(:class:`~lmforge.model.loss.NextTokenLoss`: blocks, output head and chunked loss as one graph); it never
+replaces a method of the model. Measured on 2 CPU cores (default Llama 4 x 256, vocab 4096, batch 8 x 256,
+BF16): eager 3,540 tokens/s, every block compiled separately 3,350, the whole objective compiled 4,070.
+Several processes compile each block in place instead (``Module.compile``), so that the hooks of
+FSDP2, DDP and tensor parallelism stay at block boundaries, outside the compiled graphs.
 """
 
 from __future__ import annotations
@@ -35,16 +36,20 @@ import torch
 from torch import nn
 
 from lmforge.config import TrainConfig
+from lmforge.parallel.data_parallel import apply_ddp, apply_fsdp
+from lmforge.parallel.layout import SINGLE, Layout
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ApplyContext:
-    """What the stages read: the run's training settings and device."""
+    """What the stages read: the run's training settings, device, process layout and compute dtype."""
 
     train: TrainConfig
     device: torch.device
+    layout: Layout = SINGLE
+    compute_dtype: torch.dtype = torch.float32
 
 
 def can_compile(enabled: bool, device: torch.device) -> bool:
@@ -63,7 +68,12 @@ def convert(module: nn.Module, ctx: ApplyContext) -> nn.Module:
 
 
 def tensor_parallel(module: nn.Module, ctx: ApplyContext) -> nn.Module:
-    """Tensor parallelism over the TP mesh dimension. Single-device runs: unchanged."""
+    """Tensor parallelism over the ``tp`` mesh dimension (``lmforge/parallel/tensor.py``); else unchanged."""
+    if ctx.layout.degrees["tp"] == 1:
+        return module
+    from lmforge.parallel.tensor import apply_tensor_parallel
+
+    apply_tensor_parallel(module.model, ctx.layout.submesh("tp"))
     return module
 
 
@@ -82,14 +92,25 @@ def compile_like_training(fn: Callable) -> Callable:
 
 
 def compile_module(module: nn.Module, ctx: ApplyContext) -> nn.Module:
-    """``torch.compile`` the whole objective when ``train.compile`` (and the platform can)."""
+    """``torch.compile`` when ``train.compile`` (and the platform can): the whole objective in one process,
+    each block in place in several."""
     if not can_compile(ctx.train.compile, ctx.device):
+        return module
+    if ctx.layout.distributed:
+        for block in module.model.blocks.values():
+            block.compile(**COMPILE_OPTIONS)
         return module
     return compile_like_training(module)
 
 
 def data_parallel(module: nn.Module, ctx: ApplyContext) -> nn.Module:
-    """FSDP2 / DDP over the data-parallel mesh dimensions. Single-process runs: unchanged."""
+    """FSDP2 (blocks, then the objective) or DDP over the data-parallel ranks
+    (``lmforge/parallel/data_parallel.py``); one process: unchanged."""
+    kind = ctx.layout.kind
+    if kind == "fsdp":
+        return apply_fsdp(module, list(module.model.blocks.values()), ctx.layout, ctx.compute_dtype)
+    if kind in ("ddp", "zero1"):
+        return apply_ddp(module, ctx.layout, ctx.device)
     return module
 
 

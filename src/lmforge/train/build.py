@@ -3,18 +3,24 @@
 Every command that trains, probes or evaluates a model (``train``, ``lr-find``, ``mup-check``, ``eval``,
 ``generate``, the benchmarks) builds it here, so they agree with training by construction:
 
-* :func:`validate` checks what can be checked before any work (accumulation, inputs, domains, device);
+* :func:`validate` checks what can be checked before any work (accumulation, inputs, domains, device,
+  the process layout of ``parallel.*`` against ``torchrun``'s world);
 * :func:`build_model` builds the plain model on the meta device, materialises it on the run's device
   and initialises it from the seed (or leaves it for a checkpoint to fill);
 * :func:`build_run` adds the precision policy, the training objective with the model transformations of
   ``lmforge.parallel.apply`` in their fixed order, the optimizer with its groups, the schedule, the
   clipper, the training loader (plain or mixture, one protocol) and the validation stream.
+
+Several processes (``torchrun``): every rank builds and initialises the whole model from the seed (so
+every layout starts from the parameters a single process would have), then the transformations shard it
+(tensor parallelism, FSDP2); the optimizer is built over the sharded parameters. Rank 0 prepares the
+data (tokenizer, shards) while the others wait, then they read its cache.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,6 +36,8 @@ from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper
 from lmforge.optim.schedules import Schedule
 from lmforge.parallel.apply import ApplyContext, apply, can_compile
+from lmforge.parallel.layout import SINGLE, Layout, check_layout, init_layout, launch_env
+from lmforge.parallel.reduce import StepReduce
 from lmforge.precision import PrecisionPolicy
 from lmforge.train.runtime import configure_determinism, pick_device, seed_all
 
@@ -50,7 +58,8 @@ def accumulation_steps(cfg: Config, world: int = 1) -> int:
 
 def validate(cfg: Config) -> torch.device:
     """Everything checkable before work starts (user errors raise); returns the run's device."""
-    accumulation_steps(cfg)
+    check_layout(cfg, launch_env()[2])
+    accumulation_steps(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
     input_files(cfg.data)  # missing inputs fail here
     check_domains(cfg.data)
     return pick_device(cfg.train.device)
@@ -68,9 +77,16 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device, init: bool =
     return model
 
 
-def training_objective(model: Transformer, cfg: Config, device: torch.device) -> nn.Module:
+def training_objective(
+    model: Transformer,
+    cfg: Config,
+    device: torch.device,
+    layout: Layout = SINGLE,
+    compute_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
     """The model and its loss, with the model transformations applied in their fixed order."""
-    return apply(NextTokenLoss(model, cfg.train.loss_chunk), ApplyContext(cfg.train, device))
+    ctx = ApplyContext(cfg.train, device, layout, compute_dtype)
+    return apply(NextTokenLoss(model, cfg.train.loss_chunk), ctx)
 
 
 @dataclass
@@ -89,42 +105,73 @@ class Run:
     clipper: Clipper
     loader: TrainLoader
     val: TokenStream
-    accum: int  # micro-batches per optimizer step
+    accum: int  # micro-batches per optimizer step and data-parallel rank
+    layout: Layout = SINGLE
+    reduce: StepReduce = field(default_factory=StepReduce)
 
     @property
     def tokens_per_step(self) -> int:
-        return self.accum * self.cfg.train.micro_batch_size * self.cfg.data.seq_len
+        """Tokens of one optimizer step over all data-parallel ranks."""
+        return self.accum * self.cfg.train.micro_batch_size * self.cfg.data.seq_len * self.layout.dp
 
 
 def build_run(cfg: Config, data: PreparedData | None = None) -> Run:
     """Build every part of a run of ``cfg`` (``data``: already prepared data, else prepared here)."""
     device = validate(cfg)
-    accum = accumulation_steps(cfg)
+    layout = init_layout(cfg, device.type)
+    if device.type == "cuda" and layout.distributed:
+        device = torch.device("cuda", torch.cuda.current_device())
+    accum = accumulation_steps(cfg, layout.dp)
     configure_determinism(cfg.train.deterministic)
     precision = PrecisionPolicy.resolve(cfg.train.precision, device)
-    data = data if data is not None else prepare_data(cfg.data)
+    if data is None:
+        data = prepare_on_rank0(cfg, layout)
     model = build_model(cfg, data.tokenizer.vocab_size, device)
-    optimizer = build_optimizer(model, cfg.optim, device, compile=can_compile(cfg.train.compile, device))
+    n_params = model.num_params(False)
+    objective = training_objective(model, cfg, device, layout, precision.compute_dtype)
+    compile = can_compile(cfg.train.compile, device)
+    if layout.kind == "zero1":
+        from lmforge.optim.build import build_zero_optimizer
+
+        optimizer = build_zero_optimizer(model, cfg.optim, device, compile, layout.group("dp_shard"))
+    else:
+        optimizer = build_optimizer(model, cfg.optim, device, compile=compile)
     log.info(
-        "model: %s, %.2fM parameters; %d micro-batches of %d x %d per step",
+        "model: %s, %.2fM parameters; %d micro-batches of %d x %d per step and data-parallel rank; %s",
         cfg.model.arch,
-        model.num_params(False) / 1e6,
+        n_params / 1e6,
         accum,
         cfg.train.micro_batch_size,
         cfg.data.seq_len,
+        layout.describe(),
     )
+    clipper = Clipper.from_config(cfg.train)
     return Run(
         cfg=cfg,
         device=device,
         precision=precision,
         data=data,
         model=model,
-        objective=training_objective(model, cfg, device),
-        eval_objective=NextTokenLoss(model, cfg.train.loss_chunk),
+        objective=objective,
+        eval_objective=objective if layout.kind == "fsdp" else NextTokenLoss(model, cfg.train.loss_chunk),
         optimizer=optimizer,
         schedule=Schedule(cfg.schedule, cfg.train.steps),
-        clipper=Clipper.from_config(cfg.train),
-        loader=build_train_loader(cfg, data, accum),
+        clipper=clipper,
+        loader=build_train_loader(cfg, data, accum, layout.dp_rank, layout.dp),
         val=TokenStream(data.val),
         accum=accum,
+        layout=layout,
+        reduce=StepReduce(layout),
     )
+
+
+def prepare_on_rank0(cfg: Config, layout: Layout) -> PreparedData:
+    """``prepare_data`` on rank 0 first (it may train a tokenizer and write shards), then on the others,
+    which find its cache."""
+    if not layout.distributed:
+        return prepare_data(cfg.data)
+    import torch.distributed as dist
+
+    data = prepare_data(cfg.data) if layout.is_main else None
+    dist.barrier()
+    return data if data is not None else prepare_data(cfg.data)

@@ -1,9 +1,26 @@
-"""Atomic checkpoints of everything a run needs to continue exactly.
+"""Sharded, atomic checkpoints of everything a run needs to continue exactly, in any process layout.
 
-A checkpoint is a folder ``checkpoints/step_00000120/`` holding ``state.pt`` (model, optimizer,
-scheduler step, loader position, RNG states, counters) and ``config.toml`` (the resolved config).
-It is written under ``step_00000120.tmp/``, flushed to disk, and renamed into place: a crash mid-write
-leaves only a ``.tmp`` folder, which is never taken for a checkpoint and is removed on the next start.
+A checkpoint is a folder ``checkpoints/step_00000120/`` holding
+
+* the model and optimizer states written with ``torch.distributed.checkpoint`` (DCP): ``.metadata`` and
+  one ``*.distcp`` file per writing rank, each rank writing the shards it holds. Keys are parameter
+  names (``model.blocks.0.attn.q_proj.weight``, ``optimizer.state.blocks.0.attn.q_proj.weight.exp_avg``)
+  and tensors are stored with their whole shapes, so DCP reshards on load: a checkpoint written by 4
+  FSDP2 processes loads into 2, into a tensor-parallel layout, or into one plain process, and back;
+* ``trainer.pt``: the rest of the training state from rank 0 (progress, loader position, schedule,
+  clipping, precision, callbacks, the resolved config);
+* ``rng/rank_00003.pt``: each rank's random-generator states;
+* ``config.toml``: the resolved config as a recipe.
+
+It is written under ``step_00000120.tmp/`` and renamed into place by rank 0 once every rank has written
+its part (DCP writes the metadata last, after gathering all ranks' results): a crash mid-write leaves
+only a ``.tmp`` folder, never taken for a checkpoint and removed on the next start. With
+``train.async_checkpoint`` the tensors are staged to host memory, written by a background thread while
+training goes on, and the rename happens at the first step end after the write finished
+(:class:`PendingSave`).
+
+Model and optimizer states go through ``torch.distributed.checkpoint.state_dict`` (flattened optimizer
+state keyed by parameter name), for one process as for many: one format everywhere.
 """
 
 from __future__ import annotations
@@ -12,18 +29,74 @@ import logging
 import os
 import re
 import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d{8})$")
+TENSOR_KEYS = ("model", "optimizer")  # the parts of a training state that DCP writes
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+# -- model and optimizer states in any layout ----------------------------------------------------------
+
+
+def _local(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer over this rank's parameters (ZeRO-1 keeps each rank's partition in ``.optim``)."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by name; sharded ones (FSDP2, tensor parallelism) as DTensors."""
+    return get_model_state_dict(model, options=OPTIONS)
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, template: bool = False) -> dict:
+    """The optimizer's state keyed by parameter name (flattened: ``state.NAME.exp_avg``,
+    ``param_groups.NAME.lr``); under ZeRO-1 only this rank's partition. Empty before the first step
+    unless ``template`` (then torch initialises the states with a zero-rate step, to be overwritten by
+    a load)."""
+    local = _local(optimizer)
+    if not local.state and not template:
+        return {}
+    return get_optimizer_state_dict(model, local, options=OPTIONS)
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    set_model_state_dict(model, state, options=OPTIONS)
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Restore :func:`optimizer_state`'s output (nothing to do for an empty one)."""
+    if state:
+        set_optimizer_state_dict(model, _local(optimizer), state, options=OPTIONS)
+
+
+# -- the folder ---------------------------------------------------------------------------------------
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def is_complete(path: Path) -> bool:
+    return bool(_NAME.match(path.name)) and (path / ".metadata").is_file() and (path / "trainer.pt").is_file()
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -31,7 +104,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "state.pt").is_file()]
+    found = [p for p in root.iterdir() if is_complete(p)]
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
@@ -56,28 +129,128 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], config_toml: str, keep: int) -> Path:
-    """Write ``state`` for ``step`` atomically, then prune to the ``keep`` newest checkpoints."""
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose tensors are still being written (``train.async_checkpoint``)."""
+
+    step: int
+    tmp: Path
+    final: Path
+    keep: int
+    future: Future | None  # None: written synchronously
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def finish(self) -> Path:
+        """Wait for the write, then (rank 0) flush, rename into place and prune old checkpoints."""
+        if self.future is not None:
+            self.future.result()
+        if _rank() == 0:
+            for f in self.tmp.rglob("*"):
+                if f.is_file():
+                    _fsync(f)
+            if self.final.exists():  # re-saving the same step (e.g. the final one): replace it
+                shutil.rmtree(self.final)
+            os.replace(self.tmp, self.final)
+            _fsync(self.final.parent)
+            for old in list_checkpoints(self.final.parent.parent)[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+            log.info("checkpoint: saved %s", self.final)
+        return self.final
+
+
+def save_checkpoint(
+    run_dir: Path, step: int, state: dict[str, Any], config_toml: str, keep: int, background: bool = False
+) -> PendingSave:
+    """Write ``state`` for ``step`` (every rank calls this); with ``background`` the tensors are written by
+    a thread and the caller must :meth:`PendingSave.finish` later, else the checkpoint is complete on
+    return. Rank 0 prunes to the ``keep`` newest checkpoints."""
     root = checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save(state, tmp / "state.pt")
-    (tmp / "config.toml").write_text(config_toml)
-    for f in tmp.iterdir():
-        _fsync(f)
-    if final.exists():  # re-saving the same step (e.g. the final one): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync(root)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    log.info("checkpoint: saved %s", final)
-    return final
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    _barrier()
+    rest = {k: v for k, v in state.items() if k not in TENSOR_KEYS and k != "rng"}
+    torch.save(state["rng"], tmp / "rng" / f"rank_{rank:05d}.pt")
+    if rank == 0:
+        torch.save(rest, tmp / "trainer.pt")
+        (tmp / "config.toml").write_text(config_toml)
+    tensors = {k: state[k] for k in TENSOR_KEYS}
+    if background:
+        future = dcp.async_save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        pending = PendingSave(step, tmp, final, keep, future)
+        log.info("checkpoint: writing step %d in the background", step)
+        return pending
+    dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    pending = PendingSave(step, tmp, final, keep, None)
+    pending.finish()
+    _barrier()
+    return pending
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The checkpoint's non-tensor state (progress, loader, config, ...) and this rank's RNG states (rank
+    0's when the checkpoint had fewer ranks)."""
+    path = Path(path)
+    # weights_only=False: the state holds numpy / Python RNG states written by lmforge itself.
+    state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+    rng = path / "rng" / f"rank_{_rank():05d}.pt"
+    state["rng"] = torch.load(rng if rng.is_file() else path / "rng" / "rank_00000.pt", weights_only=False)
+    return state
+
+
+def saved_keys(path: Path) -> set[str]:
+    """Flat DCP keys stored in the checkpoint (``model.embed.weight``, ``optimizer.state....``)."""
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def load_tensors(path: Path, template: dict[str, dict]) -> dict[str, dict]:
+    """Fill ``template`` (``{"model": ..., "optimizer": ...}`` in the current layout, DTensors where
+    sharded) from the checkpoint in place; DCP reads each rank's shards whatever layout wrote them. An
+    empty optimizer state in the checkpoint leaves ``template["optimizer"]`` empty."""
+    keys = saved_keys(path)
+    if not any(k.startswith("optimizer.") for k in keys):
+        template = {**template, "optimizer": {}}
+    dcp.load(
+        {k: v for k, v in template.items() if v}, checkpoint_id=str(path), no_dist=not dist.is_initialized()
+    )
+    return template
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    # weights_only=False: the state holds numpy / Python RNG states written by lmforge itself.
-    return torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
+    """The whole checkpoint in this process's memory, unsharded: ``model`` and ``optimizer`` (flattened,
+    keyed by name) as full tensors, plus the trainer state. For inspection, evaluation and export."""
+    path = Path(path)
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    flat: dict[str, Any] = {}
+    for key, md in meta.items():
+        if isinstance(md, dcp.TensorStorageMetadata):
+            flat[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            flat[key] = None
+    dcp.load(flat, checkpoint_id=str(path), no_dist=True)
+    state: dict[str, Any] = {k: {} for k in TENSOR_KEYS}
+    for key, value in flat.items():
+        part, name = key.split(".", 1)
+        state[part][name] = value
+    return {**read_trainer_state(path), **state}
+
+
+def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The whole training state of the checkpoint at ``path`` for this process, in the current layout
+    (model and optimizer resharded by DCP), ready for ``Trainer.load_state_dict``."""
+    template = {"model": model_state(model), "optimizer": optimizer_state(model, optimizer, template=True)}
+    return {**read_trainer_state(path), **load_tensors(path, template)}

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from lmforge.config import Config
 from lmforge.errors import UserError
-from lmforge.train.build import build_run, validate
+from lmforge.parallel.layout import close_layout, launch_env
+from lmforge.train.build import Run, build_run, validate
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.callbacks.evaluation import Evaluation
@@ -18,7 +19,12 @@ from lmforge.train.callbacks.guard import StabilityGuard
 from lmforge.train.callbacks.metrics import Console, MetricsFile, StepMetrics
 from lmforge.train.callbacks.sample import Sample
 from lmforge.train.callbacks.signals import StopOnSignal
-from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial
+from lmforge.train.checkpoint import (
+    latest_checkpoint,
+    load_training_state,
+    read_trainer_state,
+    remove_partial,
+)
 from lmforge.train.preflight import preflight
 from lmforge.train.resume import check_changes, config_changes, config_text, read_history, report_changes
 from lmforge.train.trainer import Trainer
@@ -29,7 +35,8 @@ log = logging.getLogger(__name__)
 def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
     """The checkpoint to resume from (None for a new run); user errors for a wrong ``--resume`` and for a
     new run in a folder that already holds another run's checkpoints or metrics."""
-    remove_partial(run_dir)
+    if launch_env()[0] == 0:
+        remove_partial(run_dir)
     ckpt = latest_checkpoint(run_dir)
     if resume and ckpt is None:
         raise UserError(f"--resume: no complete checkpoint in {run_dir}/checkpoints; run without --resume")
@@ -46,9 +53,11 @@ def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
 
 
 def default_callbacks(
-    cfg: Config, run_dir: Path, progress_bar: bool | None, config_toml: str
+    cfg: Config, run_dir: Path, progress_bar: bool | None, config_toml: str, main: bool = True
 ) -> list[Callback]:
-    """The callbacks of every training run, in the order they are called."""
+    """The callbacks of every training run, in the order they are called (the metrics file and the
+    console only on the main process; every rank takes part in the others' collectives)."""
+    sinks = [MetricsFile(run_dir), Console(progress_bar)] if main else []
     return [
         StopOnSignal(),
         StabilityGuard(cfg.guard),
@@ -56,8 +65,7 @@ def default_callbacks(
         Evaluation(),
         Checkpointing(run_dir, config_toml),
         Sample(),
-        MetricsFile(run_dir),
-        Console(progress_bar),
+        *sinks,
     ]
 
 
@@ -78,7 +86,7 @@ def train(
     run_dir = Path(run_dir)
     validate(cfg)
     ckpt_path = check_run_dir(run_dir, resume)
-    state = load_checkpoint(ckpt_path) if ckpt_path is not None else None
+    state = read_trainer_state(ckpt_path) if ckpt_path is not None else None
     history: list[str] = []
     if state is not None:
         step = state["progress"]["step"]
@@ -87,14 +95,32 @@ def train(
         report_changes(changes, state["config"], cfg, state)
         history = read_history(run_dir / "config.toml") + [c.line(step) for c in changes]
     run = build_run(cfg)
-    preflight(cfg, run.data, run.tokens_per_step)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _train(run, run_dir, ckpt_path, history, callbacks, progress_bar)
+    finally:
+        close_layout(run.layout)
+
+
+def _train(
+    run: Run,
+    run_dir: Path,
+    ckpt_path: Path | None,
+    history: list[str],
+    callbacks: Sequence[Callback],
+    progress_bar: bool | None,
+) -> dict:
+    cfg, main = run.cfg, run.layout.is_main
+    if main:
+        preflight(cfg, run.data, run.tokens_per_step)
     config_toml = config_text(cfg, history)
-    (run_dir / "config.toml").write_text(config_toml)
-    shutil.copyfile(run.data.tokenizer.path, run_dir / "tokenizer.json")
-    trainer = Trainer(run, [*default_callbacks(cfg, run_dir, progress_bar, config_toml), *callbacks])
-    if state is not None:
-        trainer.load_state_dict(state)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(config_toml)
+        shutil.copyfile(run.data.tokenizer.path, run_dir / "tokenizer.json")
+    defaults = default_callbacks(cfg, run_dir, progress_bar, config_toml, main)
+    trainer = Trainer(run, [*defaults, *callbacks])
+    if ckpt_path is not None:
+        trainer.load_state_dict(load_training_state(ckpt_path, run.model, run.optimizer))
         log.info("resumed from %s at step %d", ckpt_path, trainer.progress.step)
     trainer.fit()
     if trainer.stop_requested:
@@ -116,5 +142,8 @@ def train(
     domains = run.loader.summary()
     if domains:
         summary["domains"] = domains
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if run.layout.distributed:
+        summary["layout"] = run.layout.describe()
+    if main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -1,7 +1,9 @@
 """One optimizer step, readable in one screen.
 
 For each micro-batch: forward in the precision policy's autocast, take the summed token loss divided by
-the number of target tokens of the *whole* step, backward (gradients accumulate). Then bring gradients
+the number of target tokens of the *whole* step (over all data-parallel ranks), backward (gradients
+accumulate; DDP synchronises only in the last micro-batch). A pipeline runs forward and backward of a
+micro-batch through its schedule instead. Then bring gradients
 to their true scale, measure their norm, ask the step's observers whether to go on (the stability
 guard may veto: skip, or roll back), clip (``optim/clip.py``), set the scheduled learning rate and take
 the optimizer step through the policy; gradients are cleared either way.
@@ -19,6 +21,7 @@ from torch import nn
 
 from lmforge.data.loader import Batch
 from lmforge.optim.clip import Clipper, ClipStats
+from lmforge.parallel.reduce import StepReduce
 from lmforge.precision import PrecisionPolicy
 
 
@@ -55,6 +58,23 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_mult", 1.0)
 
 
+def forward_backward(
+    objective: nn.Module | Callable, batch: Batch, n_targets: int, dp: int, precision: PrecisionPolicy
+) -> torch.Tensor:
+    """Backward of ``loss_sum / n_targets * dp`` for one micro-batch; returns ``loss_sum / n_targets``.
+
+    ``dp`` undoes the averaging of gradients over the data-parallel ranks (DDP, FSDP2). An objective
+    with its own ``forward_backward`` (a pipeline schedule) runs it.
+    """
+    if hasattr(objective, "forward_backward"):
+        return objective.forward_backward(batch, n_targets, dp, precision)
+    with precision.autocast():
+        loss_sum, _ = objective(batch.inputs, batch.targets, batch.doc_ids)
+    loss = loss_sum / n_targets
+    precision.backward(loss * dp if dp != 1 else loss)
+    return loss.detach()
+
+
 def train_step(
     objective: nn.Module | Callable,
     optimizer: torch.optim.Optimizer,
@@ -63,21 +83,23 @@ def train_step(
     clipper: Clipper,
     precision: PrecisionPolicy,
     observers: Sequence[StepObserver] = (),
+    reduce: StepReduce | None = None,
 ) -> StepResult:
     """One optimizer step over ``batches`` (the micro-batches) unless an observer vetoes it.
 
     ``objective(inputs, targets, doc_ids) -> (loss_sum, n_targets)``. A vetoed step drops its gradients
-    and leaves the optimizer as it was.
+    and leaves the optimizer as it was. ``reduce``: the collectives over the process layout (one process:
+    none).
     """
-    n_targets = sum(b.n_targets for b in batches)
+    reduce = reduce or StepReduce()
+    n_targets = reduce.total_targets(sum(b.n_targets for b in batches), precision.device)
     loss_total = torch.zeros((), device=precision.device)
-    for batch in batches:
-        batch = batch.to(precision.device)
-        with precision.autocast():
-            loss_sum, _ = objective(batch.inputs, batch.targets, batch.doc_ids)
-        loss = loss_sum / n_targets
-        precision.backward(loss)
-        loss_total += loss.detach()
+    for i, batch in enumerate(batches):
+        with reduce.micro_batch(objective, last=i == len(batches) - 1):
+            loss_total += forward_backward(
+                objective, batch.to(precision.device), n_targets, reduce.dp, precision
+            )
+    loss_total = reduce.loss(loss_total)
     for obs in observers:
         obs.after_backward()
     precision.unscale_(optimizer)

@@ -18,6 +18,7 @@ import torch
 from lmforge.data.loader import Batch
 from lmforge.train.build import Run
 from lmforge.train.callbacks.base import Callback
+from lmforge.train.checkpoint import load_model_state, load_optimizer_state, model_state, optimizer_state
 from lmforge.train.runtime import check_runtime_state, rng_state, runtime_state, set_rng_state
 from lmforge.train.step import SEVERITY, Action, StepResult, train_step
 
@@ -82,7 +83,14 @@ class Trainer:
         run = self.run
         self.lr = run.cfg.optim.lr * run.schedule(self.progress.step) * self.lr_scale
         result = train_step(
-            run.objective, run.optimizer, batches, self.lr, run.clipper, run.precision, observers=[self]
+            run.objective,
+            run.optimizer,
+            batches,
+            self.lr,
+            run.clipper,
+            run.precision,
+            observers=[self],
+            reduce=run.reduce,
         )
         self.attempt += 1
         if result.action is Action.STEP:
@@ -120,8 +128,8 @@ class Trainer:
     def state_dict(self) -> dict:
         run = self.run
         state = {
-            "model": run.model.state_dict(),
-            "optimizer": run.optimizer.state_dict(),
+            "model": model_state(run.model),
+            "optimizer": optimizer_state(run.model, run.optimizer),
             "loader": run.loader.state_dict(),
             "progress": self.progress.state_dict(),
             "scheduler": run.schedule.state_dict(),
@@ -139,8 +147,8 @@ class Trainer:
         """The training state proper (model, optimizer, progress, schedule, clipping, precision): what
         both a resume and a rollback restore. The loader, RNG and callbacks are :meth:`load_state_dict`'s."""
         run = self.run
-        run.model.load_state_dict(state["model"])
-        run.optimizer.load_state_dict(state["optimizer"])
+        load_model_state(run.model, state["model"])
+        load_optimizer_state(run.model, run.optimizer, state["optimizer"])
         self.progress.load_state_dict(state["progress"])
         run.schedule.load_state_dict(state["scheduler"])
         run.clipper.load_state_dict(state["clip"])

@@ -1,4 +1,10 @@
-"""Checkpoints: every ``train.checkpoint_interval`` steps, when the run is stopped early, and at the end."""
+"""Checkpoints: every ``train.checkpoint_interval`` steps, when the run is stopped early, and at the end.
+
+With ``train.async_checkpoint`` a checkpoint's tensors are written in the background: training goes on
+and the checkpoint is completed (renamed into place) at the first step end after its write finished; the
+metrics line ``{"event": "checkpoint", "step": S, "completed_during_step": T}`` records which step it
+overlapped. A new save, a stop and the end of the run first wait for a pending one.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ from pathlib import Path
 
 from lmforge.config import Config
 from lmforge.train.callbacks.base import Callback
-from lmforge.train.checkpoint import save_checkpoint
+from lmforge.train.checkpoint import PendingSave, save_checkpoint
 from lmforge.train.step import Action, StepResult
 from lmforge.train.trainer import Trainer
 
@@ -23,24 +29,46 @@ class Checkpointing(Callback):
     def __init__(self, run_dir: Path, config_toml: str):
         self.run_dir, self.config_toml = run_dir, config_toml
         self._saved_step = -1
+        self.pending: PendingSave | None = None
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if self.pending is not None and self.pending.done():
+            self._complete(trainer)
         interval, step = trainer.run.cfg.train.checkpoint_interval, trainer.progress.step
         if result.action is Action.STEP and interval and step % interval == 0 and step < trainer.total_steps:
-            self.save(trainer)
+            self.save(trainer, background=trainer.run.cfg.train.async_checkpoint)
 
     def on_stop(self, trainer: Trainer) -> None:
         if self._saved_step != trainer.progress.step:
             self.save(trainer)
+        self._complete(trainer)
 
     def on_train_end(self, trainer: Trainer) -> None:
         self.save(trainer)
 
-    def save(self, trainer: Trainer) -> None:
+    def on_close(self, trainer: Trainer) -> None:
+        if self.pending is not None:  # an exception ended the run: still finish what was being written
+            self._complete(trainer)
+
+    def _complete(self, trainer: Trainer) -> None:
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.finish()
+        if pending.future is not None:
+            trainer.log(
+                {"event": "checkpoint", "step": pending.step, "completed_during_step": trainer.progress.step}
+            )
+
+    def save(self, trainer: Trainer, background: bool = False) -> None:
+        self._complete(trainer)
         state = trainer.state_dict()
         state["config"] = config_state(trainer.run.cfg)
         step = trainer.progress.step
-        save_checkpoint(self.run_dir, step, state, self.config_toml, trainer.run.cfg.train.keep_checkpoints)
+        keep = trainer.run.cfg.train.keep_checkpoints
+        self.pending = save_checkpoint(self.run_dir, step, state, self.config_toml, keep, background)
+        if not background:
+            self.pending = None
         self._saved_step = step
         for cb in trainer.callbacks:
             cb.on_checkpoint(trainer, state)

@@ -1,0 +1,70 @@
+"""Data parallelism with PyTorch's own machinery, one choice per ``parallel.*`` layout.
+
+=================  ==========================================================================  =========
+layout             machinery                                                                   ZeRO stage
+=================  ==========================================================================  =========
+``dp_replicate``   ``DistributedDataParallel``: full replicas, gradients all-reduced           (DDP)
+``dp_shard, z=1``  DDP + ``ZeroRedundancyOptimizer``: optimizer states sharded                 1
+``dp_shard, z=2``  FSDP2 ``fully_shard(reshard_after_forward=False)``: gradients and optimizer  2
+                   states sharded, parameters kept gathered from forward to backward
+``dp_shard, z=3``  FSDP2 ``fully_shard``: parameters, gradients and states sharded             3
+both               hybrid sharding (FSDP2 on the 2-D mesh ``(dp_replicate, dp_shard)``: shard
+                   inside a group, replicate across groups), or DDP over both with ZeRO-1
+=================  ==========================================================================  =========
+
+FSDP2 is applied to every block and then to the training objective (the root: embedding, final norm and
+head), so each block's parameters are gathered just before it runs. Under ``bf16`` FSDP2 keeps FP32
+sharded parameters and computes with BF16 copies, reducing gradients in FP32 (``MixedPrecisionPolicy``).
+``parallel.offload`` keeps the sharded parameters, gradients and optimizer states in host memory
+(``CPUOffloadPolicy``; the optimizer steps on the CPU), the ZeRO-Offload idea.
+
+Gradients of DDP and FSDP2 are averaged over the data-parallel ranks; the training step multiplies each
+rank's loss by ``dp`` so that the averaged gradient is that of the whole step's token sum divided by the
+step's target count (``lmforge/train/step.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from lmforge.parallel.layout import Layout
+
+
+def fsdp_mesh(layout: Layout):
+    """The mesh FSDP2 shards over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for hybrid sharding."""
+    if layout.degrees["dp_replicate"] > 1:
+        return layout.submesh("dp_replicate", "dp_shard")
+    return layout.submesh("dp_shard")
+
+
+def apply_fsdp(
+    objective: nn.Module, blocks: list[nn.Module], layout: Layout, compute_dtype: torch.dtype
+) -> nn.Module:
+    """``fully_shard`` each of ``blocks``, then ``objective`` (the root); returns ``objective``."""
+    kw: dict = {"mesh": fsdp_mesh(layout), "reshard_after_forward": layout.zero == 3}
+    if compute_dtype != torch.float32:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if layout.offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for block in blocks:
+        fully_shard(block, **kw)
+    fully_shard(objective, **kw)
+    return objective
+
+
+def apply_ddp(objective: nn.Module, layout: Layout, device: torch.device) -> nn.Module:
+    """``DistributedDataParallel`` over all data-parallel ranks (also under ZeRO-1)."""
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(objective, device_ids=ids, process_group=layout.group("dp"))
+
+
+def sync_context(objective: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """DDP synchronises gradients only on the last micro-batch of a step (``no_sync`` before it)."""
+    if isinstance(objective, DistributedDataParallel) and not last:
+        return objective.no_sync()
+    return contextlib.nullcontext()

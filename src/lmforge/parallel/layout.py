@@ -1,0 +1,167 @@
+"""The process layout of a run: which processes exist, how ``parallel.*`` arranges them, and the mesh.
+
+``torchrun`` starts the processes and tells each its ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``. The
+degrees of ``parallel.*`` form one DeviceMesh with the dimensions ``(pp, dp_replicate, dp_shard, tp)``
+(outermost first, so tensor-parallel ranks are neighbours: on a node they share the fastest links);
+their product must be the world size. Data parallelism spans ``dp = dp_replicate * dp_shard`` ranks:
+every rank of a data-parallel group reads different sequences, while the tensor- and pipeline-parallel
+ranks of one data-parallel position read the same ones.
+
+:func:`check_layout` is pure (no process group): it refuses a wrong layout with one line naming the key
+before any work. :func:`init_layout` starts the process group (NCCL on CUDA, gloo on CPU) and builds the
+mesh. A single process without ``torchrun`` gets :data:`SINGLE`, with no process group at all.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lmforge.config import Config
+from lmforge.errors import ConfigError, UserError
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+# Environment variables other launchers set for every process they start (Slurm's srun, Open MPI, MPICH/PMI).
+FOREIGN_LAUNCHERS = {"SLURM_NTASKS": "srun", "OMPI_COMM_WORLD_SIZE": "mpirun", "PMI_SIZE": "mpirun"}
+
+
+def launch_env(env: dict[str, str] | None = None) -> tuple[int, int, int]:
+    """``(rank, local_rank, world)`` as ``torchrun`` set them; ``(0, 0, 1)`` for a plain process."""
+    env = os.environ if env is None else env
+    if "WORLD_SIZE" not in env or "RANK" not in env:
+        return 0, 0, 1
+    return int(env["RANK"]), int(env.get("LOCAL_RANK", env["RANK"])), int(env["WORLD_SIZE"])
+
+
+def degrees(cfg: Config) -> dict[str, int]:
+    p = cfg.parallel
+    return {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp}
+
+
+def data_parallel_kind(cfg: Config) -> str:
+    """``none``, ``ddp`` (replicas only), ``zero1`` (DDP + sharded optimizer states) or ``fsdp``."""
+    p = cfg.parallel
+    if p.dp_shard > 1:
+        return "zero1" if p.zero == 1 else "fsdp"
+    return "ddp" if p.dp_replicate > 1 else "none"
+
+
+def check_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -> None:
+    """Refuse a layout that cannot run on ``world`` processes (one line naming the key and the fix)."""
+    env = os.environ if env is None else env
+    p = cfg.parallel
+    product = p.pp * p.dp_replicate * p.dp_shard * p.tp
+    if world == 1 and "WORLD_SIZE" not in env:
+        for var, launcher in FOREIGN_LAUNCHERS.items():
+            if int(env.get(var, "1") or 1) > 1:
+                raise UserError(
+                    f"lmforge train: started as {env[var]} processes by {launcher} without torchrun; start one "
+                    "torchrun per node instead: torchrun --nnodes=N --nproc-per-node=G -m lmforge train ... "
+                    "(README: multi-node)"
+                )
+        if product > 1:
+            raise ConfigError(
+                f"parallel: the layout needs {product} processes (pp x dp_replicate x dp_shard x tp); launch "
+                f"with torchrun --nproc-per-node={product} -m lmforge train ..."
+            )
+    if product != world:
+        described = " x ".join(f"{k}={v}" for k, v in degrees(cfg).items())
+        hint = f"--parallel.dp_shard={world}" if product == 1 else "degrees whose product is the world size"
+        raise ConfigError(
+            f"parallel: torchrun started {world} processes but the layout {described} uses {product}; "
+            f"set {hint}"
+        )
+    kind = data_parallel_kind(cfg)
+    if kind in ("ddp", "zero1") and p.tp > 1:
+        raise ConfigError(
+            "parallel.tp: tensor parallelism composes with FSDP2 only; use --parallel.dp_shard for the data-"
+            "parallel degree with --parallel.zero=2 or 3"
+        )
+    if p.offload and kind != "fsdp":
+        raise ConfigError(
+            "parallel.offload: CPU offload is FSDP2's; it needs --parallel.dp_shard above 1 with "
+            "--parallel.zero=2 or 3"
+        )
+    if kind == "zero1" and p.pp > 1:
+        raise ConfigError(
+            "parallel.zero: ZeRO-1 (ZeroRedundancyOptimizer) does not compose with pipeline stages here; use "
+            "--parallel.zero=2 or 3 with --parallel.pp"
+        )
+
+
+@dataclass(eq=False)
+class Layout:
+    """This process's place in the run: degrees, rank, the mesh and its groups (no mesh: one process)."""
+
+    degrees: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIMS, 1))
+    kind: str = "none"  # data_parallel_kind
+    zero: int = 3
+    offload: bool = False
+    rank: int = 0
+    world: int = 1
+    mesh: DeviceMesh | None = None
+    dp_mesh: DeviceMesh | None = None  # (dp_replicate, dp_shard) flattened into one dimension
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that writes run files, logs metrics and prints."""
+        return self.rank == 0
+
+    @property
+    def dp(self) -> int:
+        return self.degrees["dp_replicate"] * self.degrees["dp_shard"]
+
+    @property
+    def dp_rank(self) -> int:
+        """Position among the data-parallel ranks (which sequences this process reads)."""
+        return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        """The process group of mesh dimension ``dim`` (``pp``, ``dp``, ``dp_shard``, ``tp``, ...)."""
+        if self.mesh is None:
+            return None
+        return self.dp_mesh.get_group() if dim == "dp" else self.mesh[dim].get_group()
+
+    def submesh(self, *dims: str) -> DeviceMesh:
+        assert self.mesh is not None
+        return self.mesh[dims if len(dims) > 1 else dims[0]]
+
+    def describe(self) -> str:
+        used = ", ".join(f"{k}={v}" for k, v in self.degrees.items() if v > 1) or "one process"
+        return f"{self.world} processes: {used} ({self.kind}{f', zero {self.zero}' if self.kind != 'ddp' else ''})"
+
+
+SINGLE = Layout()
+
+
+def init_layout(cfg: Config, device_type: str) -> Layout:
+    """Check the layout against ``torchrun``'s environment; for several processes start the process group
+    (NCCL on CUDA, gloo on CPU) and build the mesh ``(pp, dp_replicate, dp_shard, tp)``."""
+    rank, local_rank, world = launch_env()
+    check_layout(cfg, world)
+    if world == 1:
+        return SINGLE
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    sizes = degrees(cfg)
+    mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=DIMS)
+    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    kind = data_parallel_kind(cfg)
+    return Layout(dict(sizes), kind, cfg.parallel.zero, cfg.parallel.offload, rank, world, mesh, dp_mesh)
+
+
+def close_layout(layout: Layout) -> None:
+    """End the process group (after the last collective of the run)."""
+    if layout.distributed and dist.is_initialized():
+        dist.destroy_process_group()

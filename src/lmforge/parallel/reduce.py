@@ -1,0 +1,53 @@
+"""The few collectives a training step needs, so that every process sees the figures of the whole step.
+
+* the number of target tokens of the step, summed over the data-parallel ranks (the loss of every
+  micro-batch is divided by it, so the gradient is the same as one process computing the whole batch);
+* the step's loss, summed over the data-parallel ranks (each holds its share ``sum_r loss_r / N``) and
+  over the pipeline stages (only the last one computes it), so the guard's NaN and spike checks and the
+  metrics agree on every rank;
+* whether DDP synchronises gradients in this micro-batch (only in the last one of a step).
+
+The gradient norm is reduced by the clipper (``lmforge/optim/clip.py``). One process: no collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.parallel.data_parallel import sync_context
+from lmforge.parallel.layout import SINGLE, Layout
+
+
+class StepReduce:
+    """The reductions of one training step over the process layout."""
+
+    def __init__(self, layout: Layout = SINGLE):
+        self.layout = layout
+        self.dp = layout.dp
+
+    def total_targets(self, n: int, device: torch.device) -> int:
+        """``N = sum_r n_r`` over the data-parallel ranks."""
+        if self.dp == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(t, group=self.layout.group("dp"))
+        return int(t.item())
+
+    def loss(self, local: torch.Tensor) -> torch.Tensor:
+        """The step's mean token loss from each rank's share (sum over data-parallel ranks and stages)."""
+        if not self.layout.distributed:
+            return local
+        total = local.detach().float().clone()
+        if self.dp > 1:
+            dist.all_reduce(total, group=self.layout.group("dp"))
+        if self.layout.degrees["pp"] > 1:
+            dist.all_reduce(total, group=self.layout.group("pp"))
+        return total
+
+    def micro_batch(self, objective: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        """DDP's ``no_sync`` on every micro-batch but the last of a step."""
+        return sync_context(objective, last)

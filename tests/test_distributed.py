@@ -1,0 +1,225 @@
+"""``lmforge train`` under torchrun (real processes, gloo on CPU) against one process with the same global batch.
+
+Every layout trains 10 steps of a tiny FP32 model on 16 sequences per step; its losses and its final
+parameters must match the single-process run within 1e-5 (relative). The default test run keeps two
+representative layouts (DDP, FSDP2 full sharding); the rest carry the ``distributed`` marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmforge.recipe import load_config
+from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
+from lmforge.train.launch import train
+from tests.conftest import cli_args, tiny_overrides
+from tests.torchrun import REPO, torchrun
+
+STEPS = 10
+RTOL = 1e-5
+
+
+def _overrides(corpus_dir: Path, cache: Path, **extra) -> dict:
+    over = tiny_overrides(corpus_dir, cache)
+    over.update(
+        {
+            "train.steps": STEPS,
+            "train.micro_batch_size": 4,
+            "train.tokens_per_step": 16 * 32,  # 16 sequences of 32 tokens: 4 micro-batches on one process
+            "train.log_interval": 1,
+            "train.eval_interval": 0,
+            "train.checkpoint_interval": 5,
+            "train.sample_tokens": 0,
+            "schedule.name": "constant",  # a run extended on resume keeps its rates
+            "schedule.warmup": 3,
+            "model.n_layers": 4,
+        }
+    )
+    over.update(extra)
+    return over
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dist-cache")
+
+
+def _single(corpus_dir: Path, cache: Path, run_dir: Path, **extra) -> Path:
+    if not latest_checkpoint(run_dir):
+        train(load_config(None, _overrides(corpus_dir, cache, **extra)), run_dir, progress_bar=False)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def reference(corpus_dir, cache, tmp_path_factory) -> Path:
+    return _single(corpus_dir, cache, tmp_path_factory.mktemp("ref") / "run")
+
+
+@pytest.fixture(scope="module")
+def reference_untied(corpus_dir, cache, tmp_path_factory) -> Path:
+    """Pipeline stages cannot share the embedding with the head: the reference for them is untied."""
+    return _single(
+        corpus_dir, cache, tmp_path_factory.mktemp("ref-untied") / "run", **{"model.tie_embeddings": False}
+    )
+
+
+def launch(
+    nproc: int, run_dir: Path, over: dict, *flags: str, check: bool = True
+) -> subprocess.CompletedProcess:
+    args = ["-m", "lmforge", "train", "--run-dir", str(run_dir), *cli_args(over), *flags]
+    done = torchrun(nproc, args)
+    if check:
+        assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def losses(run: Path) -> dict[int, float]:
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {x["step"]: x["loss"] for x in lines if "loss" in x and "event" not in x}
+
+
+def assert_same_run(run: Path, ref: Path, steps: range = range(1, STEPS + 1)) -> None:
+    got, want = losses(run), losses(ref)
+    for s in steps:
+        assert got[s] == pytest.approx(want[s], rel=RTOL), (s, got[s], want[s])
+    a, b = load_checkpoint(latest_checkpoint(run)), load_checkpoint(latest_checkpoint(ref))
+    assert a["progress"]["step"] == b["progress"]["step"]
+    assert a["loader"]["position"] == b["loader"]["position"]  # the same global place in the data
+    assert a["model"].keys() == b["model"].keys()
+    for key, value in b["model"].items():
+        torch.testing.assert_close(a["model"][key], value, rtol=RTOL, atol=RTOL * value.abs().max().item())
+
+
+LAYOUTS = {
+    "ddp": (2, {"parallel.dp_replicate": 2}),
+    "zero1": (2, {"parallel.dp_shard": 2, "parallel.zero": 1}),
+    "zero2": (2, {"parallel.dp_shard": 2, "parallel.zero": 2}),
+    "zero3": (2, {"parallel.dp_shard": 2}),
+    "zero3x4": (4, {"parallel.dp_shard": 4}),
+    "hybrid": (4, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}),
+    "tp": (2, {"parallel.tp": 2}),
+    "fsdp_tp": (4, {"parallel.dp_shard": 2, "parallel.tp": 2}),
+}
+DEFAULT_SET = {"ddp", "zero3"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n in DEFAULT_SET else pytest.param(n, marks=pytest.mark.distributed) for n in LAYOUTS],
+)
+def test_layout_matches_one_process(name, corpus_dir, cache, reference, tmp_path):
+    nproc, layout = LAYOUTS[name]
+    run = tmp_path / name
+    launch(nproc, run, _overrides(corpus_dir, cache, **layout))
+    assert_same_run(run, reference)
+
+
+PIPELINES = {
+    "gpipe": (2, {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"}),
+    "1f1b": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}),
+    "interleaved_1f1b": (2, {"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b"}),
+    "zero_bubble": (2, {"parallel.pp": 2, "parallel.pp_schedule": "zero_bubble"}),
+    "fsdp_tp_pp": (8, {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.tp": 2}),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_pipeline_matches_one_process(name, corpus_dir, cache, reference_untied, tmp_path):
+    nproc, layout = PIPELINES[name]
+    run = tmp_path / name
+    launch(nproc, run, _overrides(corpus_dir, cache, **{"model.tie_embeddings": False, **layout}))
+    assert_same_run(run, reference_untied)
+
+
+# -- checkpoints across layouts ---------------------------------------------------------------------------
+
+
+def _half_then_rest(first: tuple[int, dict], second: tuple[int, dict], corpus_dir, cache, run: Path) -> None:
+    """Train 5 steps in the first layout, resume to 10 in the second (one process: no torchrun)."""
+    for (nproc, layout), steps, flags in ((first, 5, ()), (second, STEPS, ("--resume",))):
+        over = _overrides(corpus_dir, cache, **layout, **{"train.steps": steps})
+        if nproc == 1:
+            train(load_config(None, over), run, resume=bool(flags), progress_bar=False)
+        else:
+            launch(nproc, run, over, *flags)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        pytest.param((4, {"parallel.dp_shard": 4}), (2, {"parallel.dp_shard": 2}), id="fsdp4-to-fsdp2"),
+        pytest.param((4, {"parallel.dp_shard": 4}), (2, {"parallel.tp": 2}), id="fsdp4-to-tp2"),
+        pytest.param(
+            (2, {"parallel.dp_shard": 2, "parallel.zero": 1}),
+            (2, {"parallel.dp_replicate": 2}),
+            id="zero1-to-ddp",
+        ),
+        pytest.param((2, {"parallel.dp_shard": 2}), (1, {}), id="fsdp2-to-single"),
+    ],
+)
+def test_resume_in_another_layout(first, second, corpus_dir, cache, reference, tmp_path):
+    run = tmp_path / "run"
+    _half_then_rest(first, second, corpus_dir, cache, run)
+    assert_same_run(run, reference)
+
+
+def test_single_process_checkpoint_continues_under_fsdp(corpus_dir, cache, reference, tmp_path):
+    run = tmp_path / "run"
+    _half_then_rest((1, {}), (2, {"parallel.dp_shard": 2}), corpus_dir, cache, run)
+    assert_same_run(run, reference)
+    files = {p.name for p in latest_checkpoint(run).iterdir()}
+    assert {".metadata", "trainer.pt", "config.toml", "rng"} <= files
+    assert len([f for f in files if f.endswith(".distcp")]) == 2  # each rank wrote its shards
+
+
+# -- a rank killed: torchrun restarts the job, which resumes -------------------------------------------------
+
+
+def _workers(parent: int) -> list[int]:
+    """Process ids of the children of ``parent`` (torchrun's workers)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(parent)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+@pytest.mark.distributed
+def test_killed_rank_restarts_and_resumes(corpus_dir, cache, tmp_path):
+    steps = 60
+    extra = {"train.steps": steps, "train.checkpoint_interval": 5}
+    ref = _single(corpus_dir, cache, tmp_path / "ref", **extra)
+    run = tmp_path / "run"
+    over = _overrides(corpus_dir, cache, **{"parallel.dp_shard": 2, **extra})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+    ]
+    cmd += ["-m", "lmforge", "train", "--run-dir", str(run), *cli_args(over)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = run / "checkpoints" / "step_00000005"
+    deadline = time.time() + 300
+    while not first.is_dir() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert first.is_dir(), "no checkpoint appeared"
+    victim = _workers(proc.pid)[-1]
+    os.kill(victim, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    assert "resuming from the newest complete checkpoint" in out
+    resumed_at = [line for line in out.splitlines() if "resumed from" in line]
+    assert resumed_at, out[-3000:]
+    assert_same_run(run, ref, range(1, steps + 1))
