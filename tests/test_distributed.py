@@ -158,14 +158,14 @@ def _half_then_rest(first: tuple[int, dict], second: tuple[int, dict], corpus_di
 @pytest.mark.parametrize(
     "first, second",
     [
-        pytest.param((4, {"parallel.dp_shard": 4}), (2, {"parallel.dp_shard": 2}), id="fsdp4-to-fsdp2"),
-        pytest.param((4, {"parallel.dp_shard": 4}), (2, {"parallel.tp": 2}), id="fsdp4-to-tp2"),
+        pytest.param((4, {"parallel.dp_shard": 4}), (2, {"parallel.dp_shard": 2}), id="fsdp4_to_fsdp2"),
+        pytest.param((4, {"parallel.dp_shard": 4}), (2, {"parallel.tp": 2}), id="fsdp4_to_tp2"),
         pytest.param(
             (2, {"parallel.dp_shard": 2, "parallel.zero": 1}),
             (2, {"parallel.dp_replicate": 2}),
-            id="zero1-to-ddp",
+            id="zero1_to_ddp",
         ),
-        pytest.param((2, {"parallel.dp_shard": 2}), (1, {}), id="fsdp2-to-single"),
+        pytest.param((2, {"parallel.dp_shard": 2}), (1, {}), id="fsdp2_to_single"),
     ],
 )
 def test_resume_in_another_layout(first, second, corpus_dir, cache, reference, tmp_path):
