@@ -35,6 +35,13 @@ def loss_of(model: Transformer, *args, chunk: int = 1024) -> tuple[torch.Tensor,
     return NextTokenLoss(model, chunk)(*args)
 
 
+def same_value(a, b) -> bool:
+    """Bitwise equality of checkpoint values: tensors by ``torch.equal``, anything else by ``==``."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
 @pytest.fixture
 def cli_logging():
     """The CLI points lmforge's logger at the (captured) stderr of the moment; give it back afterwards."""

@@ -127,8 +127,8 @@ def test_optimizer_state_survives_resume(name, tiny_config, tmp_path, shared_dat
     assert states and states.keys() == {k for k in b["optimizer"] if k.startswith("state.")}
     for k, value in states.items():
         assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["optimizer"][k])), k
-    if name == "adamw8bit":  # the quantised state itself went through the checkpoint (codes and scales)
-        assert any(k.endswith(".exp_avg.codes") for k in states), sorted(states)[:8]
+    if name == "adamw8bit":  # 8-bit moments are written dequantised and re-quantised on load: still exact
+        assert states["state.blocks.0.attn.q_proj.weight.exp_avg"].dtype == torch.float32
     if name == "muon":  # both halves kept state: Muon's momentum, AdamW's moments; routing logged at start
         assert "optim: muon moves 14 tensors" in caplog.text and "optim: adamw moves" in caplog.text
         keys = {k.rsplit(".", 1)[1] for k in states}
