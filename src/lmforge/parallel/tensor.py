@@ -23,15 +23,28 @@ Layout of one rank (``b`` batch, ``t`` sequence, ``d`` model width, ``h`` heads)
   the document mask are full-sequence and replicated: attention sees every position of its heads.
 * ``norm`` on the sequence shard; the root's output is all-gathered into an ordinary full tensor
   ``(b, t, d)``, so :class:`~lmforge.model.loss.NextTokenLoss` works unchanged.
-* ``lm_head`` column-parallel (vocabulary sharded) with its logits all-gathered (``loss_parallel=False``)
-  or left vocabulary-sharded (``loss_parallel=True``, below). With ``model.tie_embeddings`` both
-  ``embed.weight`` and ``lm_head.weight`` are ``Shard(0)`` of the same ``(vocab, d)`` matrix, so they
-  are tied again after parallelising and stay one parameter.
+* ``lm_head`` column-parallel (vocabulary sharded), its logits either all-gathered
+  (``loss_parallel=False``: every TP rank then computes the same cross-entropy over the whole
+  vocabulary) or left vocabulary-sharded (``loss_parallel=True``, below: each rank's softmax covers
+  only its shard). With ``model.tie_embeddings`` both ``embed.weight`` and ``lm_head.weight`` are
+  ``Shard(0)`` of the same ``(vocab, d)`` matrix, so they are tied again after parallelising and stay
+  one parameter.
 
 Every parameter ends up a DTensor on the TP mesh (``Shard`` for the projections and embeddings,
 ``Replicate`` for norms and row-parallel biases), so FSDP2's ``fully_shard`` over the data-parallel
 dimension of the same 2-D mesh composes, and ``get_total_norm`` over the gradients followed by
-``full_tensor()`` is the global norm.
+``full_tensor()`` is the global norm. Gradients are given their parameter's layout once accumulated (a
+hook per parameter): DTensor's backward leaves the replicated norm weights with ``Partial`` gradients
+(per-rank sums over the rank's tokens), which code reading local shards would mistake for whole values,
+and which DTensor-aware code (AdamW, ``get_total_norm``, clipping) would all-reduce at every use. Tensor
+hooks do not survive ``to_empty`` (``Transformer.materialize``): ``swap_tensors`` keeps the Python-side
+hook but not its registration, so a model parallelised on the meta device gets none and keeps
+``Partial`` norm gradients: still exact for DTensor operations, and FSDP2 reduces them to its layout.
+
+Weights: every rank must hold the same values before :func:`apply_tensor_parallel` (the same seed or
+checkpoint; shards are cut from the first rank's copy). Initialising *after* sharding is not the same:
+DTensor's random ops follow the global RNG per shard only on CUDA, so on CPU every rank draws the same
+values for its shard (duplicated heads).
 
 Loss parallelism (``loss_parallel=True``): the head's logits stay ``Shard(-1)`` over the vocabulary and
 ``F.cross_entropy`` in :class:`~lmforge.model.loss.ChunkedCrossEntropy` runs on them inside PyTorch's
@@ -47,6 +60,8 @@ a prompt, must use an unparallelised model or pad).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -153,8 +168,9 @@ def apply_tensor_parallel(
 ) -> Transformer:
     """Shard ``model`` in place over the 1-D ``tp_mesh`` (layout in the module docstring); returns it.
 
-    Every rank must hold the same weights beforehand (same seed, or the same checkpoint; sharded weights
-    are taken from the mesh's first rank). Pipeline stages cut by ``keep_stage`` work too: a stage
+    Every rank must hold the same initialised (or loaded) weights beforehand; see the module docstring
+    for why not to initialise afterwards. Works on a meta-device model too (to load a sharded
+    checkpoint into). Pipeline stages cut by ``keep_stage`` work too: a stage
     without the embedding takes full hidden states and scatters them itself. ``loss_parallel`` keeps the
     logits vocabulary-sharded for ``torch.distributed.tensor.parallel.loss_parallel()``.
     """
@@ -197,7 +213,8 @@ def apply_tensor_parallel(
         model.lm_head.weight = model.embed.weight
     model.register_forward_pre_hook(_check_length(tp))
     for param in model.parameters():
-        param.register_post_accumulate_grad_hook(_grad_like_param)
+        if param.device.type != "meta":  # see the module docstring
+            param.register_post_accumulate_grad_hook(_grad_like_param)
     return model
 
 
@@ -210,7 +227,7 @@ def _grad_like_param(param: nn.Parameter) -> None:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
-def _check_length(tp: int):
+def _check_length(tp: int) -> Callable[[nn.Module, tuple], None]:
     """Forward pre-hook: a clear error for sequence lengths sequence parallelism cannot split."""
 
     def hook(module: nn.Module, args: tuple) -> None:
