@@ -3,7 +3,8 @@
 Each rank builds the same tiny model (fixed seed, FP32), keeps an unparallelised copy, shards the other
 over a 2-process TP mesh (gloo) and runs both on the same batch (packed documents, some ignored
 targets): the loss, every gradient (gathered with ``full_tensor()``), the global gradient norm and,
-after AdamW steps, every parameter must agree with the single-process model. Prints ``OK <case>`` per
+after AdamW steps, every parameter must agree with the single-process model; parameter and gradient
+layouts and the sequence-sharded activations between sublayers are checked too. Prints ``OK <case>`` per
 case; any mismatch raises (non-zero exit).
 
 Usage: ``torchrun --nproc-per-node=2 tp_worker.py [CASE ...]`` (default: every case in CASES, then
