@@ -1,0 +1,241 @@
+"""Tensor parallelism with sequence parallelism (Megatron-style) over one mesh dimension.
+
+Why this layout: a block's two sublayers each start with a column-parallel projection (q/k/v, or
+gate/up / fc_in) and end with a row-parallel one (o_proj, or down_proj / fc_out), so every rank keeps
+``1 / tp`` of each matrix and of the attention heads / MLP channels, and the only communication per
+sublayer is one all-gather going in and one reduce-scatter going out (their mirror images in backward).
+Between the sublayers, in the residual stream and the norms, activations are sharded along the sequence
+dimension (sequence parallelism; V. Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models", 2022, arXiv:2205.05198), so norms and residual adds run on ``T / tp`` tokens and
+activation memory there is divided by ``tp`` too, at no extra communication: an all-reduce is exactly
+a reduce-scatter followed by an all-gather, split across the norm.
+
+Layout of one rank (``b`` batch, ``t`` sequence, ``d`` model width, ``h`` heads):
+
+* ``embed``: rows (vocabulary) sharded; the partial embedding sums are reduce-scattered into the
+  sequence-sharded residual stream ``(b, t / tp, d)``. GPT-2's ``pos_embed`` is sharded by rows
+  (positions) the same way, so its reduce-scatter yields exactly the positions of this rank's tokens.
+* each block: ``attn_norm`` / ``mlp_norm`` on the sequence shard (weights replicated); the attention
+  and MLP inputs are all-gathered to ``(b, t, d)``; q/k/v column-parallel (``h / tp`` query heads,
+  ``n_kv_heads / tp`` key/value heads: GQA groups never straddle ranks because both counts are
+  divided by ``tp`` and query head ``i`` uses key/value head ``i // (h / n_kv)``); ``o_proj`` and
+  ``down_proj`` / ``fc_out`` row-parallel, reduce-scattered back to the sequence shard. RoPE tables and
+  the document mask are full-sequence and replicated: attention sees every position of its heads.
+* ``norm`` on the sequence shard; the root's output is all-gathered into an ordinary full tensor
+  ``(b, t, d)``, so :class:`~lmforge.model.loss.NextTokenLoss` works unchanged.
+* ``lm_head`` column-parallel (vocabulary sharded), its logits either all-gathered
+  (``loss_parallel=False``: every TP rank then computes the same cross-entropy over the whole
+  vocabulary) or left vocabulary-sharded (``loss_parallel=True``, below: each rank's softmax covers
+  only its shard). With ``model.tie_embeddings`` both ``embed.weight`` and ``lm_head.weight`` are
+  ``Shard(0)`` of the same ``(vocab, d)`` matrix, so they are tied again after parallelising and stay
+  one parameter.
+
+Every parameter ends up a DTensor on the TP mesh (``Shard`` for the projections and embeddings,
+``Replicate`` for norms and row-parallel biases), so FSDP2's ``fully_shard`` over the data-parallel
+dimension of the same 2-D mesh composes, and ``get_total_norm`` over the gradients followed by
+``full_tensor()`` is the global norm. Gradients are given their parameter's layout once accumulated (a
+hook per parameter): DTensor's backward leaves the replicated norm weights with ``Partial`` gradients
+(per-rank sums over the rank's tokens), which code reading local shards would mistake for whole values,
+and which DTensor-aware code (AdamW, ``get_total_norm``, clipping) would all-reduce at every use. Tensor
+hooks do not survive ``to_empty`` (``Transformer.materialize``): ``swap_tensors`` keeps the Python-side
+hook but not its registration, so a model parallelised on the meta device gets none and keeps
+``Partial`` norm gradients: still exact for DTensor operations, and FSDP2 reduces them to its layout.
+
+Weights: every rank must hold the same values before :func:`apply_tensor_parallel` (the same seed or
+checkpoint; shards are cut from the first rank's copy). Initialising *after* sharding is not the same:
+DTensor's random ops follow the global RNG per shard only on CUDA, so on CPU every rank draws the same
+values for its shard (duplicated heads).
+
+Loss parallelism (``loss_parallel=True``): the head's logits stay ``Shard(-1)`` over the vocabulary and
+``F.cross_entropy`` in :class:`~lmforge.model.loss.ChunkedCrossEntropy` runs on them inside PyTorch's
+``loss_parallel()`` context, which computes the log-sum-exp with small all-reduces per chunk (a few
+values per token) instead of all-gathering ``chunk x vocab`` logits. The chunked loss needs no change
+(the logit chunks are DTensors, its running sum becomes one); the caller must run forward *and*
+backward inside ``loss_parallel()`` (outside it ``F.cross_entropy`` refuses the sharded logits) and gets
+the loss sum as a replicated DTensor (``.to_local()`` is the plain value, the same on every TP rank).
+
+Sequence lengths: every forward's sequence length must be a multiple of ``tp`` (training sequences of
+``data.seq_len`` are checked by :func:`check_tensor_parallel`; anything shorter, such as sampling from
+a prompt, must use an unparallelised model or pad).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lmforge.config import ModelConfig
+from lmforge.errors import ConfigError
+from lmforge.model.transformer import Transformer, ff_width
+
+
+def sharded_sizes(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> dict[str, int]:
+    """Every size tensor parallelism splits into ``tp`` equal parts, by the config key that sets it."""
+    return {
+        "model.n_heads": model_cfg.n_heads,
+        "model.n_kv_heads": model_cfg.n_kv_heads or model_cfg.n_heads,
+        "model.d_ff": ff_width(model_cfg),
+        "data.vocab_size": vocab_size,
+        "data.seq_len": seq_len,
+    }
+
+
+def valid_tp_sizes(model_cfg: ModelConfig, vocab_size: int, seq_len: int, limit: int = 64) -> list[int]:
+    """The TP sizes in ``2..limit`` that divide every size of :func:`sharded_sizes`."""
+    sizes = sharded_sizes(model_cfg, vocab_size, seq_len).values()
+    return [tp for tp in range(2, limit + 1) if all(size % tp == 0 for size in sizes)]
+
+
+def check_tensor_parallel(model_cfg: ModelConfig, vocab_size: int, seq_len: int, tp: int) -> None:
+    """Raise :class:`ConfigError` (one line: the key and the fix) unless ``tp`` ranks can shard this model.
+
+    Query heads, key/value heads and MLP channels are split across ranks, the vocabulary is split for
+    the embedding and the output head, and sequence parallelism splits the training sequence: each must
+    be a multiple of ``tp``. ``vocab_size`` is the tokenizer's (``data.vocab_size`` when lmforge trains
+    it). Tied embeddings need nothing (both halves are sharded alike). No process group is needed.
+    """
+    if tp < 1:
+        raise ConfigError(f"parallel.tp: {tp} must be at least 1")
+    if tp == 1:
+        return
+    good = valid_tp_sizes(model_cfg, vocab_size, seq_len)
+    other_tp = f"parallel.tp {' or '.join(map(str, good[:2]))}" if good else "parallel.tp 1"
+    sizes = sharded_sizes(model_cfg, vocab_size, seq_len)
+    for key in ("model.n_heads", "model.n_kv_heads"):
+        if sizes[key] % tp:
+            raise ConfigError(f"parallel.tp: {tp} does not divide {key} ({sizes[key]}); use {other_tp}")
+    if sizes["model.d_ff"] % tp:
+        raise ConfigError(
+            f"parallel.tp: {tp} does not divide the MLP width ({sizes['model.d_ff']}); use {other_tp}, "
+            f"or set model.d_ff to a multiple of {tp}"
+        )
+    if vocab_size % tp:
+        raise ConfigError(
+            f"data.vocab_size: the vocabulary ({vocab_size} tokens) is not divisible by parallel.tp ({tp}); "
+            f"use a vocabulary of a multiple of {tp} tokens such as {_round_up(vocab_size, tp)}, or {other_tp}"
+        )
+    if seq_len % tp:
+        raise ConfigError(
+            f"data.seq_len: {seq_len} is not divisible by parallel.tp ({tp}) (sequence parallelism splits "
+            f"the sequence); use a multiple of {tp} such as {_round_up(seq_len, tp)}, or {other_tp}"
+        )
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _block_plan(model: Transformer) -> dict[str, object]:
+    """Plan of one block, relative to the block: sequence-parallel norms, heads / channels split."""
+    seq, full = Shard(1), Replicate()
+    gather_x = PrepareModuleInput(
+        input_layouts=(seq, None, None, None), desired_input_layouts=(full, None, None, None)
+    )
+    plan: dict[str, object] = {
+        "attn_norm": SequenceParallel(),
+        "attn": gather_x,
+        "attn.q_proj": ColwiseParallel(),
+        "attn.k_proj": ColwiseParallel(),
+        "attn.v_proj": ColwiseParallel(),
+        "attn.o_proj": RowwiseParallel(output_layouts=seq),
+        "mlp_norm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(full,)),
+    }
+    if model.cfg.arch == "llama":
+        plan |= {
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        }
+    else:
+        plan |= {"mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel(output_layouts=seq)}
+    return plan
+
+
+def apply_tensor_parallel(
+    model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool = False
+) -> Transformer:
+    """Shard ``model`` in place over the 1-D ``tp_mesh`` (layout in the module docstring); returns it.
+
+    Every rank must hold the same initialised (or loaded) weights beforehand; see the module docstring
+    for why not to initialise afterwards. Works on a meta-device model too (to load a sharded
+    checkpoint into). Pipeline stages cut by ``keep_stage`` work too: a stage
+    without the embedding takes full hidden states and scatters them itself. ``loss_parallel`` keeps the
+    logits vocabulary-sharded for ``torch.distributed.tensor.parallel.loss_parallel()``.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tensor_parallel needs a 1-D TP mesh, got {tp_mesh.ndim} dimensions")
+    tp = tp_mesh.size()
+    check_tensor_parallel(model.cfg, model.vocab_size, model.max_seq_len, tp)
+    tied = (
+        model.embed is not None and model.lm_head is not None and model.lm_head.weight is model.embed.weight
+    )
+    seq, full = Shard(1), Replicate()
+
+    for block in model.blocks.values():
+        parallelize_module(block, tp_mesh, _block_plan(model))
+
+    plan: dict[str, object] = {}
+    if model.embed is not None:
+        plan["embed"] = RowwiseParallel(input_layouts=full, output_layouts=seq)
+        if model.pos_embed is not None:  # positions (t, d): their sequence dimension is 0
+            plan["pos_embed"] = RowwiseParallel(input_layouts=full, output_layouts=Shard(0))
+    elif model.blocks:  # a later pipeline stage receives full hidden states: keep this rank's tokens
+        first = next(iter(model.blocks))
+        plan[f"blocks.{first}"] = PrepareModuleInput(
+            input_layouts=(full, None, None, None),
+            desired_input_layouts=(seq, None, None, None),
+            use_local_output=True,
+        )
+    if model.norm is not None:
+        plan["norm"] = SequenceParallel()
+    if model.lm_head is not None:
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=full,
+            output_layouts=Shard(-1) if loss_parallel else full,
+            use_local_output=not loss_parallel,
+        )
+    parallelize_module(model, tp_mesh, plan)
+    # the root returns the full hidden states (b, t, d) as an ordinary tensor, replicated over TP
+    parallelize_module(model, tp_mesh, PrepareModuleOutput(output_layouts=seq, desired_output_layouts=full))
+    if tied:  # both halves are Shard(0) of the same (vocab, d) matrix: one parameter again
+        model.lm_head.weight = model.embed.weight
+    model.register_forward_pre_hook(_check_length(tp))
+    for param in model.parameters():
+        if param.device.type != "meta":  # see the module docstring
+            param.register_post_accumulate_grad_hook(_grad_like_param)
+    return model
+
+
+def _grad_like_param(param: nn.Parameter) -> None:
+    """Give a gradient its parameter's layout once accumulated: DTensor backward leaves the replicated
+    norm weights with ``Partial`` (per-rank partial sums over the sequence shard) gradients; reducing
+    them here means the optimizer, clipping and checkpointing see exactly one layout per parameter."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def _check_length(tp: int) -> Callable[[nn.Module, tuple], None]:
+    """Forward pre-hook: a clear error for sequence lengths sequence parallelism cannot split."""
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        t = args[0].shape[1]
+        if t % tp:
+            raise ValueError(
+                f"sequence of {t} tokens cannot be split over {tp} tensor-parallel ranks; "
+                f"use a multiple of {tp} (sequence parallelism shards the sequence)"
+            )
+
+    return hook
