@@ -3,7 +3,8 @@
 Default run: the stage cut, the bubble formula, the config checks, the stage placement, and that a stage
 is initialised bit for bit as the same slice of the whole model. Marked ``distributed``: every schedule,
 2 processes under torchrun, trains 3 AdamW steps of a tiny FP32 Llama with document masks and matches
-the single-process ``train_step`` (losses, an evaluation in between, every parameter).
+the single-process ``train_step`` (losses, an evaluation in between, every parameter); also with the
+step's batch over two ``Pipeline.step`` calls, and with a device mesh for the group.
 """
 
 from __future__ import annotations
@@ -138,15 +139,25 @@ def test_stage_init_is_the_whole_models_slice(arch):
         if arch == "llama":
             assert torch.equal(stage.rope_cos, whole.rope_cos)
     assert sorted(seen) == sorted(reference)
+    blank = build_stage(
+        build, range(2, 5), "cpu", seed=None
+    )  # left for a checkpoint: same names, real storage
+    assert {n for n, _ in blank.named_parameters()} == {
+        n for n, _ in build_stage(build, range(2, 5), "cpu", seed=7).named_parameters()
+    }
+    assert (
+        not any(p.is_meta for p in blank.parameters()) and blank.embed is None and blank.lm_head is not None
+    )
 
 
 @pytest.mark.distributed
 def test_every_schedule_matches_single_process(tmp_path):
     out = tmp_path / "pp.jsonl"
-    proc = torchrun(2, [worker("pp_worker.py"), str(out), *SCHEDULES], timeout=300)
+    variants = [*SCHEDULES, "gpipe+accum", "1f1b+mesh"]
+    proc = torchrun(2, [worker("pp_worker.py"), str(out), *variants], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = {r["schedule"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert sorted(results) == sorted(SCHEDULES)
+    assert sorted(results) == sorted(variants)
     for name, r in results.items():
         assert r["covers_all_params"], name
         assert 0 <= r["loss_err"] < 1e-5, (name, r)

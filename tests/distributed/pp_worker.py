@@ -2,7 +2,9 @@
 
 For each schedule named on the command line: a tiny FP32 Llama trained 3 AdamW steps through
 :class:`lmforge.parallel.pipeline.Pipeline` (each rank's optimizer over its own stages), and the same 3 steps
-of the whole model through the single-process ``train_step`` on every rank. After step 2 both evaluate a
+of the whole model through the single-process ``train_step`` on every rank. Variants: ``NAME+accum`` splits
+each step's batch over two ``Pipeline.step`` calls (gradients accumulate across calls), ``NAME+mesh`` gives
+the pipeline a 1-D device mesh instead of the default group. After step 2 both evaluate a
 batch (the pipeline through ``eval_loss``, then switches back to training). Rank 0 writes one JSON line per
 schedule to the output file: the largest relative differences of the step losses, the eval loss and the
 parameters (gathered from every rank), and the bubble measured against the formula.
@@ -16,6 +18,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from lmforge.data.loader import Batch
 from lmforge.model.loss import NextTokenLoss
@@ -83,14 +86,21 @@ def reference() -> tuple[list[float], float, dict[str, torch.Tensor]]:
     return losses, eval_loss, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def pipelined(schedule: str) -> tuple[list[float], float, dict[str, torch.Tensor], list[tuple[float, float]]]:
+def pipelined(variant: str) -> tuple[list[float], float, dict[str, torch.Tensor], list[tuple[float, float]]]:
     """The same run through the pipeline: losses and eval loss (NaN off the last stage), this rank's
     parameters, and (measured, formula) bubble of each step."""
+    schedule, *options = variant.split("+")
+    calls = 2 if "accum" in options else 1
+    group = (
+        init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("pp",))
+        if "mesh" in options
+        else None
+    )
 
     def build() -> Transformer:
         return Transformer(CFG.model, VOCAB, SEQ, attention=CFG.train.attention)
 
-    pipe = Pipeline(build, None, schedule, MICRO, STAGES_PER_RANK[schedule], seed=CFG.train.seed)
+    pipe = Pipeline(build, group, schedule, MICRO, STAGES_PER_RANK[schedule], seed=CFG.train.seed)
     opt = torch.optim.AdamW([p for m in pipe.models for p in m.parameters()], lr=LR)
     losses, eval_loss, bubbles = [], float("nan"), []
     for step in range(STEPS):
@@ -99,10 +109,11 @@ def pipelined(schedule: str) -> tuple[list[float], float, dict[str, torch.Tensor
             out = pipe.eval_loss(b.inputs, b.targets, b.doc_ids)
             eval_loss = float(out[0] / out[1]) if out is not None else float("nan")
         b = batches(step)
-        loss = pipe.step(b.inputs, b.targets, b.doc_ids, loss_scale=1.0 / b.n_targets)
+        parts = [t.chunk(calls) for t in (b.inputs, b.targets, b.doc_ids)]
+        out = [pipe.step(x, y, d, loss_scale=1.0 / b.n_targets) for x, y, d in zip(*parts, strict=True)]
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss) if loss is not None else float("nan"))
+        losses.append(float(sum(out)) if out[0] is not None else float("nan"))
         bubbles.append((pipe.last_bubble, pipe.expected_bubble))
     params = {k: v.detach().clone() for m in pipe.models for k, v in m.named_parameters()}
     return losses, eval_loss, params, bubbles
