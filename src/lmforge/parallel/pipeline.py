@@ -401,8 +401,9 @@ class Pipeline:
                 elif owner[s + 1] == self.rank:
                     local[i] = h
                 else:
+                    out = h.to(dtype).contiguous()  # kept alive (in sends) until its send completes
                     dst = dist.get_global_rank(self.group, owner[s + 1])
-                    sends.append(dist.isend(h.to(dtype).contiguous(), dst=dst, group=self.group))
-        for work in sends:
+                    sends.append((dist.isend(out, dst=dst, group=self.group), out))
+        for work, _ in sends:
             work.wait()
         return (total, (targets != -100).sum()) if self.has_last else None
