@@ -1,0 +1,167 @@
+"""Pipeline parallelism (``lmforge/parallel/pipeline.py``).
+
+Default run: the stage cut, the bubble formula, the config checks, the stage placement, and that a stage
+is initialised bit for bit as the same slice of the whole model. Marked ``distributed``: every schedule,
+2 processes under torchrun, trains 3 AdamW steps of a tiny FP32 Llama with document masks and matches
+the single-process ``train_step`` (losses, an evaluation in between, every parameter); also with the
+step's batch over two ``Pipeline.step`` calls, and with a device mesh for the group.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lmforge.config import ModelConfig
+from lmforge.errors import ConfigError
+from lmforge.model.transformer import Transformer
+from lmforge.parallel.pipeline import (
+    SCHEDULES,
+    bubble_fraction,
+    build_stage,
+    check_pipeline,
+    stage_ids,
+    stage_layers,
+    stage_owners,
+)
+from tests.torchrun import torchrun, worker
+
+
+def test_stage_layers_contiguous_and_even():
+    assert stage_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert stage_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    assert stage_layers(3, 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    for n in range(1, 13):
+        for s in range(1, n + 1):
+            cut = stage_layers(n, s)
+            assert [i for r in cut for i in r] == list(range(n))
+            assert max(map(len, cut)) - min(map(len, cut)) <= 1
+    with pytest.raises(ValueError):
+        stage_layers(3, 4)
+
+
+def test_bubble_fraction():
+    assert bubble_fraction(1, 8) == 0.0
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(2, 4) == pytest.approx(0.2)
+    assert bubble_fraction(4, 8, v=2) == pytest.approx(3 / 19)
+    assert bubble_fraction(4, 8, v=2) < bubble_fraction(4, 8) < bubble_fraction(4, 4)
+    with pytest.raises(ValueError):
+        bubble_fraction(2, 0)
+
+
+def test_stage_placement():
+    assert [stage_ids(r, 2, 1, "1f1b") for r in range(2)] == [[0], [1]]
+    assert [stage_ids(r, 2, 2, "interleaved_1f1b") for r in range(2)] == [[0, 2], [1, 3]]
+    assert [stage_ids(r, 3, 2, "zbv") for r in range(3)] == [[0, 5], [1, 4], [2, 3]]
+    owners = stage_owners(3, 2, "zbv")
+    assert sorted(owners) == list(range(6)) and owners[5] == 0 and owners[3] == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"pp": 2, "schedule": "pipedream"}, "parallel.pp_schedule"),
+        ({"pp": 8, "n_layers": 4}, "parallel.pp"),
+        ({"pp": 2, "stages_per_rank": 2, "schedule": "interleaved_1f1b", "n_layers": 3}, "parallel.pp"),
+        ({"pp": 2, "tie_embeddings": True}, "model.tie_embeddings"),
+        ({"pp": 4, "microbatches": 2, "schedule": "1f1b"}, "parallel.pp_microbatches"),
+        ({"pp": 4, "microbatches": 10, "schedule": "1f1b"}, None),
+        (
+            {"pp": 4, "microbatches": 9, "schedule": "interleaved_1f1b", "stages_per_rank": 2, "n_layers": 8},
+            "parallel.pp_microbatches",
+        ),
+        (
+            {"pp": 4, "microbatches": 3, "schedule": "interleaved_1f1b", "stages_per_rank": 2, "n_layers": 8},
+            None,
+        ),
+        (
+            {"pp": 2, "microbatches": 5, "schedule": "zero_bubble", "stages_per_rank": 2},
+            "parallel.pp_microbatches",
+        ),
+        ({"pp": 2, "schedule": "interleaved_1f1b"}, "parallel.pp_stages_per_rank"),
+        ({"pp": 2, "schedule": "gpipe", "stages_per_rank": 2}, "parallel.pp_stages_per_rank"),
+        ({"pp": 2, "schedule": "zbv", "stages_per_rank": 3, "n_layers": 6}, "parallel.pp_stages_per_rank"),
+        ({"pp": 2, "microbatches": 3, "micro_batch_size": 8}, "parallel.pp_microbatches"),
+        ({"pp": 0}, "parallel.pp"),
+        ({"pp": 2, "microbatches": 0}, "parallel.pp_microbatches"),
+        ({"pp": 2, "microbatches": 4, "micro_batch_size": 8, "schedule": "gpipe"}, None),
+    ],
+)
+def test_check_pipeline(kwargs, key):
+    args = {
+        "n_layers": 4,
+        "schedule": "1f1b",
+        "microbatches": 4,
+        "micro_batch_size": None,
+        "tie_embeddings": False,
+        "stages_per_rank": 1,
+    } | kwargs
+    if key is None:
+        check_pipeline(**args)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_pipeline(**args)
+    message = str(err.value)
+    assert message.startswith(key + ":") and "\n" not in message
+
+
+def test_tied_embeddings_refusal_names_the_fix():
+    with pytest.raises(ConfigError, match=r"set --model\.tie_embeddings=false"):
+        check_pipeline(4, 2, "gpipe", 4, None, True, 1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_stage_init_is_the_whole_models_slice(arch):
+    """Each stage of a 3-stage cut holds exactly (bitwise) the whole model's parameters from the same seed,
+    and together the stages hold all of them."""
+    cfg = ModelConfig(arch=arch, n_layers=5, d_model=32, n_heads=4, tie_embeddings=False)
+
+    def build() -> Transformer:
+        return Transformer(cfg, 64, 16)
+
+    with torch.device("meta"):
+        whole = build()
+    whole.materialize("cpu")
+    torch.manual_seed(7)
+    whole.init_weights()
+    reference = dict(whole.named_parameters())
+    torch.manual_seed(0)  # build_stage seeds itself
+    seen: list[str] = []
+    for layers in stage_layers(cfg.n_layers, 3):
+        stage = build_stage(build, layers, "cpu", seed=7)
+        for name, p in stage.named_parameters():
+            assert p.device.type == "cpu" and not p.is_meta
+            assert torch.equal(p, reference[name]), name
+            seen.append(name)
+        if arch == "llama":
+            assert torch.equal(stage.rope_cos, whole.rope_cos)
+    assert sorted(seen) == sorted(reference)
+    blank = build_stage(
+        build, range(2, 5), "cpu", seed=None
+    )  # left for a checkpoint: same names, real storage
+    assert {n for n, _ in blank.named_parameters()} == {
+        n for n, _ in build_stage(build, range(2, 5), "cpu", seed=7).named_parameters()
+    }
+    assert (
+        not any(p.is_meta for p in blank.parameters()) and blank.embed is None and blank.lm_head is not None
+    )
+
+
+@pytest.mark.distributed
+def test_every_schedule_matches_single_process(tmp_path):
+    out = tmp_path / "pp.jsonl"
+    variants = [*SCHEDULES, "gpipe+accum", "1f1b+mesh"]
+    proc = torchrun(2, [worker("pp_worker.py"), str(out), *variants], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = {r["schedule"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(results) == sorted(variants)
+    for name, r in results.items():
+        assert r["covers_all_params"], name
+        assert 0 <= r["loss_err"] < 1e-5, (name, r)
+        assert 0 <= r["eval_err"] < 1e-5, (name, r)
+        assert 0 <= r["param_err"] < 1e-5, (name, r)
+        for bubbles in r["bubbles"].values():
+            assert len(bubbles) == 3 and all(0 <= measured < 1 for measured, _ in bubbles), (name, r)
