@@ -304,7 +304,7 @@ class ParallelConfig(_Section):
     offload: bool = Field(
         False, description="keep sharded parameters, gradients and optimizer states in host memory (FSDP2)"
     )
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = Field(
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"] = Field(
         "1f1b", description="pipeline schedule"
     )
     pp_microbatches: int = Field(
