@@ -1,7 +1,9 @@
 """``lmforge train`` under torchrun (real processes, gloo on CPU) against one process with the same global batch.
 
 Every layout trains 10 steps of a tiny FP32 model on 16 sequences per step; its losses and its final
-parameters must match the single-process run within 1e-5 (relative). The default test run keeps two
+parameters must match the single-process run within 1e-5 (relative; for parameters the norm of the
+difference over the norm of each tensor: Adam divides by the root of the second moment, so an element
+whose gradient is near zero turns summation-order noise into a visible element-wise difference). The default test run keeps two
 representative layouts (DDP, FSDP2 full sharding); the rest carry the ``distributed`` marker.
 """
 
@@ -16,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from lmforge.recipe import load_config
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -96,7 +97,8 @@ def assert_same_run(run: Path, ref: Path, steps: range = range(1, STEPS + 1)) ->
     assert a["loader"]["position"] == b["loader"]["position"]  # the same global place in the data
     assert a["model"].keys() == b["model"].keys()
     for key, value in b["model"].items():
-        torch.testing.assert_close(a["model"][key], value, rtol=RTOL, atol=RTOL * value.abs().max().item())
+        error = ((a["model"][key] - value).norm() / value.norm()).item()
+        assert error <= RTOL, (key, error)
 
 
 LAYOUTS = {
@@ -147,6 +149,7 @@ def test_pipeline_matches_one_process(name, corpus_dir, cache, reference_untied,
 def _half_then_rest(first: tuple[int, dict], second: tuple[int, dict], corpus_dir, cache, run: Path) -> None:
     """Train 5 steps in the first layout, resume to 10 in the second (one process: no torchrun)."""
     for (nproc, layout), steps, flags in ((first, 5, ()), (second, STEPS, ("--resume",))):
+        layout = {**{f"parallel.{k}": 1 for k in ("dp_replicate", "dp_shard", "tp", "pp")}, **layout}
         over = _overrides(corpus_dir, cache, **layout, **{"train.steps": steps})
         if nproc == 1:
             train(load_config(None, over), run, resume=bool(flags), progress_bar=False)

@@ -52,6 +52,11 @@ class ApplyContext:
     compute_dtype: torch.dtype = torch.float32
 
 
+def model_of(module: nn.Module) -> nn.Module:
+    """The network inside a training objective (a pipeline stage is the network itself)."""
+    return getattr(module, "model", module)
+
+
 def can_compile(enabled: bool, device: torch.device) -> bool:
     """``train.compile``, unless on CPU without a C++ compiler (then a warning, and eager)."""
     if not enabled:
@@ -73,7 +78,7 @@ def tensor_parallel(module: nn.Module, ctx: ApplyContext) -> nn.Module:
         return module
     from lmforge.parallel.tensor import apply_tensor_parallel
 
-    apply_tensor_parallel(module.model, ctx.layout.submesh("tp"))
+    apply_tensor_parallel(model_of(module), ctx.layout.submesh("tp"))
     return module
 
 
@@ -97,7 +102,7 @@ def compile_module(module: nn.Module, ctx: ApplyContext) -> nn.Module:
     if not can_compile(ctx.train.compile, ctx.device):
         return module
     if ctx.layout.distributed:
-        for block in module.model.blocks.values():
+        for block in model_of(module).blocks.values():
             block.compile(**COMPILE_OPTIONS)
         return module
     return compile_like_training(module)
@@ -108,7 +113,9 @@ def data_parallel(module: nn.Module, ctx: ApplyContext) -> nn.Module:
     (``lmforge/parallel/data_parallel.py``); one process: unchanged."""
     kind = ctx.layout.kind
     if kind == "fsdp":
-        return apply_fsdp(module, list(module.model.blocks.values()), ctx.layout, ctx.compute_dtype)
+        model = model_of(module)
+        head = model.lm_head if model.lm_head is not None and not model.cfg.tie_embeddings else None
+        return apply_fsdp(module, list(model.blocks.values()), ctx.layout, ctx.compute_dtype, head)
     if kind in ("ddp", "zero1"):
         return apply_ddp(module, ctx.layout, ctx.device)
     return module

@@ -43,15 +43,21 @@ def fsdp_mesh(layout: Layout):
 
 
 def apply_fsdp(
-    objective: nn.Module, blocks: list[nn.Module], layout: Layout, compute_dtype: torch.dtype
+    objective: nn.Module,
+    blocks: list[nn.Module],
+    layout: Layout,
+    compute_dtype: torch.dtype,
+    head: nn.Module | None = None,
 ) -> nn.Module:
-    """``fully_shard`` each of ``blocks``, then ``objective`` (the root); returns ``objective``."""
+    """``fully_shard`` each of ``blocks`` and an untied output ``head``, then ``objective`` (the root);
+    returns ``objective``. The head is a unit of its own because a pipeline's last stage calls it from
+    the loss, outside the stage's forward, where it must still gather its weight."""
     kw: dict = {"mesh": fsdp_mesh(layout), "reshard_after_forward": layout.zero == 3}
     if compute_dtype != torch.float32:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if layout.offload:
         kw["offload_policy"] = CPUOffloadPolicy()
-    for block in blocks:
+    for block in [*blocks, *([head] if head is not None else [])]:
         fully_shard(block, **kw)
     fully_shard(objective, **kw)
     return objective

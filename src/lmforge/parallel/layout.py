@@ -137,7 +137,8 @@ class Layout:
 
     def describe(self) -> str:
         used = ", ".join(f"{k}={v}" for k, v in self.degrees.items() if v > 1) or "one process"
-        return f"{self.world} processes: {used} ({self.kind}{f', zero {self.zero}' if self.kind != 'ddp' else ''})"
+        dp = {"none": "", "ddp": " (DDP)", "zero1": " (ZeRO-1)", "fsdp": f" (FSDP2, ZeRO-{self.zero})"}
+        return f"{self.world} processes: {used}{dp[self.kind]}"
 
 
 SINGLE = Layout()

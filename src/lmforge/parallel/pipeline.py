@@ -269,7 +269,9 @@ class Pipeline:
     keeps its stages (:func:`stage_ids`, :func:`stage_layers`) and initialises them exactly as the whole
     model is from ``seed`` (None: leave them for a checkpoint). ``group``: the pipeline process group or
     a 1-D device mesh (None: the default group). ``models``: the stage modules, ascending by stage index,
-    for the optimizer and state dicts (names as in the whole model).
+    for the optimizer and state dicts (names as in the whole model). ``transform``: applied to each stage
+    module before the schedule sees it (the model transformations of ``parallel/apply.py``: tensor
+    parallelism, compilation, FSDP2 / DDP); it may wrap the module (DDP) or change it in place.
     """
 
     def __init__(
@@ -282,6 +284,7 @@ class Pipeline:
         device: torch.device | str = "cpu",
         seed: int | None = 0,
         loss_chunk: int = 1024,
+        transform: Callable[[Transformer], nn.Module] | None = None,
     ):
         if isinstance(group, DeviceMesh):
             group = group.get_group()
@@ -301,9 +304,10 @@ class Pipeline:
         self.stage_ids = stage_ids(self.rank, self.pp, stages_per_rank, schedule)
         self.models = [build_stage(build, layers[s], self.device, seed) for s in self.stage_ids]
         self._clock = [0.0]
+        runs = [transform(m) for m in self.models] if transform is not None else self.models
         self.stages = [
-            _TimedStage(model, s, n_stages, self.device, group=group, clock=self._clock)
-            for s, model in zip(self.stage_ids, self.models, strict=True)
+            _TimedStage(module, s, n_stages, self.device, group=group, clock=self._clock)
+            for s, module in zip(self.stage_ids, runs, strict=True)
         ]
         self.has_first = 0 in self.stage_ids
         self.has_last = n_stages - 1 in self.stage_ids
@@ -407,3 +411,59 @@ class Pipeline:
         for work, _ in sends:
             work.wait()
         return (total, (targets != -100).sum()) if self.has_last else None
+
+
+def pipeline_settings(pp: int, schedule: str, microbatches: int, stages_per_rank: int) -> tuple[int, int]:
+    """``(microbatches, stages_per_rank)`` with the defaults filled in: 2 stages per rank for the
+    interleaved and zero-bubble schedules, else 1; ``pp x stages_per_rank`` microbatches."""
+    v = stages_per_rank or (1 if schedule in SINGLE_STAGE else 2)
+    return microbatches or pp * v, v
+
+
+def rank_model(models: list[Transformer]) -> Transformer:
+    """One module holding every parameter of this rank's stages under the whole model's names (the
+    embedding of stage 0, the blocks of each stage, the final norm and head of the last): what the
+    optimizer, the parameter groups and the checkpoints see. It shares the stage modules' parameters
+    and is never called; the stages run through the schedule."""
+    if len(models) == 1:
+        return models[0]
+    first, last = models[0], models[-1]
+    with torch.device("meta"):
+        owner = Transformer(first.cfg, first.vocab_size, first.max_seq_len, attention=first.attention)
+    owner.embed, owner.pos_embed = first.embed, first.pos_embed
+    owner.norm, owner.lm_head = last.norm, last.lm_head
+    owner.blocks = type(first.blocks)({k: b for m in models for k, b in m.blocks.items()})
+    return owner
+
+
+class PipelineObjective:
+    """The training step's view of a pipeline (``train/step.py``): ``forward_backward`` of a micro-batch
+    through the schedule, and ``(loss_sum, n_targets)`` for evaluation, the same on every rank of the
+    pipeline (the last stage's figures, summed over the ``pp`` group)."""
+
+    def __init__(self, pipeline: Pipeline):
+        self.pipeline = pipeline
+        self.training = True
+
+    def forward_backward(self, batch, n_targets: int, dp: int, precision) -> torch.Tensor:
+        """Backward of ``loss_sum / n_targets * dp`` through the schedule; returns ``loss_sum / n_targets``
+        on the last stage's rank and 0 elsewhere."""
+        with precision.autocast():
+            out = self.pipeline.step(batch.inputs, batch.targets, batch.doc_ids, loss_scale=dp / n_targets)
+        if out is None:
+            return torch.zeros((), device=precision.device)
+        return out.float() / dp
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None):
+        out = self.pipeline.eval_loss(inputs, targets, doc_ids)
+        loss = out[0].float() if out is not None else torch.zeros((), device=self.pipeline.device)
+        dist.all_reduce(loss, group=self.pipeline.group)
+        return loss, (targets != -100).sum()
+
+    def eval(self) -> PipelineObjective:
+        self.training = False
+        return self
+
+    def train(self, mode: bool = True) -> PipelineObjective:
+        self.training = mode
+        return self

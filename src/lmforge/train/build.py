@@ -37,7 +37,15 @@ from lmforge.optim.clip import Clipper
 from lmforge.optim.schedules import Schedule
 from lmforge.parallel.apply import ApplyContext, apply, can_compile
 from lmforge.parallel.layout import SINGLE, Layout, check_layout, init_layout, launch_env
+from lmforge.parallel.pipeline import (
+    Pipeline,
+    PipelineObjective,
+    check_pipeline,
+    pipeline_settings,
+    rank_model,
+)
 from lmforge.parallel.reduce import StepReduce
+from lmforge.parallel.tensor import check_tensor_parallel
 from lmforge.precision import PrecisionPolicy
 from lmforge.train.runtime import configure_determinism, pick_device, seed_all
 
@@ -59,10 +67,29 @@ def accumulation_steps(cfg: Config, world: int = 1) -> int:
 def validate(cfg: Config) -> torch.device:
     """Everything checkable before work starts (user errors raise); returns the run's device."""
     check_layout(cfg, launch_env()[2])
+    check_model_layout(cfg)
     accumulation_steps(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
     input_files(cfg.data)  # missing inputs fail here
     check_domains(cfg.data)
     return pick_device(cfg.train.device)
+
+
+def check_model_layout(cfg: Config) -> None:
+    """The model and batch must divide as the layout cuts them (pipeline stages, tensor-parallel shards)."""
+    p = cfg.parallel
+    if p.pp > 1:
+        microbatches, v = pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)
+        check_pipeline(
+            cfg.model.n_layers, p.pp, p.pp_schedule, microbatches, cfg.train.micro_batch_size,
+            cfg.model.tie_embeddings, v,
+        )  # fmt: skip
+        if cfg.train.clip_mode == "group_norm":
+            raise ConfigError(
+                "train.clip_mode: group_norm clips per optimizer group, and pipeline stages hold different "
+                "groups; use --train.clip_mode=norm with parallel.pp"
+            )
+    if p.tp > 1:
+        check_tensor_parallel(cfg.model, cfg.data.vocab_size, cfg.data.seq_len, p.tp)
 
 
 def build_model(cfg: Config, vocab_size: int, device: torch.device, init: bool = True) -> Transformer:
@@ -126,9 +153,15 @@ def build_run(cfg: Config, data: PreparedData | None = None) -> Run:
     precision = PrecisionPolicy.resolve(cfg.train.precision, device)
     if data is None:
         data = prepare_on_rank0(cfg, layout)
-    model = build_model(cfg, data.tokenizer.vocab_size, device)
-    n_params = model.num_params(False)
-    objective = training_objective(model, cfg, device, layout, precision.compute_dtype)
+    if layout.degrees["tp"] > 1:  # the tokenizer's own vocabulary, now that it is known
+        check_tensor_parallel(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_len, layout.degrees["tp"])
+    if layout.degrees["pp"] > 1:
+        model, objective, eval_objective, n_params = build_pipeline(cfg, data, device, layout, precision)
+    else:
+        model = build_model(cfg, data.tokenizer.vocab_size, device)
+        n_params = model.num_params(False)
+        objective = training_objective(model, cfg, device, layout, precision.compute_dtype)
+        eval_objective = objective if layout.kind == "fsdp" else NextTokenLoss(model, cfg.train.loss_chunk)
     compile = can_compile(cfg.train.compile, device)
     if layout.kind == "zero1":
         from lmforge.optim.build import build_zero_optimizer
@@ -146,6 +179,8 @@ def build_run(cfg: Config, data: PreparedData | None = None) -> Run:
         layout.describe(),
     )
     clipper = Clipper.from_config(cfg.train)
+    if layout.degrees["pp"] > 1:  # each stage holds other parameters: norms add up over the pipeline
+        clipper.across = layout.group("pp")
     return Run(
         cfg=cfg,
         device=device,
@@ -153,7 +188,7 @@ def build_run(cfg: Config, data: PreparedData | None = None) -> Run:
         data=data,
         model=model,
         objective=objective,
-        eval_objective=objective if layout.kind == "fsdp" else NextTokenLoss(model, cfg.train.loss_chunk),
+        eval_objective=eval_objective,
         optimizer=optimizer,
         schedule=Schedule(cfg.schedule, cfg.train.steps),
         clipper=clipper,
@@ -163,6 +198,49 @@ def build_run(cfg: Config, data: PreparedData | None = None) -> Run:
         layout=layout,
         reduce=StepReduce(layout),
     )
+
+
+def build_pipeline(
+    cfg: Config, data: PreparedData, device: torch.device, layout: Layout, precision: PrecisionPolicy
+) -> tuple[Transformer, PipelineObjective, PipelineObjective, int]:
+    """This rank's pipeline stages (cut first, each initialised as in the whole model, then transformed
+    in the fixed order): ``(rank_model, objective, eval_objective, whole-model parameter count)``."""
+    p = cfg.parallel
+    microbatches, v = pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)
+
+    def build() -> Transformer:
+        return Transformer(
+            cfg.model, data.tokenizer.vocab_size, cfg.data.seq_len, attention=cfg.train.attention
+        )
+
+    with torch.device("meta"):
+        n_params = build().num_params(False)
+    train = cfg.train
+    if p.pp_schedule in ("zero_bubble", "zbv") and train.compile:
+        log.warning("train.compile: the zero-bubble schedules run eager stages (torch refuses compiled ones)")
+        train = train.model_copy(update={"compile": False})
+    ctx = ApplyContext(train, device, layout, precision.compute_dtype)
+    pipeline = Pipeline(
+        build,
+        layout.group("pp"),
+        p.pp_schedule,
+        microbatches,
+        v,
+        device,
+        seed=cfg.train.seed,
+        loss_chunk=cfg.train.loss_chunk,
+        transform=lambda stage: apply(stage, ctx),
+    )
+    objective = PipelineObjective(pipeline)
+    log.info(
+        "pipeline: %s, %d stages of layers %s on this rank, %d microbatches; ideal bubble %.3f",
+        p.pp_schedule,
+        len(pipeline.models),
+        ", ".join(f"{min(m.blocks, key=int)}-{max(m.blocks, key=int)}" for m in pipeline.models),
+        microbatches,
+        pipeline.expected_bubble,
+    )
+    return rank_model(pipeline.models), objective, objective, n_params
 
 
 def prepare_on_rank0(cfg: Config, layout: Layout) -> PreparedData:

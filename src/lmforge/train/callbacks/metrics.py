@@ -91,6 +91,10 @@ class StepMetrics(Callback):
         }
         if result.clip.threshold is not None:
             record["clip_threshold"] = float(result.clip.threshold)
+        pipeline = getattr(trainer.run.objective, "pipeline", None)
+        if pipeline is not None:  # measured on rank 0 (the first stage) in the step's last micro-batch
+            record["pp_bubble"] = pipeline.last_bubble
+            record["pp_bubble_formula"] = pipeline.expected_bubble
         trainer.log(record)
         self._window_s, self._window_steps, self._clipped = 0.0, 0, 0
 
