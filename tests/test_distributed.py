@@ -198,7 +198,7 @@ def _workers(parent: int) -> list[int]:
 @pytest.mark.distributed
 def test_killed_rank_restarts_and_resumes(corpus_dir, cache, tmp_path):
     steps = 60
-    extra = {"train.steps": steps, "train.checkpoint_interval": 5}
+    extra = {"train.steps": steps, "train.checkpoint_interval": 5, "train.async_checkpoint": True}
     ref = _single(corpus_dir, cache, tmp_path / "ref", **extra)
     run = tmp_path / "run"
     over = _overrides(corpus_dir, cache, **{"parallel.dp_shard": 2, **extra})

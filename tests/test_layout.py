@@ -1,0 +1,101 @@
+"""Process layouts refused before any work, and checkpoints written in the background."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lmforge.cli import main
+from lmforge.errors import UserError
+from lmforge.parallel.layout import check_layout, data_parallel_kind
+from lmforge.recipe import load_config
+from lmforge.train.build import check_model_layout
+from lmforge.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from lmforge.train.launch import train
+from tests.conftest import tiny_overrides
+
+TORCHRUN = {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}
+
+
+def _cfg(**parallel):
+    return load_config(None, {f"parallel.{k}": v for k, v in parallel.items()})
+
+
+@pytest.mark.parametrize(
+    "parallel, world, env, key, words",
+    [
+        ({"dp_shard": 2}, 1, {}, "parallel:", "torchrun --nproc-per-node=2"),
+        ({}, 4, TORCHRUN, "parallel:", "--parallel.dp_shard=4"),
+        ({"dp_shard": 2, "tp": 3}, 4, TORCHRUN, "parallel:", "uses 6"),
+        ({"dp_replicate": 2, "tp": 2}, 4, TORCHRUN, "parallel.tp:", "FSDP2 only"),
+        ({"dp_replicate": 4, "offload": True}, 4, TORCHRUN, "parallel.offload:", "dp_shard"),
+        ({"dp_shard": 2, "zero": 1, "pp": 2}, 4, TORCHRUN, "parallel.zero:", "pipeline"),
+        ({}, 1, {"SLURM_NTASKS": "4"}, "lmforge train:", "srun without torchrun"),
+    ],
+)
+def test_wrong_layouts_are_refused_in_one_line(parallel, world, env, key, words):
+    with pytest.raises(UserError) as err:
+        check_layout(_cfg(**parallel), world, env)
+    text = str(err.value)
+    assert text.startswith(key) and words in text and "\n" not in text
+
+
+def test_layouts_name_their_machinery():
+    assert data_parallel_kind(_cfg()) == "none"
+    assert data_parallel_kind(_cfg(dp_replicate=2)) == "ddp"
+    assert data_parallel_kind(_cfg(dp_shard=2, zero=1)) == "zero1"
+    assert data_parallel_kind(_cfg(dp_shard=2, zero=2)) == "fsdp"
+    check_layout(_cfg(dp_replicate=2, dp_shard=2, tp=2, pp=1), 8, {**TORCHRUN, "WORLD_SIZE": "8"})
+
+
+@pytest.mark.parametrize(
+    "over, key",
+    [
+        ({"parallel.tp": 3}, "parallel.tp:"),  # 4 heads do not split 3 ways
+        ({"parallel.pp": 2}, "model.tie_embeddings:"),  # the head and the embedding on different stages
+        ({"parallel.pp": 8, "model.tie_embeddings": False}, "parallel.pp:"),  # 8 stages, 2 layers
+        (
+            {"parallel.pp": 2, "model.tie_embeddings": False, "train.clip_mode": "group_norm"},
+            "train.clip_mode:",
+        ),
+    ],
+)
+def test_model_must_divide_as_the_layout_cuts_it(over, key):
+    cfg = load_config(None, {"model.n_layers": 2, "model.n_heads": 4, "model.d_model": 32, **over})
+    with pytest.raises(UserError) as err:
+        check_model_layout(cfg)
+    assert str(err.value).startswith(key)
+
+
+def test_cli_layout_without_torchrun_exits_2_before_work(tmp_path, capsys, cli_logging):
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--run-dir", str(tmp_path / "run"), "--parallel.dp_shard=2"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("lmforge train: error: parallel:") and "torchrun" in err[-1]
+    assert not (tmp_path / "run").exists()
+
+
+def test_async_checkpoint_overlaps_training_and_writes_the_same_state(corpus_dir, tmp_path):
+    over = {
+        **tiny_overrides(corpus_dir, tmp_path / "data"),
+        "train.steps": 12,
+        "train.checkpoint_interval": 4,
+    }
+    over.update({"train.keep_checkpoints": 5, "train.sample_tokens": 0, "train.eval_interval": 0})
+    train(load_config(None, over), tmp_path / "sync", progress_bar=False)
+    train(load_config(None, {**over, "train.async_checkpoint": True}), tmp_path / "async", progress_bar=False)
+    lines = [json.loads(x) for x in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
+    done = [x for x in lines if x.get("event") == "checkpoint"]
+    assert [x["step"] for x in done] == [4, 8]  # the interval checkpoints went to the background ...
+    assert all(x["completed_during_step"] > x["step"] for x in done)  # ... and training went on meanwhile
+    assert [p.name for p in list_checkpoints(tmp_path / "async")] == [
+        p.name for p in list_checkpoints(tmp_path / "sync")
+    ]
+    for a, b in zip(list_checkpoints(tmp_path / "async"), list_checkpoints(tmp_path / "sync"), strict=True):
+        sa, sb = load_checkpoint(a), load_checkpoint(b)
+        assert all(torch.equal(v, sb["model"][k]) for k, v in sa["model"].items())
+    assert not list((tmp_path / "async" / "checkpoints").glob("*.tmp"))
+    assert latest_checkpoint(tmp_path / "async").name == "step_00000012"
