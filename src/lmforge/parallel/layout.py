@@ -106,6 +106,7 @@ class Layout:
     world: int = 1
     mesh: DeviceMesh | None = None
     dp_mesh: DeviceMesh | None = None  # (dp_replicate, dp_shard) flattened into one dimension
+    checkpoint_group: dist.ProcessGroup | None = None  # gloo, all ranks: background checkpoint writes
 
     @property
     def distributed(self) -> bool:
@@ -159,7 +160,12 @@ def init_layout(cfg: Config, device_type: str) -> Layout:
     mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=DIMS)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     kind = data_parallel_kind(cfg)
-    return Layout(dict(sizes), kind, cfg.parallel.zero, cfg.parallel.offload, rank, world, mesh, dp_mesh)
+    # A background checkpoint write gathers its plan over a group of its own: collectives of the
+    # training steps on the default group must never interleave with those of the writer thread.
+    ckpt_group = dist.new_group(backend="gloo") if cfg.train.async_checkpoint else None
+    return Layout(
+        dict(sizes), kind, cfg.parallel.zero, cfg.parallel.offload, rank, world, mesh, dp_mesh, ckpt_group
+    )
 
 
 def close_layout(layout: Layout) -> None:

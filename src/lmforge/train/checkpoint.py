@@ -173,11 +173,18 @@ class PendingSave:
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, state: dict[str, Any], config_toml: str, keep: int, background: bool = False
+    run_dir: Path,
+    step: int,
+    state: dict[str, Any],
+    config_toml: str,
+    keep: int,
+    background: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> PendingSave:
     """Write ``state`` for ``step`` (every rank calls this); with ``background`` the tensors are written by
-    a thread and the caller must :meth:`PendingSave.finish` later, else the checkpoint is complete on
-    return. Rank 0 prunes to the ``keep`` newest checkpoints."""
+    a thread, coordinating over ``group`` (a process group of its own, so that its collectives never
+    interleave with training's), and the caller must :meth:`PendingSave.finish` later; else the
+    checkpoint is complete on return. Rank 0 prunes to the ``keep`` newest checkpoints."""
     root = checkpoint_dir(run_dir)
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
@@ -193,7 +200,9 @@ def save_checkpoint(
         (tmp / "config.toml").write_text(config_toml)
     tensors = {k: state[k] for k in TENSOR_KEYS}
     if background:
-        future = dcp.async_save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        future = dcp.async_save(
+            tensors, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized()
+        )
         pending = PendingSave(step, tmp, final, keep, future)
         log.info("checkpoint: writing step %d in the background", step)
         return pending

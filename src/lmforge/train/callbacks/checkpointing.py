@@ -66,7 +66,8 @@ class Checkpointing(Callback):
         state["config"] = config_state(trainer.run.cfg)
         step = trainer.progress.step
         keep = trainer.run.cfg.train.keep_checkpoints
-        self.pending = save_checkpoint(self.run_dir, step, state, self.config_toml, keep, background)
+        group = trainer.run.layout.checkpoint_group
+        self.pending = save_checkpoint(self.run_dir, step, state, self.config_toml, keep, background, group)
         if not background:
             self.pending = None
         self._saved_step = step
