@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -155,7 +156,7 @@ def init_layout(cfg: Config, device_type: str) -> Layout:
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        start_process_group("nccl" if device_type == "cuda" else "gloo", rank, world)
     sizes = degrees(cfg)
     mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=DIMS)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
@@ -166,6 +167,30 @@ def init_layout(cfg: Config, device_type: str) -> Layout:
     return Layout(
         dict(sizes), kind, cfg.parallel.zero, cfg.parallel.offload, rank, world, mesh, dp_mesh, ckpt_group
     )
+
+
+def start_process_group(backend: str, rank: int, world: int) -> None:
+    """``init_process_group`` over the store of torchrun's agent, under a prefix of this attempt.
+
+    After a restart (``torchrun --max-restarts``) the new workers meet in the same agent store as the
+    failed ones; with the default ``env://`` set-up in torch 2.13 they read the addresses the previous
+    attempt published and gloo fails to connect ("connectFullMesh ... Connection refused", reproduced
+    with a bare all-reduce script). Keys under ``lmforge/attempt_<TORCHELASTIC_RESTART_COUNT>`` are
+    fresh for every attempt. Outside torchrun's agent store the default set-up is used.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timedelta(minutes=10),
+    )
+    store = dist.PrefixStore(f"lmforge/attempt_{attempt}", agent)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 def close_layout(layout: Layout) -> None:
