@@ -37,9 +37,10 @@ lmforge's own functions (``forward_backward`` per micro-batch under ``StepReduce
 * the process's peak resident set (``ru_maxrss``): everything, interpreter, libraries and activations.
 
 State per rank is reported *at rest* (parameters + gradients + optimizer states, after the step and
-before ``zero_grad``) and at the *peak of the states*: at rest plus the gathered parameters (with
-gradient accumulation the earlier micro-batches' gradients are alive while the last backward runs, so
-both are held at once). The benchmark prints the largest rank of each figure.
+before ``zero_grad``) and at the *peak of the states*: the larger of that and the moment between the
+last micro-batch's forward and its backward, when the gathered parameters are held together with the
+gradients accumulated by the earlier micro-batches (the hook reads those too). The benchmark prints the
+largest rank of each figure, and the JSON line every rank's.
 
 Formulas (P parameters, embedding included, N data-parallel ranks; bytes). The seed lessons' table
 assumes mixed-precision Adam: BF16 parameters and gradients, FP32 master weights and two FP32 moments
@@ -47,39 +48,75 @@ assumes mixed-precision Adam: BF16 parameters and gradients, FP32 master weights
 lmforge's dtypes differ: its parameters *are* the FP32 master weights (there is no separate copy; under
 ``bf16`` it autocasts, and FSDP2 gathers BF16 copies through ``MixedPrecisionPolicy``), its gradients
 are FP32 (FSDP2 reduces in FP32 and keeps FP32 gradient shards), and AdamW keeps two FP32 moments
-(4 + 4 + 8 bytes per parameter). With g the bytes of a gathered parameter (4 under fp32, 2 under bf16)
-and P_root the parameters FSDP2's root module holds (embedding, final norm; the tied head shares the
-embedding):
+(4 + 4 + 8 bytes per parameter). With g the bytes of a gathered parameter (4 under fp32, 2 under bf16),
+and gradient accumulation (at one micro-batch per step the peak of ZeRO-2 lacks its 4P/N of gradients):
 
-=======  ==============  =========  ======================  ======================================
-layout   seed            lmforge    lmforge at rest         lmforge peak of the states
-=======  ==============  =========  ======================  ======================================
-1 proc   16P             16P        16P                     16P
-ddp      16P             16P        16P (+4P buckets)       16P (+4P buckets)
-zero1    4P + 12P/N      8P + 8P/N  8P + 8P/N (+4P bkts)    8P + 8P/N (+4P buckets)
-zero2    2P + 14P/N                 16P/N                   16P/N + gP (every parameter gathered)
-zero3    16P/N                      16P/N                   16P/N + g P_root (root stays gathered)
-=======  ==============  =========  ======================  ======================================
+=======  ==========  =================  ==========================================================
+layout   seed        lmforge at rest    lmforge peak of the states
+=======  ==========  =================  ==========================================================
+1 proc   16P         16P                16P
+ddp      16P         16P (+4P buckets)  16P (+4P buckets)
+zero1    4P + 12P/N  8P + 8P/N (+4P)    8P + 8P/N (+4P buckets)
+zero2    2P + 14P/N  16P/N              16P/N + gP (every parameter gathered from forward to backward)
+zero3    16P/N       16P/N              16P/N (plus the block or two being computed, transiently)
+=======  ==========  =================  ==========================================================
 
-The two totals agree for DDP and ZeRO-3 (16 bytes either way); ZeRO-1 differs because lmforge's
-replicated part is FP32 parameters and gradients (8P) instead of BF16 ones (4P); ZeRO-2 differs because
-FSDP2 reshards the parameters after backward (at rest nothing is replicated) and gathers all of them
-from forward to backward, at 4 bytes under fp32 (2 under bf16, which with the FP32 gradient shards
-gives 2P + 16P/N against the seed's 2P + 14P/N). Under ZeRO-3 backward also gathers a block or two
-(the current one and the prefetched next) at a time; that transient is not in the snapshot. The
-optimizer's step counters (one 4-byte tensor per parameter tensor under fused AdamW) count in the
-measured states. ZeRO-1 partitions whole parameters among the ranks (largest first), so its largest
-rank can hold more than 8P/N of moments.
+The totals agree for DDP and ZeRO-3 (16 bytes per parameter either way, split 4 + 4 + 8 instead of
+2 + 2 + 12). ZeRO-1 differs because lmforge's replicated part is FP32 parameters and gradients (8P)
+instead of BF16 ones (4P). ZeRO-2 differs because FSDP2 reshards the parameters after backward (at rest
+nothing is replicated) and holds all of them gathered from forward to backward, at 4 bytes under fp32;
+under bf16 they are gathered in BF16 (2P, the seed's replicated part), but the gradient shards stay FP32,
+so the peak is 2P + 16P/N against the seed's 2P + 14P/N (measured with ``--train.precision=bf16
+--procs 2``: 40.65 MiB, the formula's figure, 1.111 times the seed's). The seed's
+ZeRO-2 keeps its parameters gathered throughout, so its column is compared with the measured peak;
+every other seed figure with the state at rest. Under ZeRO-3 nothing stays gathered between forward
+and backward, not even the root (embedding, final norm, tied head): lmforge passes
+``reshard_after_forward`` explicitly, which turns off FSDP2's default of keeping the root gathered, so
+the root is gathered twice per micro-batch. Backward gathers one block and prefetches the next; that
+transient (at most two blocks' parameters and unsharded gradients) is not in the snapshot. The optimizer's
+step counters (one 4-byte tensor per parameter tensor under fused AdamW) count in the measured states
+(hence ratios of 1.000 and not exactly 1). ZeRO-1 partitions whole parameters among the ranks (largest
+first, each to the least loaded rank), so its largest rank holds somewhat more than 8P/N of moments.
 
     python benchmarks/scaling.py [--steps 10] [--warmup 3] [--procs 1,2,4] [--layouts ddp,zero1,zero2,zero3]
-                                 [--SECTION.KEY=VALUE ...]
+                                 [--threads T] [--SECTION.KEY=VALUE ...]
 
-Defaults: the default recipe's model (Llama 4 x 256, vocab 4096: 4.3M parameters), ``data.seq_len`` 256,
-``train.micro_batch_size`` 4, ``train.tokens_per_step`` 8192 (8 / 4 / 2 micro-batches per rank for
+Defaults: the default recipe's model (Llama 4 x 256, vocab 4096: 4.26M parameters), ``data.seq_len``
+256, ``train.micro_batch_size`` 2, ``train.tokens_per_step`` 4096 (8 / 4 / 2 micro-batches per rank for
 N = 1 / 2 / 4), eager (``train.compile=false``: compiling each layout's blocks would cost more than the
 timed steps), ``train.precision`` as the recipe resolves it (FP32 on a CPU without native BF16). If
 ``lmforge.optim.build`` has no ``build_zero_optimizer`` in this tree, ZeRO-1 is reported as not measured.
+The driver also reports how many cores *other* programs kept busy during each run (the machine's busy
+time from ``/proc/stat`` minus the run's own), since timings on shared cores mean little without it.
 The last line printed is one JSON object with every run's per-rank figures.
+
+Measured here (2-core AMD EPYC, AVX2 only, torch 2.13 CPU, gloo; default settings; whole run 9.0
+minutes; other programs kept about one of the two cores busy throughout, so the tokens/s are indicative
+only). The memory figures are exact: every measured state matches lmforge's formula to the byte but
+the step counters; against the seed's formula DDP, ZeRO-3 and one process match, ZeRO-2 misses by 33%
+(N = 2) and 46% (N = 4) because this run is FP32 (gathered parameters 4P, not 2P; gradient shards 4
+bytes, not 2). Throughput falls with N on 2 cores: N processes split the same two cores (no compute is
+added), and each adds its gradient all-reduce or all-gathers and reduce-scatters over gloo; ZeRO-1 was
+not measured (no ``build_zero_optimizer`` in this tree)::
+
+    P = 4,262,144 parameters, 4,096 tokens per step, fp32, 2 cores; per rank: the largest; MiB = 2^20 B
+    layout   N thr accum   tok/s  vs 1 step s RSS MiB others
+    1 proc   1   2     8   2,364  1.00   1.73     541   0.80
+    ddp      2   1     4   1,790  0.76   2.29     565   0.93
+    ddp      4   1     2   1,096  0.46   3.74     561   0.97
+    zero2    2   1     4   1,149  0.49   3.57     559   1.01
+    zero2    4   1     2   1,121  0.47   3.65     547   1.08
+    zero3    2   1     4   1,020  0.43   4.02     568   1.20
+    zero3    4   1     2   1,301  0.55   3.15     553   1.01
+    layout   N params  grads  optim bucket   rest formula ratio gather   peak formula ratio   seed m/seed
+    1 proc   1  16.26  16.26  32.52   0.00  65.04   65.04 1.000   0.00  65.04   65.04 1.000  65.04  1.000
+    ddp      2  16.26  16.26  32.52  16.26  65.04   65.04 1.000   0.00  65.04   65.04 1.000  65.04  1.000
+    ddp      4  16.26  16.26  32.52  16.26  65.04   65.04 1.000   0.00  65.04   65.04 1.000  65.04  1.000
+    zero2    2   8.13   8.13  16.26   0.00  32.52   32.52 1.000  16.26  48.78   48.78 1.000  36.58  1.333
+    zero2    4   4.06   4.06   8.13   0.00  16.26   16.26 1.000  16.26  32.52   32.52 1.000  22.36  1.455
+    zero3    2   8.13   8.13  16.26   0.00  32.52   32.52 1.000   0.00  32.52   32.52 1.000  32.52  1.000
+    zero3    4   4.06   4.06   8.13   0.00  16.26   16.26 1.000   0.00  16.26   16.26 1.000  16.26  1.000
+    not measured: zero1 N=2, zero1 N=4 (no lmforge.optim.build.build_zero_optimizer)
 """
 
 from __future__ import annotations
@@ -377,19 +414,19 @@ def report(runs: list[dict], not_measured: list[str], cores: int, args: argparse
     base_tps = next((r["tokens_per_s"] for r in runs if r["world"] == 1), None)
     print(
         f"\nP = {p:,} parameters, {first['tokens_per_step']:,} tokens per step, {first['precision']}, "
-        f"{cores} cores; per-rank figures: the largest rank's; MiB = 2^20 bytes"
+        f"{cores} cores; per rank: the largest; MiB = 2^20 B"
     )
     print(
         f"{'layout':7s} {'N':>2s} {'thr':>3s} {'accum':>5s} {'tok/s':>7s} {'vs 1':>5s} {'step s':>6s} "
         f"{'RSS MiB':>7s} {'others':>6s}"
     )
     for r in runs:
-        speedup = r["tokens_per_s"] / base_tps if base_tps else float("nan")
-        r["speedup"] = speedup
+        r["speedup"] = r["tokens_per_s"] / base_tps if base_tps else None  # no 1-process run: none
+        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}"
         others = "?" if r["others_cores"] is None else f"{r['others_cores']:.2f}"
         print(
             f"{r['layout']:7s} {r['dp']:2d} {r['threads']:3d} {r['accum']:5d} {r['tokens_per_s']:7,.0f} "
-            f"{speedup:5.2f} {r['step_s']:6.2f} {max(q['rss_peak'] for q in r['ranks']) / MIB:7.0f} "
+            f"{speedup:>5s} {r['step_s']:6.2f} {max(q['rss_peak'] for q in r['ranks']) / MIB:7.0f} "
             f"{others:>6s}"
         )
     print(
@@ -408,7 +445,8 @@ def report(runs: list[dict], not_measured: list[str], cores: int, args: argparse
         vs_seed = max(peak) if layout == "zero2" else max(rest)  # the seed's ZeRO-2 keeps parameters gathered
 
         print(
-            f"{layout:7s} {n:2d} {top(ranks, 'params')} {top(ranks, 'grads')} {top(ranks, 'optim')} {top(ranks, 'buckets')} "
+            f"{layout:7s} {n:2d} {top(ranks, 'params')} {top(ranks, 'grads')} {top(ranks, 'optim')} "
+            f"{top(ranks, 'buckets')} "
             f"{max(rest) / MIB:6.2f} {f_rest / MIB:7.2f} {max(rest) / f_rest:5.3f} {top(ranks, 'gathered')} "
             f"{max(peak) / MIB:6.2f} {f_peak / MIB:7.2f} {max(peak) / f_peak:5.3f} {seed / MIB:6.2f} "
             f"{vs_seed / seed:6.3f}"
@@ -420,7 +458,7 @@ def report(runs: list[dict], not_measured: list[str], cores: int, args: argparse
                 "threads": r["threads"],
                 "accum": r["accum"],
                 "tokens_per_s": round(r["tokens_per_s"], 1),
-                "speedup": round(r["speedup"], 3),
+                "speedup": None if r["speedup"] is None else round(r["speedup"], 3),
                 "step_s": round(r["step_s"], 4),
                 "others_cores": r["others_cores"],
                 "rest_bytes_max": max(rest),
