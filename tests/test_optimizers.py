@@ -14,7 +14,7 @@ from lmforge.optim.adamw8bit import AdamW8bit
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.lion import Lion
 from lmforge.optim.muon import NS_COEFFICIENTS, Muon, newton_schulz, update_scale
-from lmforge.optim.state_size import state_bytes_per_param
+from lmforge.optim.state_size import state_bytes, state_bytes_per_param, tensor_bytes
 from lmforge.recipe import load_config
 from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -411,6 +411,28 @@ def test_adamw8bit_state_bytes_and_save_load():
     _loop_steps(model2, opt2, x, 2)
     for (name, a), b in zip(model.named_parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_state_bytes_counts_a_dtensor_by_its_local_shard(tmp_path):
+    """FSDP2 keeps optimizer states as DTensors: a rank holds (and is charged for) its local shard only."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        # a shard of 3 x 4 of a 6 x 4 tensor, as rank 0 of two would hold it
+        shard = DTensor.from_local(
+            torch.zeros(3, 4), mesh, [Shard(0)], run_check=False, shape=(6, 4), stride=(4, 1)
+        )
+        assert tensor_bytes(shard) == 3 * 4 * 4
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([p], lr=0.1)
+        opt.state[p] = {"momentum_buffer": shard, "step": torch.zeros((), dtype=torch.float32)}
+        assert state_bytes(opt) == 3 * 4 * 4 + 4
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------------------

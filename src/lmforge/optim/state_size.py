@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes held by ``t``; a tensor subclass (e.g. torchao's 8-bit state) counts its inner tensors."""
+    """Bytes this process holds of ``t``: a DTensor's local shard (FSDP2 and tensor-parallel states); a
+    tensor subclass (e.g. torchao's 8-bit state) counts its inner tensors."""
+    if isinstance(t, DTensor):
+        return tensor_bytes(t.to_local())
     if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
         names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, name)) for name in names)
+        inner = (getattr(t, name) for name in names)
+        return sum(tensor_bytes(x) for x in inner if isinstance(x, torch.Tensor))
     return t.numel() * t.element_size()
 
 
