@@ -69,10 +69,10 @@ under bf16 they are gathered in BF16 (2P, the seed's replicated part), but the g
 so the peak is 2P + 16P/N against the seed's 2P + 14P/N (measured with ``--train.precision=bf16
 --procs 2``: 40.65 MiB, the formula's figure, 1.111 times the seed's). The seed's
 ZeRO-2 keeps its parameters gathered throughout, so its column is compared with the measured peak;
-every other seed figure with the state at rest. Under ZeRO-3 nothing stays gathered between forward
-and backward, not even the root (embedding, final norm, tied head): lmforge passes
-``reshard_after_forward`` explicitly, which turns off FSDP2's default of keeping the root gathered, so
-the root is gathered twice per micro-batch. Backward gathers one block and prefetches the next; that
+every other seed figure with the state at rest. Under ZeRO-3 the blocks are resharded after forward;
+the root (embedding, final norm, tied head) stays gathered from forward to backward (FSDP2's default
+for a root: backward needs it at once), which adds its parameters to the peak. Backward gathers one
+block and prefetches the next; that
 transient (at most two blocks' parameters and unsharded gradients) is not in the snapshot. The optimizer's
 step counters (one 4-byte tensor per parameter tensor under fused AdamW) count in the measured states
 (hence ratios of 1.000 and not exactly 1). ZeRO-1 partitions whole parameters among the ranks (largest

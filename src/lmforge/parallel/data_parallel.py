@@ -59,7 +59,9 @@ def apply_fsdp(
         kw["offload_policy"] = CPUOffloadPolicy()
     for block in [*blocks, *([head] if head is not None else [])]:
         fully_shard(block, **kw)
-    fully_shard(objective, **kw)
+    # The root (embedding, final norm, a tied head) is needed again as soon as backward starts: it stays
+    # gathered from forward to backward, as FSDP2 does by default for a root, instead of a second gather.
+    fully_shard(objective, **{**kw, "reshard_after_forward": False})
     return objective
 
 
