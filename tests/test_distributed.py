@@ -128,6 +128,16 @@ def test_layout_matches_one_process(name, corpus_dir, cache, reference, tmp_path
 
 
 @pytest.mark.distributed
+def test_ddp_synchronises_only_the_last_micro_batch(corpus_dir, cache):
+    over = _overrides(corpus_dir, cache, **{"parallel.dp_replicate": 2})
+    done = torchrun(2, [worker("ddp_sync_worker.py"), json.dumps(over)])
+    assert done.returncode == 0, done.stderr[-4000:]
+    counts = json.loads(done.stdout.split("COUNTS ", 1)[1].splitlines()[0])
+    assert counts["accum"] == 2 and counts["per_backward"] >= 1
+    assert counts["per_step"] == counts["per_backward"]  # not accum times as many
+
+
+@pytest.mark.distributed
 def test_fsdp_mixed_precision_trains_like_fp32(corpus_dir, cache, reference, tmp_path):
     """BF16 compute with FP32 sharded parameters and FP32 gradient reductions: close to FP32, not equal."""
     run = tmp_path / "bf16"
