@@ -21,6 +21,11 @@ with the update scale ``s``:
 (``match_rms_adamw``) scales; :class:`Muon` uses its ``step`` unchanged for those. torch offers no
 ``none`` or ``mup`` scale and no way to add one, so for these two :class:`Muon` runs its own step, which
 is the same loop with the other scale (tests check it equals torch's bitwise where the scales agree).
+
+Sharded parameters (``DTensor``: FSDP2, tensor parallelism) also take that loop, whatever the scale:
+the momentum buffer stays sharded like the parameter, the update is gathered whole for Newton-Schulz
+(which needs the whole matrix) and each rank keeps its own part of the result (``lmforge/optim/sharded``),
+so the step equals a single process's.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
+
+from lmforge.optim.sharded import full, is_sharded, shard_like
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 SCALES = ("none", "original", "mup", "moonlight")
@@ -82,7 +89,7 @@ def update_scale(shape: torch.Size | tuple[int, ...], scale: str) -> float:
 
 class Muon(torch.optim.Muon):
     """``torch.optim.Muon`` with the update scale chosen by name (``none``, ``original``, ``mup``,
-    ``moonlight``); torch's own step serves ``original`` and ``moonlight``."""
+    ``moonlight``); torch's own step serves ``original`` and ``moonlight`` unless parameters are sharded."""
 
     def __init__(
         self,
@@ -110,7 +117,8 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        if self.scale in _TORCH_SCALE:
+        sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
+        if self.scale in _TORCH_SCALE and not sharded:
             return super().step(closure)
         loss = None
         if closure is not None:
@@ -127,7 +135,8 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mu)
                 update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                ortho = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"])
+                ortho = newton_schulz(full(update), group["ns_steps"], group["ns_coefficients"], group["eps"])
+                ortho = shard_like(ortho, p)
                 p.mul_(1 - lr * wd)
                 p.add_(ortho, alpha=-lr * update_scale(p.shape, self.scale))
         return loss
