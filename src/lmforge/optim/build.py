@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from lmforge.config import OptimConfig
+from lmforge.optim.adafactor import Adafactor
 from lmforge.optim.lion import Lion
 from lmforge.optim.muon import MuonWithAdamW
 
@@ -156,7 +157,7 @@ def build_optimizer(
     if cfg.name == "lion":
         return Lion(groups, lr=cfg.lr, betas=cfg.betas)
     if cfg.name == "adafactor":
-        return torch.optim.Adafactor(groups, lr=cfg.lr, foreach=True)
+        return Adafactor(groups, lr=cfg.lr, foreach=True)
     if cfg.name == "adamw8bit":
         from lmforge.optim.adamw8bit import AdamW8bit  # imports torchao (slow): only when chosen
 
