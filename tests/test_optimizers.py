@@ -13,9 +13,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lmforge.config import ModelConfig, OptimConfig
 from lmforge.errors import ConfigError
 from lmforge.optim.adamw8bit import AdamW8bit, OptimState8bit, blocks_align, requantise
-from lmforge.optim.build import build_optimizer
+from lmforge.optim.build import build_optimizer, param_groups
 from lmforge.optim.lion import Lion
-from lmforge.optim.muon import NS_COEFFICIENTS, Muon, newton_schulz, update_scale
+from lmforge.optim.muon import NS_COEFFICIENTS, Muon, MuonWithAdamW, newton_schulz, update_scale
 from lmforge.optim.state_size import state_bytes_per_param
 from lmforge.recipe import load_config
 from lmforge.train.callbacks.stop import StopAfter
@@ -488,6 +488,17 @@ def test_requantise_recovers_codes_and_scales(signed):
 )
 def test_blocks_align(shape, placements, mesh, aligned):
     assert blocks_align(shape, placements, mesh, 256) is aligned
+
+
+def test_muon_with_adamw_keeps_the_given_group_order():
+    """ZeRO-1 pairs its groups with the inner optimizer's by position: the order must be the given one."""
+    torch.manual_seed(0)
+    m = model_of(ModelConfig(n_layers=2, d_model=32, n_heads=4), 64, 16)
+    groups = param_groups(m, OptimConfig(name="muon", layer_lr_decay=0.9))
+    routes = [g["optimizer"] for g in groups]
+    assert routes != sorted(routes, key=lambda r: r != "muon")  # interleaved, not muon first
+    opt = MuonWithAdamW(groups)
+    assert [g["name"] for g in opt.param_groups] == [g["name"] for g in groups]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -146,7 +146,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     """One optimizer over two: :class:`Muon` for the groups marked ``optimizer="muon"``, fused
     ``torch.optim.AdamW`` for those marked ``"adamw"``.
 
-    ``param_groups`` lists the inner optimizers' group dicts themselves (Muon's first) and ``state`` is
+    ``param_groups`` lists the inner optimizers' group dicts themselves (in the given order) and ``state`` is
     shared with both, so the training loop's per-group ``lr`` (``lr * lr_mult``), ``zero_grad`` and the
     standard ``state_dict`` / ``load_state_dict`` work as for any single ``torch.optim.Optimizer``.
     """
@@ -167,23 +167,24 @@ class MuonWithAdamW(torch.optim.Optimizer):
         adamw = [g for g in groups if g["optimizer"] == "adamw"]
         if len(muon) + len(adamw) != len(groups):
             raise ValueError("MuonWithAdamW: every group needs optimizer='muon' or 'adamw'")
-        self._parts: list[torch.optim.Optimizer] = []
+        self._parts: list[tuple[str, torch.optim.Optimizer]] = []
         if muon:
             self._parts.append(
-                Muon(muon, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, scale=scale)
+                ("muon", Muon(muon, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, scale=scale))
             )
         if adamw:
-            self._parts.append(torch.optim.AdamW(adamw, betas=betas, eps=eps, fused=fused))
-        super().__init__([g for part in self._parts for g in part.param_groups], {})
+            self._parts.append(("adamw", torch.optim.AdamW(adamw, betas=betas, eps=eps, fused=fused)))
+        # the inner optimizers' group dicts (with their defaults filled in), in the order given: a wrapper
+        # that pairs groups by position (ZeRO-1) sees them where it put them
+        made = {route: iter(part.param_groups) for route, part in self._parts}
+        super().__init__([next(made[g["optimizer"]]) for g in groups], {})
         self._link()
 
     def _link(self) -> None:
         """Point the inner optimizers at this one's group dicts and state (after init and load)."""
-        start = 0
-        for part in self._parts:
-            part.param_groups = self.param_groups[start : start + len(part.param_groups)]
+        for route, part in self._parts:
+            part.param_groups = [g for g in self.param_groups if g["optimizer"] == route]
             part.state = self.state
-            start += len(part.param_groups)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -195,6 +196,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for part in self._parts:
+        for _, part in self._parts:
             part.step()
         return loss
