@@ -7,13 +7,15 @@ import logging
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lmforge.config import ModelConfig, OptimConfig
 from lmforge.errors import ConfigError
-from lmforge.optim.adamw8bit import AdamW8bit
-from lmforge.optim.build import build_optimizer
+from lmforge.optim.adamw8bit import AdamW8bit, OptimState8bit, blocks_align, requantise
+from lmforge.optim.build import build_optimizer, param_groups
 from lmforge.optim.lion import Lion
-from lmforge.optim.muon import NS_COEFFICIENTS, Muon, newton_schulz, update_scale
+from lmforge.optim.muon import NS_COEFFICIENTS, Muon, MuonWithAdamW, newton_schulz, update_scale
 from lmforge.optim.state_size import state_bytes, state_bytes_per_param, tensor_bytes
 from lmforge.recipe import load_config
 from lmforge.train.callbacks.stop import StopAfter
@@ -433,6 +435,76 @@ def test_state_bytes_counts_a_dtensor_by_its_local_shard(tmp_path):
         assert state_bytes(opt) == 3 * 4 * 4 + 4
     finally:
         dist.destroy_process_group()
+
+
+def test_adamw8bit_state_dict_holds_fp32_moments_that_load_back_to_the_same_codes():
+    """Dequantised FP32 moments (resharded by DCP to any layout) quantise back to the very codes and
+    scales, also for blocks whose largest magnitude is negative (the signed code book ends at -0.99297)."""
+    torch.manual_seed(0)
+    model = model_of(ModelConfig(n_layers=1, d_model=64, n_heads=4), 512, 16)
+    opt = build_optimizer(model, OptimConfig(name="adamw8bit"), torch.device("cpu"), compile=False)
+    _loop_steps(model, opt, torch.randint(0, 512, (2, 16)), 2)
+    sd = opt.state_dict()
+    assert all(type(v) is torch.Tensor for s in sd["state"].values() for v in s.values())
+    opt2 = build_optimizer(model, OptimConfig(name="adamw8bit"), torch.device("cpu"), compile=False)
+    opt2.load_state_dict(sd)
+    n_quantised = 0
+    for p, state in opt.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = state[key], opt2.state[p][key]
+            assert type(a) is type(b), key
+            if isinstance(a, OptimState8bit):
+                assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+                n_quantised += 1
+    assert n_quantised >= 10
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_requantise_recovers_codes_and_scales(signed):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g) * 10.0 ** torch.randint(-8, 2, (64, 1), generator=g).float()
+    x = x if signed else x.square()
+    x[0] = 0.0  # an all-zero block
+    if signed:
+        x[1, 7] = -x[1].abs().max() * 2  # a block whose extreme is negative
+    q = OptimState8bit.zeros(x.shape, signed=signed)
+    q.copy_(x)
+    back = OptimState8bit.zeros(x.shape, signed=signed)
+    requantise(back, q.dequantize())
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.scale, q.scale)
+    # values no 8-bit moment dequantises to are quantised as torchao does
+    other = OptimState8bit.zeros(x.shape, signed=signed)
+    requantise(other, x)
+    assert torch.equal(other.codes, q.codes) and torch.equal(other.scale, q.scale)
+
+
+@pytest.mark.parametrize(
+    ("shape", "placements", "mesh", "aligned"),
+    [
+        ((64, 64), (Shard(0),), (2,), True),  # 2,048 values per shard: 8 whole blocks
+        ((64, 64), (Shard(1),), (2,), False),  # half rows of 32: a block would take 8 half rows
+        ((64, 1024), (Shard(1),), (2,), True),  # half rows of 512: 2 blocks each
+        ((65, 64), (Shard(0),), (2,), False),  # uneven shards
+        ((96, 512), (Shard(0), Shard(1)), (2, 2), True),  # FSDP2 over row-wise TP
+        ((96, 512), (_StridedShard(0, split_factor=2), Shard(0)), (2, 2), True),  # over column-wise TP
+        ((96, 64), (_StridedShard(0, split_factor=2), Shard(0)), (2, 2), False),  # strided, rows < block
+        ((64, 64), (Shard(1),), (1,), True),  # a mesh of one: nothing split
+        ((64, 64), (Replicate(),), (2,), True),
+    ],
+)
+def test_blocks_align(shape, placements, mesh, aligned):
+    assert blocks_align(shape, placements, mesh, 256) is aligned
+
+
+def test_muon_with_adamw_keeps_the_given_group_order():
+    """ZeRO-1 pairs its groups with the inner optimizer's by position: the order must be the given one."""
+    torch.manual_seed(0)
+    m = model_of(ModelConfig(n_layers=2, d_model=32, n_heads=4), 64, 16)
+    groups = param_groups(m, OptimConfig(name="muon", layer_lr_decay=0.9))
+    routes = [g["optimizer"] for g in groups]
+    assert routes != sorted(routes, key=lambda r: r != "muon")  # interleaved, not muon first
+    opt = MuonWithAdamW(groups)
+    assert [g["name"] for g in opt.param_groups] == [g["name"] for g in groups]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -26,11 +26,16 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter, defaultdict
+from collections.abc import Callable
+from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from lmforge.config import OptimConfig
+from lmforge.optim.adafactor import Adafactor
 from lmforge.optim.lion import Lion
 from lmforge.optim.muon import MuonWithAdamW
 
@@ -130,40 +135,32 @@ def describe_route(route: str, named: list[tuple[str, torch.Tensor]]) -> str:
     )
 
 
-def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, device: torch.device, compile: bool = True
-) -> torch.optim.Optimizer:
-    """The configured optimizer over :func:`param_groups` (weight decay only on decayed matrices).
+def optimizer_factory(
+    cfg: OptimConfig, device: torch.device, compile: bool = True
+) -> Callable[[list[dict]], torch.optim.Optimizer]:
+    """The configured optimizer's class with its settings bound: ``make(groups)`` builds it over groups.
 
-    ``compile`` lets optimizers that compile their step (adamw8bit) do so; off, they run eagerly.
+    Settings are bound here rather than given as group defaults so that a wrapper (ZeRO-1) hands the
+    groups over unchanged: MuonWithAdamW must not see AdamW's ``eps`` in Muon's groups.
     """
-    groups = param_groups(model, cfg)
-    for g in groups:
-        log.info(
-            "optim: %s group, %d tensors, weight_decay=%g, lr_mult=%g",
-            g["name"],
-            len(g["params"]),
-            g["weight_decay"],
-            g["lr_mult"],
-        )
     fused = cfg.fused if cfg.fused is not None else device.type in ("cuda", "cpu")
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
+        return partial(torch.optim.AdamW, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
     if cfg.name == "adam":
-        return torch.optim.Adam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
+        return partial(torch.optim.Adam, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd.momentum, nesterov=cfg.sgd.nesterov)
+        return partial(torch.optim.SGD, lr=cfg.lr, momentum=cfg.sgd.momentum, nesterov=cfg.sgd.nesterov)
     if cfg.name == "lion":
-        return Lion(groups, lr=cfg.lr, betas=cfg.betas)
+        return partial(Lion, lr=cfg.lr, betas=cfg.betas)
     if cfg.name == "adafactor":
-        return torch.optim.Adafactor(groups, lr=cfg.lr, foreach=True)
+        return partial(Adafactor, lr=cfg.lr, foreach=True)
     if cfg.name == "adamw8bit":
         from lmforge.optim.adamw8bit import AdamW8bit  # imports torchao (slow): only when chosen
 
-        return AdamW8bit(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, compile=compile)
+        return partial(AdamW8bit, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, compile=compile)
     if cfg.name == "muon":
-        return MuonWithAdamW(
-            groups,
+        return partial(
+            MuonWithAdamW,
             momentum=cfg.muon.momentum,
             nesterov=cfg.muon.nesterov,
             ns_steps=cfg.muon.ns_steps,
@@ -173,3 +170,69 @@ def build_optimizer(
             fused=fused,
         )
     raise ValueError(f"optim.name: unknown optimizer {cfg.name!r}")
+
+
+def _logged_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    groups = param_groups(model, cfg)
+    for g in groups:
+        log.info(
+            "optim: %s group, %d tensors, weight_decay=%g, lr_mult=%g",
+            g["name"],
+            len(g["params"]),
+            g["weight_decay"],
+            g["lr_mult"],
+        )
+    return groups
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, device: torch.device, compile: bool = True
+) -> torch.optim.Optimizer:
+    """The configured optimizer over :func:`param_groups` (weight decay only on decayed matrices).
+
+    ``compile`` lets optimizers that compile their step (adamw8bit) do so; off, they run eagerly.
+    Parameters may be plain tensors (one process, DDP) or DTensors sharded in any placements (FSDP2,
+    tensor parallelism): every optimizer steps them exactly as one process steps the whole tensors.
+    """
+    return optimizer_factory(cfg, device, compile)(_logged_groups(model, cfg))
+
+
+def build_zero_optimizer(
+    model: nn.Module,
+    cfg: OptimConfig,
+    device: torch.device,
+    compile: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+) -> ZeroRedundancyOptimizer:
+    """ZeRO-1: the configured optimizer wrapped in ``ZeroRedundancyOptimizer`` over ``process_group``
+    (default: all ranks). Each rank keeps the state of, and steps, whole parameters (the largest first,
+    each to the least loaded rank), then broadcasts them; the model is plain (DDP), not sharded.
+
+    The groups keep their lmforge keys (``lr_mult``, ``name``, ``optimizer``): set ``lr`` on the
+    wrapper's ``param_groups`` as usual, ZeRO copies it to the rank's optimizer before each step.
+
+    Checkpoints: ``consolidate_state_dict(to=r)`` on every rank, then ``state_dict()`` on rank ``r`` gives
+    an ordinary optimizer state dict (what :func:`build_optimizer`'s optimizer saves: a plain or ZeRO-1
+    run loads it, exactly), which every rank passes to ``load_state_dict``.
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` does not take this wrapper (its
+    ``state_dict`` needs the consolidation, on one rank only), nor its rank's inner optimizer (ranks hold
+    empty groups, which the flattened state dict cannot load).
+    """
+    make = optimizer_factory(cfg, device, compile)
+    return Zero1(_logged_groups(model, cfg), optimizer_class=make, process_group=process_group)
+
+
+class Zero1(ZeroRedundancyOptimizer):
+    """``ZeroRedundancyOptimizer`` whose ``load_state_dict`` leaves its argument alone and goes through the
+    rank's optimizer's own ``load_state_dict``.
+
+    torch's sets the entries of other ranks' parameters in the given dict to None (so the same dict cannot
+    then be loaded again, or into anything else) and writes this rank's entries straight into the inner
+    optimizer's ``state``, bypassing its ``load_state_dict``: AdamW8bit would keep the FP32 moments of the
+    checkpoint instead of quantising them again. Here the dict is copied first, and the inner state is
+    passed once through the inner optimizer's own load.
+    """
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict({**state_dict, "state": dict(state_dict["state"])})
+        self.optim.load_state_dict(self.optim.state_dict())

@@ -21,6 +21,11 @@ with the update scale ``s``:
 (``match_rms_adamw``) scales; :class:`Muon` uses its ``step`` unchanged for those. torch offers no
 ``none`` or ``mup`` scale and no way to add one, so for these two :class:`Muon` runs its own step, which
 is the same loop with the other scale (tests check it equals torch's bitwise where the scales agree).
+
+Sharded parameters (``DTensor``: FSDP2, tensor parallelism) also take that loop, whatever the scale:
+the momentum buffer stays sharded like the parameter, the update is gathered whole for Newton-Schulz
+(which needs the whole matrix) and each rank keeps its own part of the result (``lmforge/optim/sharded``),
+so the step equals a single process's.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
+
+from lmforge.optim.sharded import full, is_sharded, shard_like
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 SCALES = ("none", "original", "mup", "moonlight")
@@ -82,7 +89,7 @@ def update_scale(shape: torch.Size | tuple[int, ...], scale: str) -> float:
 
 class Muon(torch.optim.Muon):
     """``torch.optim.Muon`` with the update scale chosen by name (``none``, ``original``, ``mup``,
-    ``moonlight``); torch's own step serves ``original`` and ``moonlight``."""
+    ``moonlight``); torch's own step serves ``original`` and ``moonlight`` unless parameters are sharded."""
 
     def __init__(
         self,
@@ -110,7 +117,8 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        if self.scale in _TORCH_SCALE:
+        sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
+        if self.scale in _TORCH_SCALE and not sharded:
             return super().step(closure)
         loss = None
         if closure is not None:
@@ -127,7 +135,8 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mu)
                 update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                ortho = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"])
+                ortho = newton_schulz(full(update), group["ns_steps"], group["ns_coefficients"], group["eps"])
+                ortho = shard_like(ortho, p)
                 p.mul_(1 - lr * wd)
                 p.add_(ortho, alpha=-lr * update_scale(p.shape, self.scale))
         return loss
@@ -137,7 +146,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     """One optimizer over two: :class:`Muon` for the groups marked ``optimizer="muon"``, fused
     ``torch.optim.AdamW`` for those marked ``"adamw"``.
 
-    ``param_groups`` lists the inner optimizers' group dicts themselves (Muon's first) and ``state`` is
+    ``param_groups`` lists the inner optimizers' group dicts themselves (in the given order) and ``state`` is
     shared with both, so the training loop's per-group ``lr`` (``lr * lr_mult``), ``zero_grad`` and the
     standard ``state_dict`` / ``load_state_dict`` work as for any single ``torch.optim.Optimizer``.
     """
@@ -158,23 +167,24 @@ class MuonWithAdamW(torch.optim.Optimizer):
         adamw = [g for g in groups if g["optimizer"] == "adamw"]
         if len(muon) + len(adamw) != len(groups):
             raise ValueError("MuonWithAdamW: every group needs optimizer='muon' or 'adamw'")
-        self._parts: list[torch.optim.Optimizer] = []
+        self._parts: list[tuple[str, torch.optim.Optimizer]] = []
         if muon:
             self._parts.append(
-                Muon(muon, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, scale=scale)
+                ("muon", Muon(muon, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, scale=scale))
             )
         if adamw:
-            self._parts.append(torch.optim.AdamW(adamw, betas=betas, eps=eps, fused=fused))
-        super().__init__([g for part in self._parts for g in part.param_groups], {})
+            self._parts.append(("adamw", torch.optim.AdamW(adamw, betas=betas, eps=eps, fused=fused)))
+        # the inner optimizers' group dicts (with their defaults filled in), in the order given: a wrapper
+        # that pairs groups by position (ZeRO-1) sees them where it put them
+        made = {route: iter(part.param_groups) for route, part in self._parts}
+        super().__init__([next(made[g["optimizer"]]) for g in groups], {})
         self._link()
 
     def _link(self) -> None:
         """Point the inner optimizers at this one's group dicts and state (after init and load)."""
-        start = 0
-        for part in self._parts:
-            part.param_groups = self.param_groups[start : start + len(part.param_groups)]
+        for route, part in self._parts:
+            part.param_groups = [g for g in self.param_groups if g["optimizer"] == route]
             part.state = self.state
-            start += len(part.param_groups)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -186,6 +196,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for part in self._parts:
+        for _, part in self._parts:
             part.step()
         return loss
