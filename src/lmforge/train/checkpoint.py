@@ -60,9 +60,31 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # -- model and optimizer states in any layout ----------------------------------------------------------
 
 
-def _local(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer over this rank's parameters (ZeRO-1 keeps each rank's partition in ``.optim``)."""
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter names in the order of ``optimizer``'s own state-dict indices."""
+    name = {id(p): n for n, p in model.named_parameters()}
+    return [name[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def _flatten(sd: dict, names: list[str]) -> dict:
+    """An optimizer state dict (indices) -> ``state.NAME.KEY`` / ``param_groups.NAME.KEY`` entries."""
+    out = {f"state.{names[i]}.{k}": v for i, st in sd["state"].items() for k, v in st.items()}
+    for g in sd["param_groups"]:
+        out.update(
+            {f"param_groups.{names[i]}.{k}": v for i in g["params"] for k, v in g.items() if k != "params"}
+        )
+    return out
+
+
+def _unflatten(flat: dict, names: list[str], param_groups: list[dict]) -> dict:
+    """:func:`_flatten` backwards, for the parameters ``names`` (indices as in ``param_groups``)."""
+    state: dict[int, dict] = {}
+    for i, n in enumerate(names):
+        prefix = f"state.{n}."
+        found = {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
+        if found:
+            state[i] = found
+    return {"state": state, "param_groups": param_groups}
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -72,13 +94,18 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, template: bool = False) -> dict:
     """The optimizer's state keyed by parameter name (flattened: ``state.NAME.exp_avg``,
-    ``param_groups.NAME.lr``); under ZeRO-1 only this rank's partition. Empty before the first step
-    unless ``template`` (then torch initialises the states with a zero-rate step, to be overwritten by
-    a load)."""
-    local = _local(optimizer)
-    if not local.state and not template:
+    ``param_groups.NAME.lr``). Empty before the first step unless ``template`` (then torch initialises
+    the states with a zero-rate step, to be overwritten by a load).
+
+    ZeRO-1: each rank gives the state of the whole parameters it owns, through its own optimizer's
+    ``state_dict`` (so a checkpoint is sharded by rank, and in the same format as every other layout's).
+    """
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        local = optimizer.optim
+        return _flatten(local.state_dict(), _names(model, local)) if local.state else {}
+    if not optimizer.state and not template:
         return {}
-    return get_optimizer_state_dict(model, local, options=OPTIONS)
+    return get_optimizer_state_dict(model, optimizer, options=OPTIONS)
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -86,9 +113,29 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Restore :func:`optimizer_state`'s output (nothing to do for an empty one)."""
-    if state:
-        set_optimizer_state_dict(model, _local(optimizer), state, options=OPTIONS)
+    """Restore :func:`optimizer_state`'s output (nothing to do for an empty one). Under ZeRO-1 each rank
+    loads the entries of its own parameters through its optimizer's ``load_state_dict`` (hyperparameters
+    stay the config's)."""
+    if not state:
+        return
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        local = optimizer.optim
+        groups = local.state_dict()["param_groups"]
+        local.load_state_dict(_unflatten(state, _names(model, local), groups))
+        return
+    set_optimizer_state_dict(model, optimizer, state, options=OPTIONS)
+
+
+def _zero_template(path: Path, model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict:
+    """Buffers for the checkpoint's optimizer entries of this rank's ZeRO-1 parameters (shapes from the
+    checkpoint's metadata: ZeRO-1 parameters are whole, so the stored tensors are what the rank holds)."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    mine = tuple(f"optimizer.state.{n}." for n in _names(model, optimizer.optim))
+    out = {}
+    for key, md in meta.items():
+        if key.startswith(mine) and isinstance(md, dcp.TensorStorageMetadata):
+            out[key.removeprefix("optimizer.")] = torch.empty(md.size, dtype=md.properties.dtype)
+    return out
 
 
 # -- the folder ---------------------------------------------------------------------------------------
@@ -264,5 +311,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The whole training state of the checkpoint at ``path`` for this process, in the current layout
     (model and optimizer resharded by DCP), ready for ``Trainer.load_state_dict``."""
-    template = {"model": model_state(model), "optimizer": optimizer_state(model, optimizer, template=True)}
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optim_template = _zero_template(path, model, optimizer)
+    else:
+        optim_template = optimizer_state(model, optimizer, template=True)
+    template = {"model": model_state(model), "optimizer": optim_template}
     return {**read_trainer_state(path), **load_tensors(path, template)}
