@@ -32,6 +32,7 @@ def _cfg(**parallel):
         ({"dp_replicate": 2, "tp": 2}, 4, TORCHRUN, "parallel.tp:", "FSDP2 only"),
         ({"dp_replicate": 4, "offload": True}, 4, TORCHRUN, "parallel.offload:", "dp_shard"),
         ({"dp_shard": 2, "zero": 1, "pp": 2}, 4, TORCHRUN, "parallel.zero:", "pipeline"),
+        ({"dp_replicate": 2, "pp": 2}, 4, TORCHRUN, "parallel.dp_replicate:", "pipeline"),
         ({}, 1, {"SLURM_NTASKS": "4"}, "lmforge train:", "srun without torchrun"),
     ],
 )

@@ -88,10 +88,11 @@ def check_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -> 
             "parallel.offload: CPU offload is FSDP2's; it needs --parallel.dp_shard above 1 with "
             "--parallel.zero=2 or 3"
         )
-    if kind == "zero1" and p.pp > 1:
+    if kind in ("ddp", "zero1") and p.pp > 1:  # DDP's reducer fails on a stage's per-microbatch backwards
+        key = "parallel.zero" if kind == "zero1" else "parallel.dp_replicate"
         raise ConfigError(
-            "parallel.zero: ZeRO-1 (ZeroRedundancyOptimizer) does not compose with pipeline stages here; use "
-            "--parallel.zero=2 or 3 with --parallel.pp"
+            f"{key}: DDP and ZeRO-1 do not compose with pipeline stages here; use --parallel.dp_shard (FSDP2, "
+            "--parallel.zero=2 or 3) for the data-parallel degree with --parallel.pp"
         )
 
 
