@@ -69,9 +69,11 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from lmforge.data.loader import Batch
 from lmforge.errors import ConfigError
 from lmforge.model.loss import ChunkedCrossEntropy
 from lmforge.model.transformer import Transformer, keep_stage
+from lmforge.precision import PrecisionPolicy
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -445,7 +447,9 @@ class PipelineObjective:
         self.pipeline = pipeline
         self.training = True
 
-    def forward_backward(self, batch, n_targets: int, dp: int, precision) -> torch.Tensor:
+    def forward_backward(
+        self, batch: Batch, n_targets: int, dp: int, precision: PrecisionPolicy
+    ) -> torch.Tensor:
         """Backward of ``loss_sum / n_targets * dp`` through the schedule; returns ``loss_sum / n_targets``
         on the last stage's rank and 0 elsewhere."""
         with precision.autocast():
@@ -454,7 +458,9 @@ class PipelineObjective:
             return torch.zeros((), device=precision.device)
         return out.float() / dp
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None):
+    def __call__(
+        self, inputs: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.pipeline.eval_loss(inputs, targets, doc_ids)
         loss = out[0].float() if out is not None else torch.zeros((), device=self.pipeline.device)
         dist.all_reduce(loss, group=self.pipeline.group)
