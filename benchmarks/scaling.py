@@ -58,7 +58,7 @@ layout   seed        lmforge at rest    lmforge peak of the states
 ddp      16P         16P (+4P buckets)  16P (+4P buckets)
 zero1    4P + 12P/N  8P + 8P/N (+4P)    8P + 8P/N (+4P buckets)
 zero2    2P + 14P/N  16P/N              16P/N + gP (every parameter gathered from forward to backward)
-zero3    16P/N       16P/N              16P/N (plus the block or two being computed, transiently)
+zero3    16P/N       16P/N              16P/N + gR (R: root parameters, embedding and final norm)
 =======  ==========  =================  ==========================================================
 
 The totals agree for DDP and ZeRO-3 (16 bytes per parameter either way, split 4 + 4 + 8 instead of
@@ -166,24 +166,26 @@ def seed_formula(layout: str, p: int, n: int) -> float:
     ]
 
 
-def lmforge_parts(layout: str, p: int, n: int, gathered_bytes: int) -> dict[str, float]:
+def lmforge_parts(layout: str, p: int, n: int, gathered_bytes: int, root: int = 0) -> dict[str, float]:
     """Bytes per rank with lmforge's dtypes: FP32 parameters (the master weights), FP32 gradients, two FP32
     AdamW moments, and what FSDP2 holds gathered between forward and backward (``gathered_bytes`` per
-    parameter)."""
+    parameter: all of them under ZeRO-2, the ``root`` ones (embedding, final norm) under ZeRO-3)."""
     if n == 1 or layout == "ddp":
         return {"params": 4 * p, "grads": 4 * p, "optim": 8 * p, "gathered": 0}
     if layout == "zero1":
         return {"params": 4 * p, "grads": 4 * p, "optim": 8 * p / n, "gathered": 0}
-    gathered = gathered_bytes * p if layout == "zero2" else 0
+    gathered = gathered_bytes * (p if layout == "zero2" else root)
     return {"params": 4 * p / n, "grads": 4 * p / n, "optim": 8 * p / n, "gathered": gathered}
 
 
-def lmforge_formula(layout: str, p: int, n: int, gathered_bytes: int, accum: int) -> tuple[float, float]:
+def lmforge_formula(
+    layout: str, p: int, n: int, gathered_bytes: int, accum: int, root: int = 0
+) -> tuple[float, float]:
     """``(at rest, peak of the states)``: at rest parameters + gradients + optimizer states; the peak is
     the larger of that and the moment between the last forward and its backward, when the gathered
     parameters are held and, with accumulation (``accum`` above 1), the gradients of the earlier
     micro-batches."""
-    f = lmforge_parts(layout, p, n, gathered_bytes)
+    f = lmforge_parts(layout, p, n, gathered_bytes, root)
     rest = f["params"] + f["grads"] + f["optim"]
     between = f["params"] + f["optim"] + f["gathered"] + (f["grads"] if accum > 1 else 0)
     return rest, max(rest, between)
@@ -304,6 +306,9 @@ def worker(args: argparse.Namespace, extra: list[str]) -> None:
             "threads": torch.get_num_threads(),
             "precision": run.precision.name,
             "params": p,
+            "root_params": sum(
+                q.numel() for n, q in run.model.named_parameters() if not n.startswith("blocks.")
+            ),
             "accum": run.accum,
             "tokens_per_step": run.tokens_per_step,
             "step_s": step_s,
@@ -440,7 +445,7 @@ def report(runs: list[dict], not_measured: list[str], cores: int, args: argparse
         rest = [q["params"] + q["grads"] + q["optim"] for q in ranks]
         between = [q["params"] + q["optim"] + q["gathered"] + q["grads_between"] for q in ranks]
         peak = [max(a, b) for a, b in zip(rest, between, strict=True)]
-        f_rest, f_peak = lmforge_formula(layout, p, n, gathered, r["accum"])
+        f_rest, f_peak = lmforge_formula(layout, p, n, gathered, r["accum"], r.get("root_params", 0))
         seed = seed_formula(layout, p, n)
         vs_seed = max(peak) if layout == "zero2" else max(rest)  # the seed's ZeRO-2 keeps parameters gathered
 

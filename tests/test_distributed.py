@@ -153,6 +153,7 @@ PIPELINES = {
     "1f1b": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}),
     "interleaved_1f1b": (2, {"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b"}),
     "zero_bubble": (2, {"parallel.pp": 2, "parallel.pp_schedule": "zero_bubble"}),
+    "zbv": (2, {"parallel.pp": 2, "parallel.pp_schedule": "zbv"}),
     "fsdp_tp_pp": (8, {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.tp": 2}),
 }
 
