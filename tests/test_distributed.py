@@ -112,6 +112,7 @@ LAYOUTS = {
     "tp": (2, {"parallel.tp": 2}),
     "fsdp_tp": (4, {"parallel.dp_shard": 2, "parallel.tp": 2}),
     "zero3_offload": (2, {"parallel.dp_shard": 2, "parallel.offload": True}),
+    "zero3_compiled": (2, {"parallel.dp_shard": 2, "train.compile": True}),  # blocks compiled in place
 }
 DEFAULT_SET = {"ddp", "zero3"}
 
