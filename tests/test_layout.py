@@ -100,3 +100,11 @@ def test_async_checkpoint_overlaps_training_and_writes_the_same_state(corpus_dir
         assert all(torch.equal(v, sb["model"][k]) for k, v in sa["model"].items())
     assert not list((tmp_path / "async" / "checkpoints").glob("*.tmp"))
     assert latest_checkpoint(tmp_path / "async").name == "step_00000012"
+
+
+def test_resume_of_an_old_format_checkpoint_says_so(tmp_path, tiny_config):
+    old = tmp_path / "run" / "checkpoints" / "step_00000010"
+    old.mkdir(parents=True)
+    (old / "state.pt").write_bytes(b"an earlier format")
+    with pytest.raises(UserError, match="earlier lmforge"):
+        train(tiny_config, tmp_path / "run", resume=True, progress_bar=False)

@@ -39,6 +39,11 @@ def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
         remove_partial(run_dir)
     ckpt = latest_checkpoint(run_dir)
     if resume and ckpt is None:
+        if list(run_dir.glob("checkpoints/step_*/state.pt")):
+            raise UserError(
+                f"--resume: {run_dir}/checkpoints holds checkpoints of an earlier lmforge (state.pt) that this "
+                "version does not read (checkpoints are sharded DCP folders now); start a new --run-dir"
+            )
         raise UserError(f"--resume: no complete checkpoint in {run_dir}/checkpoints; run without --resume")
     if not resume and ckpt is not None:
         raise UserError(
