@@ -111,7 +111,6 @@ LAYOUTS = {
     "hybrid": (4, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}),
     "tp": (2, {"parallel.tp": 2}),
     "fsdp_tp": (4, {"parallel.dp_shard": 2, "parallel.tp": 2}),
-    "zero3_offload": (2, {"parallel.dp_shard": 2, "parallel.offload": True}),
     "zero3_compiled": (2, {"parallel.dp_shard": 2, "train.compile": True}),  # blocks compiled in place
 }
 DEFAULT_SET = {"ddp", "zero3"}

@@ -11,7 +11,7 @@ from lmforge.cli import main
 from lmforge.errors import UserError
 from lmforge.parallel.layout import check_layout, data_parallel_kind
 from lmforge.recipe import load_config
-from lmforge.train.build import check_model_layout
+from lmforge.train.build import check_model_layout, validate
 from lmforge.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from lmforge.train.launch import train
 from tests.conftest import tiny_overrides
@@ -68,6 +68,14 @@ def test_model_must_divide_as_the_layout_cuts_it(over, key):
     with pytest.raises(UserError) as err:
         check_model_layout(cfg)
     assert str(err.value).startswith(key)
+
+
+def test_offload_needs_an_accelerator(tiny_config):
+    cfg = tiny_config.model_copy(deep=True)
+    cfg.train.device = "cpu"
+    cfg.parallel.offload = True
+    with pytest.raises(UserError, match=r"^parallel\.offload: .*CUDA"):
+        validate(cfg)
 
 
 def test_cli_layout_without_torchrun_exits_2_before_work(tmp_path, capsys, cli_logging):

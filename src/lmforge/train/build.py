@@ -66,12 +66,18 @@ def accumulation_steps(cfg: Config, world: int = 1) -> int:
 
 def validate(cfg: Config) -> torch.device:
     """Everything checkable before work starts (user errors raise); returns the run's device."""
+    device = pick_device(cfg.train.device)
+    if cfg.parallel.offload and device.type != "cuda":
+        raise ConfigError(
+            "parallel.offload: offloading to host memory needs a CUDA device (FSDP2 computes on the "
+            "accelerator; on a CPU the states already live in host memory); remove --parallel.offload"
+        )
     check_layout(cfg, launch_env()[2])
     check_model_layout(cfg)
     accumulation_steps(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
     input_files(cfg.data)  # missing inputs fail here
     check_domains(cfg.data)
-    return pick_device(cfg.train.device)
+    return device
 
 
 def check_model_layout(cfg: Config) -> None:
