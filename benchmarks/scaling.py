@@ -90,33 +90,36 @@ The driver also reports how many cores *other* programs kept busy during each ru
 time from ``/proc/stat`` minus the run's own), since timings on shared cores mean little without it.
 The last line printed is one JSON object with every run's per-rank figures.
 
-Measured here (2-core AMD EPYC, AVX2 only, torch 2.13 CPU, gloo; default settings; whole run 9.0
-minutes; other programs kept about one of the two cores busy throughout, so the tokens/s are indicative
-only). The memory figures are exact: every measured state matches lmforge's formula to the byte but
-the step counters; against the seed's formula DDP, ZeRO-3 and one process match, ZeRO-2 misses by 33%
-(N = 2) and 46% (N = 4) because this run is FP32 (gathered parameters 4P, not 2P; gradient shards 4
-bytes, not 2). Throughput falls with N on 2 cores: N processes split the same two cores (no compute is
-added), and each adds its gradient all-reduce or all-gathers and reduce-scatters over gloo; ZeRO-1 was
-not measured (no ``build_zero_optimizer`` in this tree)::
+Measured here (2-core AMD EPYC, AVX2 only, torch 2.13 CPU, gloo; ``--steps 6 --warmup 2``, FP32) while
+the test suite ran on the same cores ("others" column): the tokens/s are indicative only, and the
+one-process row (2 threads) suffered most from the shared cores. The memory figures are exact: every
+state matches lmforge's formula (ZeRO-1's largest rank holds 0.2-0.9% more: whole parameters are
+partitioned). Against the seed's formula one process, DDP and ZeRO-3 match (1.000); ZeRO-1 (1.20, 1.44)
+and ZeRO-2 (1.33, 1.46) miss because this run is FP32 (replicated or gathered parameters at 4 bytes,
+not 2; gradients 4 bytes, not 2)::
 
     P = 4,262,144 parameters, 4,096 tokens per step, fp32, 2 cores; per rank: the largest; MiB = 2^20 B
     layout   N thr accum   tok/s  vs 1 step s RSS MiB others
-    1 proc   1   2     8   2,364  1.00   1.73     541   0.80
-    ddp      2   1     4   1,790  0.76   2.29     565   0.93
-    ddp      4   1     2   1,096  0.46   3.74     561   0.97
-    zero2    2   1     4   1,149  0.49   3.57     559   1.01
-    zero2    4   1     2   1,121  0.47   3.65     547   1.08
-    zero3    2   1     4   1,020  0.43   4.02     568   1.20
-    zero3    4   1     2   1,301  0.55   3.15     553   1.01
+    1 proc   1   2     8     201  1.00  20.36     552   0.97
+    ddp      2   1     4   2,380 11.83   1.72     581   0.78
+    ddp      4   1     2   2,264 11.26   1.81     562   0.69
+    zero1    2   1     4   2,502 12.44   1.64     565   0.79
+    zero1    4   1     2   2,546 12.66   1.61     531   0.52
+    zero2    2   1     4   1,658  8.24   2.47     561   0.73
+    zero2    4   1     2   1,892  9.41   2.16     546   0.54
+    zero3    2   1     4   1,550  7.71   2.64     566   0.77
+    zero3    4   1     2   1,646  8.19   2.49     547   0.54
+
     layout   N params  grads  optim bucket   rest formula ratio gather   peak formula ratio   seed m/seed
     1 proc   1  16.26  16.26  32.52   0.00  65.04   65.04 1.000   0.00  65.04   65.04 1.000  65.04  1.000
     ddp      2  16.26  16.26  32.52  16.26  65.04   65.04 1.000   0.00  65.04   65.04 1.000  65.04  1.000
     ddp      4  16.26  16.26  32.52  16.26  65.04   65.04 1.000   0.00  65.04   65.04 1.000  65.04  1.000
+    zero1    2  16.26  16.26  16.38  16.26  48.89   48.78 1.002   0.00  48.89   48.78 1.002  40.65  1.203
+    zero1    4  16.26  16.26   8.50  16.26  41.02   40.65 1.009   0.00  41.02   40.65 1.009  28.45  1.442
     zero2    2   8.13   8.13  16.26   0.00  32.52   32.52 1.000  16.26  48.78   48.78 1.000  36.58  1.333
     zero2    4   4.06   4.06   8.13   0.00  16.26   16.26 1.000  16.26  32.52   32.52 1.000  22.36  1.455
-    zero3    2   8.13   8.13  16.26   0.00  32.52   32.52 1.000   0.00  32.52   32.52 1.000  32.52  1.000
-    zero3    4   4.06   4.06   8.13   0.00  16.26   16.26 1.000   0.00  16.26   16.26 1.000  16.26  1.000
-    not measured: zero1 N=2, zero1 N=4 (no lmforge.optim.build.build_zero_optimizer)
+    zero3    2   8.13   8.13  16.26   0.00  32.52   32.52 1.000   4.00  36.52   36.52 1.000  32.52  1.000
+    zero3    4   4.06   4.06   8.13   0.00  16.26   16.26 1.000   4.00  20.26   20.26 1.000  16.26  1.000
 """
 
 from __future__ import annotations
