@@ -18,6 +18,7 @@ import torch
 from torch.optim._adafactor import adafactor
 from torch.optim.optimizer import _get_scalar_dtype
 
+from lmforge.optim.closure import run_closure
 from lmforge.optim.sharded import full, is_sharded, shard_like
 
 
@@ -26,10 +27,7 @@ class Adafactor(torch.optim.Adafactor):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if not any(is_sharded(p) for g in self.param_groups for p in g["params"]):
             return super().step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             params, grads, row_vars, col_vars, variances, steps = [], [], [], [], [], []
             self._init_group(

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from lmforge.optim.closure import run_closure
+
 
 class Lion(torch.optim.Optimizer):
     def __init__(
@@ -31,10 +33,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from lmforge.optim.closure import run_closure
 from lmforge.optim.sharded import full, is_sharded, shard_like
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -120,10 +121,7 @@ class Muon(torch.optim.Muon):
         sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
         if self.scale in _TORCH_SCALE and not sharded:
             return super().step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
             for p in group["params"]:
@@ -192,10 +190,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for _, part in self._parts:
             part.step()
         return loss
