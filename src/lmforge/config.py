@@ -175,6 +175,28 @@ class AdaptiveClipConfig(_Section):
     )
 
 
+class LossScaleConfig(_Section):
+    """Dynamic loss scaling of ``train.precision = "fp16"`` (``torch.amp.GradScaler``)."""
+
+    init_scale: float = Field(2.0**16, gt=0, description="initial loss scale")
+    growth_factor: float = Field(2.0, gt=1, description="scale multiplier after growth_interval clean steps")
+    backoff_factor: float = Field(0.5, gt=0, lt=1, description="scale multiplier after an overflowing step")
+    growth_interval: int = Field(2000, ge=1, description="consecutive clean steps before the scale grows")
+
+
+def check_activation_checkpointing(policy: str) -> str:
+    """``none``, ``full``, ``selective`` or ``every:K`` with K >= 1; else a one-line error."""
+    if policy in ("none", "full", "selective"):
+        return policy
+    head, _, k = policy.partition(":")
+    if head == "every" and k.isdigit() and int(k) >= 1:
+        return policy
+    raise ValueError(
+        f"train.activation_checkpointing: {policy!r} is not a policy; use none, full, selective or every:K "
+        "(K >= 1, e.g. every:2)"
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(1050, ge=1, description="optimizer steps")
     micro_batch_size: int = Field(8, ge=1, description="sequences per forward/backward pass")
@@ -183,8 +205,25 @@ class TrainConfig(_Section):
         ge=1,
         description="tokens per optimizer step, over all ranks (default: one micro-batch per rank)",
     )
-    precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="fp32, bf16 (autocast, fp32 master weights), auto: bf16 where the hardware has it"
+    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16", "fp8"] = Field(
+        "auto",
+        description="fp32; tf32 (CUDA: TF32 matmuls); bf16 (autocast, fp32 master weights); fp16 (autocast "
+        "with dynamic loss scaling); fp8 (torchao float8 linear layers, train.fp8_recipe, bf16 elsewhere); "
+        "auto: bf16 where the hardware has it",
+    )
+    fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = Field(
+        "tensorwise", description="torchao float8 scaling recipe of train.precision = fp8"
+    )
+    loss_scale: LossScaleConfig = Field(
+        default_factory=LossScaleConfig, description='used when train.precision = "fp16"'
+    )
+    activation_checkpointing: str = Field(
+        "none",
+        description="recompute activations in backward: none; full (every block); every:K (one block in "
+        "every K); selective (per op: keep matmul and attention outputs, recompute element-wise ops)",
+    )
+    activation_offload: bool = Field(
+        False, description="keep the activations saved for backward in host memory (CUDA only)"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     compile: bool = Field(True, description="torch.compile the model (skipped where the platform cannot)")
@@ -235,6 +274,7 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _clip(self) -> TrainConfig:
+        check_activation_checkpointing(self.activation_checkpointing)
         if self.clip_mode == "value" and self.value_clip.limit == 0:
             raise ValueError(
                 "train.value_clip.limit: clip_mode 'value' needs train.value_clip.limit above 0, e.g. 0.01"
