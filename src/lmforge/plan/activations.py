@@ -29,7 +29,9 @@ One block without checkpointing (policy ``none``), in bytes:
   ``o_proj``'s input is a view of the kernel's output (no extra bytes). ``flex`` (FlexAttention, called
   with ``enable_gqa``): q, out at ``h`` heads, k, v at ``g`` heads: ``2 c B (h + g) T e + 4 B h T``.
   ``math`` (SDPA's composite fallback): scaled q and k, v, the probabilities and ``o_proj``'s copied
-  input: ``4 c B h T e + c B h T^2``.
+  input: ``4 c B h T e + c B h T^2`` (measured in FP32; on CPU the math kernel upcasts BF16 inputs and
+  computes in FP32, so there it saves ``3 * 4 B h T e + 4 B h T^2 + c B h T e``: not modelled, since
+  lmforge's CPU path never takes it, see :func:`attention_kind`).
 * attention mask (``model.doc_mask``, SDPA): the boolean ``(B, 1, T, T)`` document mask is converted
   inside SDPA to an additive mask in the compute dtype, which the kernel saves, once per block:
   ``c B T^2`` (``flash`` only; ``math`` adds the mask without saving it; ``flex`` has no dense mask).
@@ -45,8 +47,9 @@ input ``4 n d`` (saved by checkpoint's input saver) and, once for all of them, t
 they take as an argument, ``B T^2`` (the RoPE tables are buffer slices). ``selective`` keeps the block
 input, the outputs of every matmul (``mm``/``addmm``/``bmm``) and of the attention kernel:
 ``4 n d + c N (h e + 2 g e) + c B h T e + 4 B h T + c N d + c N (k_mlp - 1) f + c N d`` (``o_proj`` and
-``down``/``fc_out`` outputs are full ``N d`` partial sums before tensor parallelism's reduce-scatter; the
-``math`` kernel instead keeps its two ``bmm`` outputs ``c B h T^2 + c B h T e``).
+``down``/``fc_out`` outputs are full ``N d`` partial sums under tensor parallelism, whose two
+reduce-scatter outputs are kept too, ``+ 2 c n d``; the ``math`` kernel instead keeps its two ``bmm``
+outputs ``c B h T^2 + c B h T e``).
 
 Outside the blocks:
 
@@ -63,8 +66,12 @@ Outside the blocks:
 The backward peak adds, on top of the saved bytes, one checkpointed block's recomputation: its ``none``
 bytes minus what it kept (``recompute``; gradients and temporaries not included).
 
-Tensor parallelism follows ``lmforge/parallel/tensor.py`` (sequence parallel norms and residual, the
-all-gathered ``(N, d)`` input saved by each column-parallel matmul); it is derived, not measured here.
+Tensor parallelism follows ``lmforge/parallel/tensor.py``: norms and residual on the sequence shard
+(``n = N / tp``), each column-parallel matmul saves the all-gathered ``(N, d)`` input (or, under
+autocast, its own cast of it), heads and MLP channels ``/ tp``, the mask, the RoPE casts, the head input
+and the loss full-size on every rank. Measured exact at ``tp = 2`` (2 CPU processes, gloo, saved-tensor
+hooks unwrapping DTensors) for ``none``, ``full`` and ``every:2`` in FP32 and BF16; ``selective`` under
+TP is derived, not measured.
 """
 
 from __future__ import annotations
@@ -201,11 +208,12 @@ def activation_bytes(
         kept_kernel = c * B * h * T * T + c * B * h * T * e
     else:
         kept_kernel = c * B * h * T * e + 4 * B * h * T
+    reduce_scatter = c * n * d if tp > 1 else 0  # the selective policy keeps TP's reduce-scatter outputs
     selective = {
         "residual": 4 * n * d,
-        "attention_proj": c * N * (h + 2 * g) * e + c * N * d,
+        "attention_proj": c * N * (h + 2 * g) * e + c * N * d + reduce_scatter,
         "attention_kernel": kept_kernel,
-        "mlp": c * N * (k_mlp - 1) * f + c * N * d,
+        "mlp": c * N * (k_mlp - 1) * f + c * N * d + reduce_scatter,
     }
     full = {"residual": 4 * n * d}
 
