@@ -173,6 +173,10 @@ def activation_bytes(
     if compute_bytes not in (2, 4):
         raise ValueError(f"compute_bytes {compute_bytes}: 4 (fp32) or 2 (bf16/fp16 autocast)")
     layers = model.n_layers if layers is None else layers
+    if layers < 1 or first_layer < 0 or first_layer + layers > model.n_layers:
+        raise ValueError(
+            f"blocks {first_layer}..{first_layer + layers - 1} are not within 0..{model.n_layers - 1}"
+        )
     c, ac = compute_bytes, compute_bytes < 4
     B, T, d, V = micro_batch, seq_len, model.d_model, vocab_size
     N = B * T
@@ -183,7 +187,6 @@ def activation_bytes(
     f = ff_width(model) // tp
     llama = model.arch == "llama"
     k_mlp = 3 if llama else 2
-    doc_mask = model.doc_mask and attention != "flex"
 
     # one block, policy none
     norm_stats = 4 * n + 4 * n * d if llama else 8 * n
@@ -199,7 +202,7 @@ def activation_bytes(
         "attention_proj": 3 * c * N * d if ac else 4 * N * d,
         "rotary": 4 * c * T * e if (ac and llama) else 0,
         "attention_kernel": kernel,
-        "attention_mask": c * B * T * T if (doc_mask and attention == "flash") else 0,
+        "attention_mask": c * B * T * T if (model.doc_mask and attention == "flash") else 0,
         "mlp": ((k_mlp - 1) * c * N * d if ac else 4 * N * d) + (4 if llama else 2) * c * N * f,
         "weight_casts": c * (d * h * e + 2 * d * g * e + h * e * d + k_mlp * d * f) if ac else 0,
     }
@@ -217,7 +220,7 @@ def activation_bytes(
     }
     full = {"residual": 4 * n * d}
 
-    parts = {f.name: 0 for f in fields(ActivationBytes) if f.name != "recompute"}
+    parts = {field.name: 0 for field in fields(ActivationBytes) if field.name != "recompute"}
     recompute, any_checkpointed = 0, False
     for i in range(first_layer, first_layer + layers):
         if not _checkpointed(policy, i):
