@@ -112,11 +112,15 @@ def test_bf16_autocast_formula_matches_measured(shape: Shape, policy: str):
     check(predict(shape, policy, compute_bytes=2), measure(shape, policy, autocast=True))
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1]], ids=lambda s: s.name)
-def test_math_attention_formula_matches_measured(shape: Shape, policy: str):
-    """SDPA's math fallback (forced): O(T^2) probabilities saved, no additive mask."""
-    check(predict(shape, policy, attention="math"), measure(shape, policy, math=True))
+def test_math_attention_formula_matches_measured(shape: Shape, policy: str, autocast: bool):
+    """SDPA's math fallback (forced): O(T^2) probabilities saved, no additive mask; on CPU it computes
+    in FP32 even under autocast."""
+    compute_bytes = 2 if autocast else 4
+    predicted = predict(shape, policy, compute_bytes, attention="math")
+    check(predicted, measure(shape, policy, autocast=autocast, math=True))
 
 
 @pytest.mark.parametrize("policy", ["none", "every:2"])
@@ -145,6 +149,10 @@ def test_policies_order_and_parts():
     assert activation_bytes(mha, *args[1:], "none", 4, "flash", 0).attention_kernel == none.attention_kernel
     flex = activation_bytes(*args, "none", 4, "flex", 0)
     assert flex.attention_kernel < none.attention_kernel and flex.attention_mask == 0
+    # CUDA's fused RMSNorm keeps no x * rstd: 4 N d bytes less per norm (two per block and the final one)
+    cuda = activation_bytes(*args, "none", 4, "flash", shape.chunk, device_type="cuda")
+    tokens, norms = shape.batch * shape.seq, 2 * shape.model.n_layers + 1
+    assert none.total - cuda.total == norms * 4 * tokens * shape.model.d_model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,7 +17,9 @@ One block without checkpointing (policy ``none``), in bytes:
 
 * residual: the block input and the mid-block sum, saved by the two norms: ``2 * 4 n d``.
 * norms: RMSNorm (a composite on CPU: ``x * rsqrt(mean(x^2) + eps) * w``) saves ``rstd`` and
-  ``x_hat = x * rstd``: ``2 * (4 n + 4 n d)``; LayerNorm (fused) saves mean and rstd: ``2 * 8 n``.
+  ``x_hat = x * rstd``: ``2 * (4 n + 4 n d)``; on CUDA ``rms_norm`` dispatches to the fused
+  ``_fused_rms_norm`` kernel, whose backward needs only the input and ``rstd``: ``2 * 4 n`` (read from
+  PyTorch's ``rms_norm_symint``, not measured here); LayerNorm (fused) saves mean and rstd: ``2 * 8 n``.
 * attention projections: the q/k/v input. FP32: the norm output once (the three matmuls share it),
   ``4 N d``; autocast: each projection casts its input to ``c`` separately (autocast caches only leaf
   weights), ``3 c N d``.
@@ -28,10 +30,9 @@ One block without checkpointing (policy ``none``), in bytes:
   ``repeat_interleave`` before SDPA (``attend``), so the saved k and v are ``h`` heads wide, not ``g``.
   ``o_proj``'s input is a view of the kernel's output (no extra bytes). ``flex`` (FlexAttention, called
   with ``enable_gqa``): q, out at ``h`` heads, k, v at ``g`` heads: ``2 c B (h + g) T e + 4 B h T``.
-  ``math`` (SDPA's composite fallback): scaled q and k, v, the probabilities and ``o_proj``'s copied
-  input: ``4 c B h T e + c B h T^2`` (measured in FP32; on CPU the math kernel upcasts BF16 inputs and
-  computes in FP32, so there it saves ``3 * 4 B h T e + 4 B h T^2 + c B h T e``: not modelled, since
-  lmforge's CPU path never takes it, see :func:`attention_kind`).
+  ``math`` (SDPA's composite fallback): scaled q and k, v and the probabilities in the kernel's dtype
+  ``m``, and ``o_proj``'s copied input: ``3 m B h T e + m B h T^2 + c B h T e``; the CPU math kernel
+  upcasts BF16/FP16 inputs to FP32 (``m = 4``, measured), on CUDA ``m = c`` (not measured).
 * attention mask (``model.doc_mask``, SDPA): the boolean ``(B, 1, T, T)`` document mask is converted
   inside SDPA to an additive mask in the compute dtype, which the kernel saves, once per block:
   ``c B T^2`` (``flash`` only; ``math`` adds the mask without saving it; ``flex`` has no dense mask).
@@ -49,7 +50,7 @@ input, the outputs of every matmul (``mm``/``addmm``/``bmm``) and of the attenti
 ``4 n d + c N (h e + 2 g e) + c B h T e + 4 B h T + c N d + c N (k_mlp - 1) f + c N d`` (``o_proj`` and
 ``down``/``fc_out`` outputs are full ``N d`` partial sums under tensor parallelism, whose two
 reduce-scatter outputs are kept too, ``+ 2 c n d``; the ``math`` kernel instead keeps its two ``bmm``
-outputs ``c B h T^2 + c B h T e``).
+outputs ``m B h T^2 + m B h T e``).
 
 Outside the blocks:
 
@@ -158,6 +159,7 @@ def activation_bytes(
     tp: int = 1,
     layers: int | None = None,
     first_layer: int = 0,
+    device_type: str = "cpu",
 ) -> ActivationBytes:
     """Bytes kept alive between forward and backward of one micro-batch of ``micro_batch x seq_len``
     tokens on one device (formulas in the module docstring).
@@ -167,6 +169,8 @@ def activation_bytes(
     ``loss_chunk``: ``train.loss_chunk`` (0: one chunk); ``tp``: tensor-parallel degree; ``layers``: blocks
     on this device (a pipeline stage; default all) starting at block ``first_layer``: the embedding
     counts on the stage holding block 0, the final norm, head and loss on the one holding the last block.
+    ``device_type``: ``cpu`` (measured) or ``cuda`` (fused RMSNorm saves no ``x_hat``; the math kernel
+    computes in the compute dtype); see the module docstring.
     """
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention {attention!r}: use one of {', '.join(ATTENTION_KINDS)}")
@@ -189,13 +193,15 @@ def activation_bytes(
     k_mlp = 3 if llama else 2
 
     # one block, policy none
-    norm_stats = 4 * n + 4 * n * d if llama else 8 * n
+    composite_rms = device_type != "cuda"  # CUDA has a fused RMSNorm kernel, CPU decomposes it
+    norm_stats = (4 * n + 4 * n * d if composite_rms else 4 * n) if llama else 8 * n
+    m = 4 if device_type == "cpu" else c  # the math kernel's dtype: the CPU one upcasts to FP32
     if attention == "flash":
         kernel = 4 * c * B * h * T * e + 4 * B * h * T
     elif attention == "flex":
         kernel = 2 * c * B * (h + g) * T * e + 4 * B * h * T
     else:
-        kernel = 4 * c * B * h * T * e + c * B * h * T * T
+        kernel = 3 * m * B * h * T * e + m * B * h * T * T + c * B * h * T * e
     plain = {
         "residual": 2 * 4 * n * d,
         "norms": 2 * norm_stats,
@@ -208,7 +214,7 @@ def activation_bytes(
     }
     # one block, selective: block input, matmul outputs, attention kernel outputs
     if attention == "math":
-        kept_kernel = c * B * h * T * T + c * B * h * T * e
+        kept_kernel = m * B * h * T * T + m * B * h * T * e
     else:
         kept_kernel = c * B * h * T * e + 4 * B * h * T
     reduce_scatter = c * n * d if tp > 1 else 0  # the selective policy keeps TP's reduce-scatter outputs
