@@ -14,10 +14,11 @@ the gradients the optimizer sees are FP32 in every case:
   divides the gradients by it (and notes whether any is Inf/NaN) before they are measured or clipped,
   and :meth:`~PrecisionPolicy.step` is ``scaler.step`` + ``scaler.update``: an overflowing step is not
   taken and the scale is multiplied by ``backoff_factor``; after ``growth_interval`` clean steps in a
-  row it is multiplied by ``growth_factor``. In a multi-process run the scaler is
-  ``ShardedGradScaler`` over all ranks: each rank's "found Inf" is all-reduced after unscaling, so
-  under DDP, FSDP2 (sharded gradients), tensor parallelism and hybrid layouts every rank skips the same
-  steps and keeps the same scale. The scaler's state (scale, growth tracker) is in :meth:`state_dict`,
+  row it is multiplied by ``growth_factor``. In a multi-process run each rank's "found Inf" is
+  all-reduced (MAX, over all ranks) right after unscaling, so under DDP, FSDP2 (sharded gradients:
+  each rank sees only its shards), tensor parallelism and hybrid layouts every rank skips the same steps
+  and keeps the same scale. (``ShardedGradScaler`` does the same reduction but keeps its flag in shape
+  ``(1,)``, which torch 2.13's fused AdamW cannot broadcast into its step counters; measured failing.) The scaler's state (scale, growth tracker) is in :meth:`state_dict`,
   saved in checkpoints: a resumed run continues with the same scale.
 * ``fp8``: torchao's float8 training of the linear layers (``train.fp8_recipe``: ``tensorwise``,
   ``rowwise``, ``rowwise_with_gw_hp``; :func:`convert_fp8`, run by the ``convert`` stage of
@@ -171,20 +172,22 @@ def set_tf32(device: torch.device, enabled: bool) -> None:
     torch.backends.cudnn.conv.fp32_precision = mode
 
 
-def make_scaler(cfg: LossScaleConfig, device: torch.device, distributed: bool) -> torch.amp.GradScaler:
-    """The loss scaler of ``fp16``: ``GradScaler``, or ``ShardedGradScaler`` over all ranks (its "found
-    Inf" all-reduced, so every rank skips the same steps) when the run has several processes."""
-    kw = dict(
+def make_scaler(cfg: LossScaleConfig, device: torch.device) -> torch.amp.GradScaler:
+    """The loss scaler of ``fp16`` with the ``[train.loss_scale]`` settings."""
+    return torch.amp.GradScaler(
+        device.type,
         init_scale=cfg.init_scale,
         growth_factor=cfg.growth_factor,
         backoff_factor=cfg.backoff_factor,
         growth_interval=cfg.growth_interval,
     )
-    if distributed:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return ShardedGradScaler(device.type, **kw)
-    return torch.amp.GradScaler(device.type, **kw)
+
+def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The scaler's "found Inf/NaN" flags of ``optimizer``'s last unscaling, one per device: the very
+    tensors ``scaler.step`` (and a fused optimizer) read. ``GradScaler`` keeps them in a private record;
+    ``ShardedGradScaler`` reads the same one."""
+    return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,7 @@ class PrecisionPolicy:
     name: str
     device: torch.device
     scaler: torch.amp.GradScaler | None = field(default=None, compare=False)
+    distributed: bool = False  # several processes: the scaler's found-Inf is all-reduced over all ranks
 
     @classmethod
     def resolve(
@@ -210,8 +214,8 @@ class PrecisionPolicy:
         set_tf32(device, name == "tf32")
         scaler = None
         if name == "fp16":
-            scaler = make_scaler(loss_scale or LossScaleConfig(), device, distributed)
-        return cls(name, device, scaler)
+            scaler = make_scaler(loss_scale or LossScaleConfig(), device)
+        return cls(name, device, scaler, distributed)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -245,20 +249,23 @@ class PrecisionPolicy:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring gradients to their true scale before they are measured or clipped (a no-op without a
         loss scaler; with one, also notes whether any gradient is Inf/NaN, agreed over all ranks)."""
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+        if self.scaler is None:
+            return
+        self.scaler.unscale_(optimizer)
+        if self.distributed:  # every rank skips the same steps: MAX of the flags over all ranks, in place
+            import torch.distributed as dist
+
+            for flag in found_inf(self.scaler, optimizer):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
     def overflowed(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> bool:
         """Whether this step is a loss-scale overflow: after :meth:`unscale_`, some gradient is Inf/NaN
         while ``loss`` (already reduced over ranks) is finite. One host sync with a scaler, none without."""
         if self.scaler is None:
             return False
-        found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        flags = torch.stack(
-            [sum(v.to(loss.device) for v in found.values()).reshape(()) > 0, torch.isfinite(loss).reshape(())]
-        )
-        found_inf, finite = flags.tolist()
-        return bool(found_inf and finite)
+        found = sum(f.to(loss.device) for f in found_inf(self.scaler, optimizer)).reshape(())
+        inf, finite = torch.stack([found > 0, torch.isfinite(loss).reshape(())]).tolist()
+        return bool(inf and finite)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Take the optimizer step; returns whether it was taken (a scaler skips overflowing steps and
@@ -267,8 +274,7 @@ class PrecisionPolicy:
             optimizer.step()
             return True
         self.scaler.step(optimizer)
-        state = self.scaler._per_optimizer_states[id(optimizer)]
-        taken = not sum(float(v) for v in state["found_inf_per_device"].values())
+        taken = not sum(float(f) for f in found_inf(self.scaler, optimizer))
         self.scaler.update()
         return taken
 
