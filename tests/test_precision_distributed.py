@@ -1,5 +1,6 @@
-"""fp16 loss scaling over several processes (torchrun, gloo on CPU): an Inf/NaN gradient on ONE rank is an
-overflow on every rank (the scaler's found-Inf is all-reduced), under DDP and FSDP2 (sharded gradients)."""
+"""Precisions over several processes (torchrun, gloo on CPU): an fp16 Inf/NaN gradient on ONE rank is an
+overflow on every rank (the scaler's found-Inf is all-reduced), under DDP and FSDP2 (sharded gradients);
+fp8 under FSDP2."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.test_distributed import _events, _overrides
+from lmforge.recipe import load_config
+from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
+from lmforge.train.launch import train
+from tests.test_distributed import _events, _overrides, launch, losses
 from tests.torchrun import torchrun, worker
 
 
@@ -51,3 +56,18 @@ def test_fp16_overflow_on_one_rank_is_skipped_on_all(corpus_dir, cache, tmp_path
         scales = _scales(tmp_path / name)
         want = [(s, 1024.0) for s in (1, 2, 3)] + [(4, 512.0), (5, 512.0)] + [(s, 64.0) for s in range(6, 13)]
         assert scales == want, (name, scales)
+
+
+@pytest.mark.distributed
+def test_fp8_under_fsdp_trains_like_one_process(corpus_dir, cache, tmp_path):
+    """fp8 (emulated) with FSDP2 gathering BF16 parameters into the float8 layers: close to the same
+    fp8 run in one process, and the master weights stay FP32."""
+    over = _overrides(corpus_dir, cache, **{"train.precision": "fp8", "model.d_model": 64, "train.steps": 6})
+    train(load_config(None, over), tmp_path / "single", progress_bar=False)
+    launch(2, tmp_path / "fsdp", {**over, "parallel.dp_shard": 2})
+    got, want = losses(tmp_path / "fsdp"), losses(tmp_path / "single")
+    assert sorted(got) == list(range(1, 7))
+    assert all(got[s] == pytest.approx(want[s], rel=2e-2) for s in got), (got, want)
+    assert got[6] < got[1]
+    state = load_checkpoint(latest_checkpoint(tmp_path / "fsdp"))
+    assert all(v.dtype == torch.float32 for v in state["model"].values())
