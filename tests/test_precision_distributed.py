@@ -1,5 +1,5 @@
 """Precisions over several processes (torchrun, gloo on CPU): an fp16 Inf/NaN gradient on ONE rank is an
-overflow on every rank (the scaler's found-Inf is all-reduced), under DDP and FSDP2 (sharded gradients);
+overflow on every rank (the scaler's found-Inf is all-reduced), under DDP, FSDP2 (sharded gradients) and TP;
 fp8 under FSDP2."""
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def test_fp16_overflow_on_one_rank_is_skipped_on_all(corpus_dir, cache, tmp_path
         ("single", 1, {}),
         ("fsdp", 2, {"parallel.dp_shard": 2}),
         ("ddp", 2, {"parallel.dp_replicate": 2}),
+        ("tp", 2, {"parallel.tp": 2}),
     )
     for name, nproc, layout in layouts:
         done = torchrun(
