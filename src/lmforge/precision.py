@@ -15,13 +15,14 @@ the gradients the optimizer sees are FP32 in every case:
   and :meth:`~PrecisionPolicy.step` is ``scaler.step`` + ``scaler.update``: an overflowing step is not
   taken and the scale is multiplied by ``backoff_factor``; after ``growth_interval`` clean steps in a
   row it is multiplied by ``growth_factor``. In a multi-process run each rank's "found Inf" is
-  all-reduced (MAX, over all ranks) right after unscaling, so under DDP, FSDP2 (sharded gradients:
-  each rank sees only its shards), tensor parallelism and hybrid layouts every rank skips the same steps
-  and keeps the same scale. (Torch already agrees in part: DDP's gradient all-reduce spreads an Inf/NaN
-  to every rank, and the DTensor dispatch of the found-Inf op reduces the flag over the gradient's mesh
-  for FSDP2 and TP; measured, FSDP2 agrees without the explicit reduction. It is kept so that agreement
-  holds in every layout without relying on either. ``ShardedGradScaler`` does the same reduction but keeps its flag in shape
-  ``(1,)``, which torch 2.13's fused AdamW cannot broadcast into its step counters; measured failing.) The scaler's state (scale, growth tracker) is in :meth:`state_dict`,
+  all-reduced (MAX, over all ranks) right after unscaling, so under DDP, FSDP2 (sharded gradients: each
+  rank sees only its shards), tensor parallelism and hybrid layouts every rank skips the same steps and
+  keeps the same scale. (Torch already agrees in part: DDP's gradient all-reduce spreads an Inf/NaN to
+  every rank, and the DTensor dispatch of the found-Inf op reduces the flag over the gradient's mesh for
+  FSDP2 and TP; measured, FSDP2 agrees without the explicit reduction. It is kept so that agreement
+  holds in every layout without relying on either. ``ShardedGradScaler`` does the same reduction but
+  keeps its flag in shape ``(1,)``, which torch 2.13's fused AdamW cannot broadcast into its step
+  counters; measured failing.) The scaler's state (scale, growth tracker) is in :meth:`state_dict`,
   saved in checkpoints: a resumed run continues with the same scale.
 * ``fp8``: torchao's float8 training of the linear layers (``train.fp8_recipe``: ``tensorwise``,
   ``rowwise``, ``rowwise_with_gw_hp``; :func:`convert_fp8`, run by the ``convert`` stage of
@@ -61,7 +62,7 @@ Loss scaling and the stability guard (``train/guard.py``) agree as follows (``tr
 unscaling, a step whose gradients hold Inf/NaN while its loss is finite is an *overflow*: the scaler's
 business. It is skipped once (no optimizer step; the scale backs off), the guard is not asked (so it is
 neither a ``skip_nonfinite`` nor one of the ``guard.max_bad_steps`` that lead to a rollback), and it is
-counted once: one ``loss_scale_overflow`` line in ``metrics.jsonl`` (with the scale before and after)
+counted once: one ``loss_scale_overflow`` line in ``metrics.jsonl`` (``loss_scale`` before, ``new_loss_scale`` after)
 and one in the run summary's ``skipped_steps`` and ``loss_scale_overflows``. A non-finite *loss* is the
 guard's as with any precision (``skip_nonfinite``, counting toward a rollback); the vetoed step leaves
 the scale unchanged (:meth:`discard`). With the guard disabled, a step the scaler skips for any reason
