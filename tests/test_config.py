@@ -44,7 +44,7 @@ def test_overrides_are_typed():
         ({"train.steps": 0}, "train.steps:"),
         ({"model.n_heads": 7}, "model.n_heads: d_model (256) must be divisible by n_heads (7)"),
         ({"optim.betas": [0.9, 1.5]}, "optim.betas:"),
-        ({"train.precision": "fp8"}, "train.precision:"),
+        ({"train.precision": "fp4"}, "train.precision:"),
     ],
 )
 def test_bad_values_name_the_key(override, needle):

@@ -1,34 +1,98 @@
 """The numeric precision policy of a run: one object answers every precision question.
 
-``auto`` picks BF16 only where the hardware computes it natively: a CUDA GPU with BF16 support, or a
-CPU with AVX-512-BF16 or AMX tiles. Elsewhere (for example AVX2-only CPUs) BF16 matrix products are
-emulated and run tens of times slower than FP32, so ``auto`` picks FP32 and ``bf16`` warns.
+``train.precision`` chooses how matrix products compute; the master weights, the optimizer state and
+the gradients the optimizer sees are FP32 in every case:
+
+* ``fp32``: no autocast. On CUDA, matrix products are IEEE FP32 (TF32 off).
+* ``tf32``: FP32 tensors, but CUDA matrix products and cuDNN convolutions use TF32 tensor cores
+  (``torch.backends.{cuda.matmul,cudnn.conv}.fp32_precision = "tf32"``, set when the policy is
+  resolved and set back to ``"ieee"`` by every other CUDA policy). A CPU has no TF32: one warning, and
+  the run computes exactly as ``fp32``.
+* ``bf16``: BF16 autocast. BF16 has FP32's exponent range, so no loss scaling.
+* ``fp16``: FP16 autocast with dynamic loss scaling (``torch.amp.GradScaler``, ``[train.loss_scale]``):
+  :meth:`~PrecisionPolicy.backward` multiplies the loss by the scale, :meth:`~PrecisionPolicy.unscale_`
+  divides the gradients by it (and notes whether any is Inf/NaN) before they are measured or clipped,
+  and :meth:`~PrecisionPolicy.step` is ``scaler.step`` + ``scaler.update``: an overflowing step is not
+  taken and the scale is multiplied by ``backoff_factor``; after ``growth_interval`` clean steps in a
+  row it is multiplied by ``growth_factor``. In a multi-process run each rank's "found Inf" is
+  all-reduced (MAX, over all ranks) right after unscaling, so under DDP, FSDP2 (sharded gradients: each
+  rank sees only its shards), tensor parallelism and hybrid layouts every rank skips the same steps and
+  keeps the same scale. (Torch already agrees in part: DDP's gradient all-reduce spreads an Inf/NaN to
+  every rank, and the DTensor dispatch of the found-Inf op reduces the flag over the gradient's mesh for
+  FSDP2 and TP; measured, FSDP2 agrees without the explicit reduction. It is kept so that agreement
+  holds in every layout without relying on either. ``ShardedGradScaler`` does the same reduction but
+  keeps its flag in shape ``(1,)``, which torch 2.13's fused AdamW cannot broadcast into its step
+  counters; measured failing.) The scaler's state (scale, growth tracker) is in :meth:`state_dict`,
+  saved in checkpoints: a resumed run continues with the same scale.
+* ``fp8``: torchao's float8 training of the linear layers (``train.fp8_recipe``: ``tensorwise``,
+  ``rowwise``, ``rowwise_with_gw_hp``; :func:`convert_fp8`, run by the ``convert`` stage of
+  ``lmforge.parallel.apply``, first in the transformation order), BF16 autocast for everything else.
+  Layers torchao cannot take (a dimension not a multiple of 16) and the output head stay BF16. Needs a
+  GPU of compute capability 8.9 or newer (refused below it, :func:`fp8_refusal`); on a CPU the float8
+  matrix products are emulated (``Float8LinearConfig.emulate``: the operands are quantised to float8
+  and multiplied in high precision), slow but numerically float8.
+* ``auto`` picks BF16 only where the hardware computes it natively: a CUDA GPU with BF16 support, or a
+  CPU with AVX-512-BF16 or AMX tiles. Elsewhere (for example AVX2-only CPUs) BF16 matrix products are
+  emulated and run tens of times slower than FP32, so ``auto`` picks FP32 and ``bf16`` warns.
+
+Softmax, norms and the loss stay in FP32 under every autocast, and this holds by construction of the
+model rather than by autocast's op lists (measured on CPU, torch 2.13: ``F.rms_norm``, ``F.layer_norm``
+and ``torch.softmax`` given BF16/FP16 inputs under CPU autocast compute and return BF16/FP16):
+
+* norms: the residual stream is FP32 (the embedding is not autocast, and ``x + block(x)`` of an FP32
+  ``x`` and a BF16/FP16 branch is FP32), so every RMSNorm/LayerNorm, the final one included, gets FP32
+  inputs and computes in FP32 (``tests/test_precision.py`` records their input and output dtypes);
+* softmax: attention's softmax runs inside ``scaled_dot_product_attention`` on BF16/FP16 ``q, k, v``;
+  its kernels accumulate the softmax in FP32 (CPU: the result equals the FP32 computation rounded once,
+  relative error 1.5e-3 for BF16 against 8.5e-3 for a BF16 softmax; CUDA's flash / memory-efficient
+  kernels and FlexAttention keep the softmax statistics in FP32 registers);
+* the loss: ``model/loss.py`` upcasts each chunk's logits with ``.float()`` before the cross-entropy.
 
 A :class:`PrecisionPolicy` is built once per run (:meth:`PrecisionPolicy.resolve`) and answers:
 
 * :meth:`~PrecisionPolicy.autocast`: the context forward passes (training and evaluation) run in;
 * :meth:`~PrecisionPolicy.backward`: how a loss is differentiated;
 * :meth:`~PrecisionPolicy.unscale_`: what must happen to gradients before they are measured or clipped;
+* :meth:`~PrecisionPolicy.overflowed`: whether the scaler found Inf/NaN gradients with a finite loss;
 * :meth:`~PrecisionPolicy.step`: how the optimizer step is taken (whether it was taken);
+* :meth:`~PrecisionPolicy.discard`: a step vetoed by an observer (the guard) leaves the scaler as it was;
 * :attr:`~PrecisionPolicy.eval_dtype`: the dtype evaluation computes in.
 
-For ``fp32`` and ``bf16`` the loss scaler is a do-nothing one (BF16 has FP32's exponent range), so
-``backward`` is ``loss.backward()`` and ``step`` is ``optimizer.step()``. FP16's dynamic loss scaling
-and FP8's model conversion plug into these same seams (``unscale_``/``step`` and the conversion stage of
-``lmforge.parallel.apply``) without changing any caller.
+Loss scaling and the stability guard (``train/guard.py``) agree as follows (``train/step.py``): after
+unscaling, a step whose gradients hold Inf/NaN while its loss is finite is an *overflow*: the scaler's
+business. It is skipped once (no optimizer step; the scale backs off), the guard is not asked (so it is
+neither a ``skip_nonfinite`` nor one of the ``guard.max_bad_steps`` that lead to a rollback), and it is
+counted once: one ``loss_scale_overflow`` line in ``metrics.jsonl`` (``loss_scale`` before, ``new_loss_scale`` after)
+and one in the run summary's ``skipped_steps`` and ``loss_scale_overflows``. A non-finite *loss* is the
+guard's as with any precision (``skip_nonfinite``, counting toward a rollback); the vetoed step leaves
+the scale unchanged (:meth:`discard`). With the guard disabled, a step the scaler skips for any reason
+is reported as an overflow.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
+
+from lmforge.config import LossScaleConfig, ParallelConfig, TrainConfig
+from lmforge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,  # everything but the converted linear layers
+}
+FP8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
+FP8_DIVISOR = 16  # torch._scaled_mm needs both dimensions of a weight to be multiples of 16
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -55,21 +119,112 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     return requested
 
 
+def fp8_refusal(capability: tuple[int, int]) -> str | None:
+    """The one-line refusal of ``fp8`` on a CUDA GPU of compute ``capability``, or None where it can."""
+    if tuple(capability) >= FP8_MIN_CAPABILITY:
+        return None
+    major, minor = capability
+    return (
+        f"train.precision: fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+        f"this one is {major}.{minor}; use --train.precision=bf16"
+    )
+
+
+def check_precision(
+    train: TrainConfig,
+    parallel: ParallelConfig,
+    device: torch.device,
+    capability: tuple[int, int] | None = None,
+) -> None:
+    """Refuse (one line naming the key) what this device or layout cannot do with ``train.precision``,
+    warn where it is slow; ``capability``: the CUDA device's (read from the device when None)."""
+    name = train.precision
+    if name == "fp8" and device.type == "cuda":
+        refusal = fp8_refusal(capability or torch.cuda.get_device_capability(device))
+        if refusal:
+            raise ConfigError(refusal)
+    if name == "fp8" and parallel.tp > 1:
+        raise ConfigError(
+            "train.precision: fp8 with parallel.tp > 1 is not supported (torchao's float8 tensor-parallel "
+            "styles are not wired into lmforge's plan); use --train.precision=bf16 or parallel.tp = 1"
+        )
+    if name == "fp16" and parallel.pp > 1:
+        raise ConfigError(
+            "train.precision: fp16 with parallel.pp > 1 is not supported (the pipeline schedule runs "
+            "backward itself, without the loss scale); use --train.precision=bf16"
+        )
+    if device.type == "cpu" and name == "tf32":
+        log.warning("train.precision: tf32 exists only on CUDA GPUs; on this CPU the run computes in fp32")
+    elif device.type == "cpu" and name == "fp16":
+        log.warning(
+            "train.precision: fp16 on a CPU is slow (FP16 matrix products are emulated on most CPUs); "
+            "use --train.precision=auto"
+        )
+    elif device.type == "cpu" and name == "fp8":
+        log.warning(
+            "train.precision: fp8 on a CPU runs emulated (float8 operands, high-precision products) and "
+            "slow; it is for testing, use a GPU of compute capability 8.9+ to train"
+        )
+
+
+def set_tf32(device: torch.device, enabled: bool) -> None:
+    """TF32 for FP32 matrix products and cuDNN convolutions on CUDA (torch's ``fp32_precision`` API)."""
+    if device.type != "cuda":
+        return
+    mode = "tf32" if enabled else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = mode
+    torch.backends.cudnn.conv.fp32_precision = mode
+
+
+def make_scaler(cfg: LossScaleConfig, device: torch.device) -> torch.amp.GradScaler:
+    """The loss scaler of ``fp16`` with the ``[train.loss_scale]`` settings."""
+    return torch.amp.GradScaler(
+        device.type,
+        init_scale=cfg.init_scale,
+        growth_factor=cfg.growth_factor,
+        backoff_factor=cfg.backoff_factor,
+        growth_interval=cfg.growth_interval,
+    )
+
+
+def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The scaler's "found Inf/NaN" flags of ``optimizer``'s last unscaling, one per device: the very
+    tensors ``scaler.step`` (and a fused optimizer) read. ``GradScaler`` keeps them in a private record;
+    ``ShardedGradScaler`` reads the same one."""
+    return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+
+
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """How one run computes: ``name`` is ``fp32`` or ``bf16`` (autocast over FP32 master weights)."""
+    """How one run computes: ``name`` is ``fp32``, ``tf32``, ``bf16``, ``fp16`` or ``fp8`` (autocast over
+    FP32 master weights); ``scaler``: the dynamic loss scaler of ``fp16`` (None otherwise)."""
 
     name: str
     device: torch.device
+    scaler: torch.amp.GradScaler | None = field(default=None, compare=False)
+    distributed: bool = False  # several processes: the scaler's found-Inf is all-reduced over all ranks
 
     @classmethod
-    def resolve(cls, requested: str, device: torch.device) -> PrecisionPolicy:
-        """The policy for ``train.precision`` on ``device`` (``auto`` resolved; see the module docstring)."""
-        return cls(resolve_precision(requested, device), device)
+    def resolve(
+        cls,
+        requested: str,
+        device: torch.device,
+        loss_scale: LossScaleConfig | None = None,
+        distributed: bool = False,
+    ) -> PrecisionPolicy:
+        """The policy for ``train.precision`` on ``device`` (``auto`` resolved; see the module docstring);
+        ``loss_scale``: the ``fp16`` scaler's settings; ``distributed``: several processes."""
+        name = resolve_precision(requested, device)
+        set_tf32(device, name == "tf32")
+        scaler = None
+        if name == "fp16":
+            scaler = make_scaler(loss_scale or LossScaleConfig(), device)
+        return cls(name, device, scaler, distributed)
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype matrix products run in."""
+        """The dtype matrix products run in (``fp8``: that of everything but the float8 linear layers;
+        FSDP2 gathers parameters in it)."""
         return DTYPES[self.name]
 
     @property
@@ -78,28 +233,114 @@ class PrecisionPolicy:
         function that was trained."""
         return self.compute_dtype
 
+    @property
+    def loss_scale(self) -> float | None:
+        """The current loss scale (``fp16``), else None. Reading it is a host sync."""
+        return None if self.scaler is None else float(self.scaler.get_scale())
+
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The context forward passes run in: BF16 autocast for ``bf16``, nothing for ``fp32``."""
-        if self.name == "fp32":
+        """The context forward passes run in: autocast to :attr:`compute_dtype`, nothing for fp32/tf32."""
+        if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Differentiate ``loss`` (gradients accumulate); a loss scaler would scale it first."""
+        """Differentiate ``loss`` (gradients accumulate); with a loss scaler, ``loss * scale``."""
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
         loss.backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring gradients to their true scale before they are measured or clipped (a no-op without a
-        loss scaler)."""
+        loss scaler; with one, also notes whether any gradient is Inf/NaN, agreed over all ranks)."""
+        if self.scaler is None:
+            return
+        self.scaler.unscale_(optimizer)
+        if self.distributed:  # every rank skips the same steps: MAX of the flags over all ranks, in place
+            import torch.distributed as dist
+
+            for flag in found_inf(self.scaler, optimizer):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+
+    def overflowed(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> bool:
+        """Whether this step is a loss-scale overflow: after :meth:`unscale_`, some gradient is Inf/NaN
+        while ``loss`` (already reduced over ranks) is finite. One host sync with a scaler, none without."""
+        if self.scaler is None:
+            return False
+        found = sum(f.to(loss.device) for f in found_inf(self.scaler, optimizer)).reshape(())
+        inf, finite = torch.stack([found > 0, torch.isfinite(loss).reshape(())]).tolist()
+        return bool(inf and finite)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Take the optimizer step; returns whether it was taken (a scaler may skip overflowing steps)."""
-        optimizer.step()
-        return True
+        """Take the optimizer step; returns whether it was taken (a scaler skips overflowing steps and
+        then backs the scale off; it grows it after ``growth_interval`` clean steps)."""
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        self.scaler.step(optimizer)
+        taken = not sum(float(f) for f in found_inf(self.scaler, optimizer))
+        self.scaler.update()
+        return taken
+
+    def discard(self, optimizer: torch.optim.Optimizer) -> None:
+        """An observer vetoed the step (its gradients are dropped): forget this step's unscaling and leave
+        the scale and growth tracker as they were. (``GradScaler`` has no public reset short of
+        ``update()``, which would count the step; its per-optimizer record is dropped instead.)"""
+        if self.scaler is not None:
+            self.scaler._per_optimizer_states.pop(id(optimizer), None)
 
     def state_dict(self) -> dict:
-        """The scaler's state (empty for the do-nothing scaler)."""
-        return {}
+        """The scaler's state (empty without a scaler)."""
+        return {} if self.scaler is None else self.scaler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output."""
+        """Restore :meth:`state_dict`'s output (an empty state, e.g. of a run that had no scaler, keeps the
+        configured initial scale)."""
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+# -- FP8: the model conversion of the ``convert`` stage -----------------------------------------------------
+
+
+def fp8_takes(module: nn.Module, fqn: str) -> bool:
+    """Whether the float8 conversion takes this linear layer: not the output head (its logits feed the
+    loss, kept in BF16), and both dimensions multiples of 16 (``torch._scaled_mm``)."""
+    if not isinstance(module, nn.Linear) or fqn.rsplit(".", 1)[-1] == "lm_head":
+        return False
+    return module.in_features % FP8_DIVISOR == 0 and module.out_features % FP8_DIVISOR == 0
+
+
+def _cpu_autocast_input(module: nn.Module, args: tuple) -> tuple | None:
+    """torchao's ``Float8Linear.forward`` copies ``F.linear``'s autocast cast of its input for CUDA
+    autocast only; this forward pre-hook does the same under CPU autocast (without it the layer keeps an
+    FP32 input and ``rowwise_with_gw_hp``'s high-precision weight gradient mixes BF16 and FP32)."""
+    if torch.is_autocast_enabled("cpu") and args and args[0].is_floating_point():
+        return (args[0].to(torch.get_autocast_dtype("cpu")), *args[1:])
+    return None
+
+
+def convert_fp8(model: nn.Module, recipe: str, device: torch.device) -> int:
+    """Swap ``model``'s linear layers for torchao ``Float8Linear`` with ``recipe`` (emulated off CUDA);
+    returns how many were converted (logged with the skipped ones)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    emulate = device.type != "cuda"
+    if emulate:
+        config = dataclasses.replace(config, emulate=True)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    convert_to_float8_training(model, module_filter_fn=fp8_takes, config=config)
+    converted = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    if emulate:
+        for m in converted:
+            m.register_forward_pre_hook(_cpu_autocast_input)
+    head = sum(n.rsplit(".", 1)[-1] == "lm_head" for n, _ in linears)
+    log.info(
+        "fp8: %d of %d linear layers converted to float8 (%s%s); kept in bf16: %d output head, %d with a "
+        "dimension not a multiple of %d",
+        len(converted), len(linears), recipe, ", emulated" if emulate else "", head,
+        len(linears) - len(converted) - head, FP8_DIVISOR,
+    )  # fmt: skip
+    return len(converted)

@@ -16,9 +16,10 @@ the only place the order is written. The order is forced by what each stage need
 5. ``data_parallel`` (``fully_shard`` / DDP) comes last: it wraps the compiled modules and owns the
    parameters' storage from then on.
 
-``convert`` (FP8) returns the module unchanged today and is where that feature goes. Activation
-offloading (``train.activation_offload``, CUDA) is not a stage: its saved-tensor hooks wrap the whole
-training step (:func:`activation_offload`). Pipeline parallelism cuts the model into stages (``lmforge/parallel/pipeline.py``)
+``convert`` swaps the linear layers for torchao's float8 ones with ``train.precision = "fp8"`` (else
+it returns the module unchanged). Activation offloading (``train.activation_offload``, CUDA) is not a
+stage: its saved-tensor hooks wrap the whole training step (:func:`activation_offload`). Pipeline
+parallelism cuts the model into stages (``lmforge/parallel/pipeline.py``)
 before any of them; the stages then run on each stage's objective.
 
 Compilation: a single process compiles the whole training objective
@@ -75,7 +76,12 @@ def can_compile(enabled: bool, device: torch.device) -> bool:
 
 
 def convert(module: nn.Module, ctx: ApplyContext) -> nn.Module:
-    """Module conversions (FP8 training of the linear layers). None are configured yet: unchanged."""
+    """Module conversions: with ``train.precision = "fp8"``, torchao float8 training of the linear layers
+    (``train.fp8_recipe``; ``lmforge/precision.py::convert_fp8``); else unchanged."""
+    if ctx.train.precision == "fp8":
+        from lmforge.precision import convert_fp8
+
+        convert_fp8(model_of(module), ctx.train.fp8_recipe, ctx.device)
     return module
 
 

@@ -46,7 +46,7 @@ from lmforge.parallel.pipeline import (
 )
 from lmforge.parallel.reduce import StepReduce
 from lmforge.parallel.tensor import check_tensor_parallel
-from lmforge.precision import PrecisionPolicy
+from lmforge.precision import PrecisionPolicy, check_precision
 from lmforge.train.runtime import configure_determinism, pick_device, seed_all
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ def validate(cfg: Config) -> torch.device:
             "train.activation_offload: offloading activations to host memory needs a CUDA device (on a CPU "
             "they already live in host memory); remove --train.activation_offload"
         )
+    check_precision(cfg.train, cfg.parallel, device)
     check_layout(cfg, launch_env()[2])
     check_model_layout(cfg)
     accumulation_steps(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
@@ -167,7 +168,7 @@ def build_run(cfg: Config, data: PreparedData | None = None) -> Run:
         device = torch.device("cuda", torch.cuda.current_device())
     accum = accumulation_steps(cfg, layout.dp)
     configure_determinism(cfg.train.deterministic)
-    precision = PrecisionPolicy.resolve(cfg.train.precision, device)
+    precision = PrecisionPolicy.resolve(cfg.train.precision, device, cfg.train.loss_scale, layout.distributed)
     if data is None:
         data = prepare_on_rank0(cfg, layout)
     if layout.degrees["tp"] > 1:  # the tokenizer's own vocabulary, now that it is known

@@ -21,6 +21,16 @@ shows in it). The verdict is one of:
   and skip the data around it). After ``max_rollbacks`` rollbacks the next one stops the run with
   :class:`TrainingDiverged`.
 
+Loss-scale overflows (``train.precision = "fp16"``): a step whose gradients hold Inf/NaN while its loss
+is finite is decided by the loss scaler before the guard is asked (``train/step.py``): the scaler skips
+it and backs its scale off, and the guard is never asked about it, so it is neither a ``skip_nonfinite``
+nor one of the ``max_bad_steps`` in a row (the run of bad steps is neither extended nor reset by it).
+The guard only accounts for it (:meth:`Guard.overflow`): one ``loss_scale_overflow`` event with the scale
+before and after, counted once in ``skipped`` (every skipped attempt, whoever skipped it) and in
+``overflows``. A non-finite *loss* stays the guard's (``skip_nonfinite``; the scale is left as it was).
+So ``skipped`` always equals the number of ``skip_nonfinite``, ``skip_spike`` and ``loss_scale_overflow``
+lines.
+
 Every event is a ``metrics.jsonl`` line with the step it concerns (for a skip: the number the step
 would have had) and an ``event`` name, and a logged warning. The guard's window and counters are in
 :meth:`Guard.state_dict`, saved in checkpoints, so a resumed run takes the same decisions.
@@ -97,7 +107,8 @@ class Guard:
         self.emit = emit or (lambda record: None)
         self.losses: list[float] = []  # recent accepted losses, oldest first
         self.bad = 0  # consecutive skipped steps
-        self.skipped = 0  # skipped steps in the whole run
+        self.skipped = 0  # skipped steps in the whole run (the guard's and the loss scaler's)
+        self.overflows = 0  # of which loss-scale overflows (skipped by the scaler, not the guard)
         self.rollbacks = 0
         self.lr_scale = 1.0  # product of the rollback learning-rate factors
 
@@ -129,6 +140,18 @@ class Guard:
         self._event(step, event, **fields, consecutive=self.bad)
         return Action.ROLLBACK if self.bad >= self.cfg.max_bad_steps else Action.SKIP
 
+    def overflow(self, step: int, loss: float, loss_scale: float | None, new_scale: float | None) -> None:
+        """Account for the loss scaler's skip of the attempt at ``step`` (Inf/NaN gradients, finite loss):
+        counted once, as a skipped step and an overflow; not a bad step (no rollback comes of it)."""
+        self.skipped += 1
+        self.overflows += 1
+        fields: dict[str, Any] = {"loss": loss, "overflows": self.overflows}
+        if loss_scale is not None:
+            fields["loss_scale"] = loss_scale
+        if new_scale is not None:
+            fields["new_loss_scale"] = new_scale
+        self._event(step, "loss_scale_overflow", **fields)
+
     def rollback(self, step: int, saved: dict, to_step: int, data_from: int, data_to: int) -> None:
         """Account for a rollback at ``step`` to the state of ``to_step`` (``saved``: the guard's state
         then); the loader goes on from sequence ``data_to``, so ``[data_from, data_to)`` is skipped."""
@@ -158,6 +181,7 @@ class Guard:
             "losses": list(self.losses),
             "bad": self.bad,
             "skipped": self.skipped,
+            "overflows": self.overflows,
             "rollbacks": self.rollbacks,
             "lr_scale": self.lr_scale,
         }
@@ -165,6 +189,7 @@ class Guard:
     def load_state_dict(self, state: dict) -> None:
         self.losses = list(state["losses"])
         self.bad, self.skipped = state["bad"], state["skipped"]
+        self.overflows = state.get("overflows", 0)  # absent from checkpoints before loss scaling
         self.rollbacks, self.lr_scale = state["rollbacks"], state["lr_scale"]
 
 

@@ -65,11 +65,12 @@ def range_test(
 ) -> LRFindResult:
     """Train ``f.steps`` steps at geometrically growing learning rates on ``next_batches()`` (one list of
     micro-batches per step); stop on divergence. ``model``, ``optimizer`` and ``clipper`` are put back as
-    they were (parameters, buffers, optimizer state and learning rates, clipping statistics, random
-    generators), so a live model can be probed. ``objective`` computes the loss of ``model``."""
+    they were (parameters, buffers, optimizer state and learning rates, clipping statistics, the loss
+    scale, random generators), so a live model can be probed. ``objective`` computes the loss of ``model``."""
     model_state = copy.deepcopy(model.state_dict())
     optim_state = copy.deepcopy(optimizer.state_dict())
     clip_state = copy.deepcopy(clipper.state_dict())
+    precision_state = copy.deepcopy(precision.state_dict())  # fp16: the loss scale the sweep moves
     rng = rng_state()
     lrs: list[float] = []
     losses: list[float] = []
@@ -95,6 +96,7 @@ def range_test(
         optimizer.load_state_dict(optim_state)
         optimizer.zero_grad(set_to_none=True)
         clipper.load_state_dict(clip_state)
+        precision.load_state_dict(precision_state)
         set_rng_state(rng)
     if len(lrs) < 3:
         raise UserError(

@@ -7,6 +7,12 @@ micro-batch through its schedule instead. Then bring gradients
 to their true scale, measure their norm, ask the step's observers whether to go on (the stability
 guard may veto: skip, or roll back), clip (``optim/clip.py``), set the scheduled learning rate and take
 the optimizer step through the policy; gradients are cleared either way.
+
+With a loss scaler (``train.precision = "fp16"``) a step whose unscaled gradients hold Inf/NaN while the
+loss is finite is an overflow, decided before the observers are asked: the policy's ``step`` skips it and
+backs the scale off, the result is ``SKIP`` with ``overflow=True``, and the guard never sees it (it is
+not one of its bad steps). A vetoed step tells the policy (``discard``), which leaves the scale as it was.
+See ``lmforge/precision.py`` for the whole agreement.
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ class StepResult:
     loss: torch.Tensor  # mean token loss of the step
     grad_norm: torch.Tensor  # global gradient norm before clipping
     clip: ClipStats | None  # clip ratio and threshold (None: no step taken)
-    action: Action  # STEP, or SKIP / ROLLBACK when an observer vetoed the step
+    action: Action  # STEP; SKIP / ROLLBACK: an observer vetoed it (SKIP also: the loss scaler skipped it)
+    overflow: bool = False  # the loss scaler skipped the step: Inf/NaN gradients with a finite loss
+    loss_scale: float | None = None  # with overflow: the scale the step used (before backing off)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -105,12 +113,23 @@ def train_step(
     precision.unscale_(optimizer)
     groups = [group["params"] for group in optimizer.param_groups]
     grad_norm = clipper.measure(groups)
+    if precision.overflowed(optimizer, loss_total):  # the loss scaler's business, not the observers'
+        scale = precision.loss_scale
+        precision.step(optimizer)  # not taken; backs the scale off
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss_total, grad_norm, None, Action.SKIP, overflow=True, loss_scale=scale)
     verdicts = [obs.veto(loss_total, grad_norm) for obs in observers]
     action = max(verdicts, key=SEVERITY.__getitem__, default=Action.STEP)
-    clip_stats = None
+    clip_stats, overflow, scale = None, False, None
     if action is Action.STEP:
         clip_stats = clipper.clip(groups, grad_norm)
         set_lr(optimizer, lr)
-        precision.step(optimizer)
+        scale = precision.loss_scale
+        if not precision.step(optimizer):  # a scaler skipped it (a non-finite loss no observer vetoed)
+            action, clip_stats, overflow = Action.SKIP, None, True
+        else:
+            scale = None
+    else:
+        precision.discard(optimizer)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_total, grad_norm, clip_stats, action)
+    return StepResult(loss_total, grad_norm, clip_stats, action, overflow, scale)

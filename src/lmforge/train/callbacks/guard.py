@@ -14,7 +14,8 @@ from lmforge.train.trainer import Trainer
 
 class StabilityGuard(Callback):
     """Skips steps with a non-finite or spiking loss; on ``guard.max_bad_steps`` in a row, restores the
-    state of the last checkpoint (held in host memory) and reads on past the data since then."""
+    state of the last checkpoint (held in host memory) and reads on past the data since then. Steps the
+    loss scaler skipped (``result.overflow``) are only counted and logged (``loss_scale_overflow``)."""
 
     state_key = "guard"
 
@@ -33,6 +34,10 @@ class StabilityGuard(Callback):
         return self.guard.check(trainer.progress.step + 1, loss, grad_norm)
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if result.overflow:  # the loss scaler skipped it: counted here, never a bad step of the guard's
+            scale = trainer.run.precision.loss_scale
+            self.guard.overflow(trainer.progress.step + 1, float(result.loss), result.loss_scale, scale)
+            return
         if result.action is not Action.ROLLBACK:
             return
         good = self.last_good.restore()
@@ -52,6 +57,9 @@ class StabilityGuard(Callback):
 
     def on_train_end(self, trainer: Trainer) -> None:
         trainer.summary["skipped_steps"] = self.guard.skipped
+        if trainer.run.precision.scaler is not None:
+            trainer.summary["loss_scale_overflows"] = self.guard.overflows
+            trainer.summary["loss_scale"] = trainer.run.precision.loss_scale
         trainer.summary["rollbacks"] = self.guard.rollbacks
 
     def state_dict(self) -> dict:

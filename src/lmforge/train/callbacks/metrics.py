@@ -27,7 +27,7 @@ def eta_seconds(remaining: int, step_s: float, overhead_s: float, done: int) -> 
 
 class StepMetrics(Callback):
     """Every ``train.log_interval`` steps (and the last): loss, lr, gradient norm before clipping, clip
-    ratio and threshold, clipped steps since the previous line, tokens/s of the training steps over that
+    ratio and threshold, clipped steps since the previous line, the loss scale (fp16), tokens/s of the training steps over that
     window, the ETA (:func:`eta_seconds`), tokens seen, epoch, and the loader's report (phase and mix of
     a mixture).
 
@@ -91,6 +91,8 @@ class StepMetrics(Callback):
         }
         if result.clip.threshold is not None:
             record["clip_threshold"] = float(result.clip.threshold)
+        if trainer.run.precision.scaler is not None:  # fp16: the scale the next step uses
+            record["loss_scale"] = trainer.run.precision.loss_scale
         pipeline = getattr(trainer.run.objective, "pipeline", None)
         if pipeline is not None:  # measured on rank 0 (the first stage) in the step's last micro-batch
             record["pp_bubble"] = pipeline.last_bubble

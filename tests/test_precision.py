@@ -1,0 +1,306 @@
+"""``train.precision``: fp8 (torchao float8, emulated on CPU) against BF16, fp16's dynamic loss scaling in
+real runs (an injected overflow, exact resume), where the stability guard and the scaler meet, the
+refusals and warnings of validation, tf32 on CPU, and where softmax, norms and the loss compute."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lmforge.config import GuardConfig, ModelConfig, ParallelConfig, TrainConfig
+from lmforge.data.loader import Batch
+from lmforge.errors import ConfigError
+from lmforge.model.loss import NextTokenLoss
+from lmforge.optim.clip import Clipper
+from lmforge.parallel.apply import ApplyContext, apply
+from lmforge.precision import PrecisionPolicy, check_precision, fp8_refusal, fp8_takes
+from lmforge.recipe import load_config
+from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks.stop import StopAfter
+from lmforge.train.guard import Guard, GuardObserver
+from lmforge.train.launch import train
+from lmforge.train.step import Action, train_step
+from tests.conftest import model_of, tiny_overrides
+
+CPU = torch.device("cpu")
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """``20 log10(||ref|| / ||ref - x||)`` in dB (torchao's ``compute_error``)."""
+    ref, x = ref.double(), x.double()
+    return float(20 * torch.log10(ref.norm() / (ref - x).norm()))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fp8: torchao float8 linear layers (emulated on CPU) against the same weights in BF16
+
+
+def _logits_and_grads(objective: NextTokenLoss, policy: PrecisionPolicy, inputs, targets):
+    model = objective.model
+    model.zero_grad(set_to_none=True)
+    with policy.autocast():
+        logits = model.logits(model(inputs))
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    loss.backward()
+    return logits.detach().float(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_fp8_emulated_matches_bf16(recipe, caplog):
+    """torchao's bar (its float8 tests): outputs within 18 dB SQNR of BF16, every gradient within 17 dB."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, tie_embeddings=False)
+    base = model_of(cfg, 256, 32)
+    inputs, targets = torch.randint(0, 256, (4, 32)), torch.randint(0, 256, (4, 32))
+    bf16 = PrecisionPolicy("bf16", CPU)
+    want_logits, want_grads = _logits_and_grads(NextTokenLoss(copy.deepcopy(base)), bf16, inputs, targets)
+
+    train_cfg = TrainConfig(precision="fp8", fp8_recipe=recipe, compile=False)
+    with caplog.at_level(logging.INFO, logger="lmforge"):
+        fp8_objective = apply(NextTokenLoss(copy.deepcopy(base)), ApplyContext(train_cfg, CPU))
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = fp8_objective.model
+    assert sum(isinstance(m, Float8Linear) for m in model.modules()) == 14  # 2 blocks x (4 attn + 3 mlp)
+    assert type(model.lm_head) is nn.Linear  # the output head stays BF16
+    assert "14 of 15 linear layers converted" in caplog.text
+    got_logits, got_grads = _logits_and_grads(fp8_objective, PrecisionPolicy("fp8", CPU), inputs, targets)
+
+    out_db = sqnr(want_logits, got_logits)
+    grad_db = {n: sqnr(want_grads[n], got_grads[n]) for n in want_grads}
+    print(f"{recipe}: logits {out_db:.1f} dB, gradients min {min(grad_db.values()):.1f} dB")
+    assert out_db >= 18, out_db
+    assert min(grad_db.values()) >= 17, grad_db
+    assert out_db < 60  # it really is float8, not a BF16 copy
+
+
+def test_fp8_skips_what_torchao_cannot_take():
+    assert fp8_takes(nn.Linear(64, 176), "blocks.0.mlp.up_proj")
+    assert not fp8_takes(nn.Linear(40, 64), "blocks.0.attn.q_proj")  # 40 is not a multiple of 16
+    assert not fp8_takes(nn.Linear(64, 256), "lm_head")
+    assert not fp8_takes(nn.Embedding(8, 16), "embed")
+
+
+def test_fp8_training_run(corpus_dir, tmp_path):
+    """A short fp8 run (emulated, the default tensorwise recipe) through ``lmforge train`` trains."""
+    over = tiny_overrides(corpus_dir, tmp_path / "data")
+    over.update(
+        {"train.precision": "fp8", "model.d_model": 64, "train.steps": 6, "train.log_interval": 1}
+        | {"train.eval_interval": 0, "train.checkpoint_interval": 0, "train.sample_tokens": 0}
+    )
+    train(load_config(None, over), tmp_path / "run", progress_bar=False)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in lines if "tokens_per_s" in x]
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fp16: dynamic loss scaling in real runs
+
+
+FP16_RUN = {
+    "train.precision": "fp16",
+    "train.steps": 8,
+    "train.log_interval": 1,
+    "train.eval_interval": 0,
+    "train.checkpoint_interval": 4,
+    "train.sample_tokens": 0,
+    "train.loss_scale.init_scale": 1024.0,
+    "train.loss_scale.growth_interval": 1000,
+    "guard.max_bad_steps": 1,  # were the overflow one of the guard's bad steps, it would roll back
+}
+
+
+class InfGradient(Callback):
+    """Puts +Inf into one gradient of attempt ``at`` (0-based) and checks that attempt left the weights
+    as they were."""
+
+    def __init__(self, at: int):
+        self.at = at
+        self.before: dict | None = None
+        self.unchanged: bool | None = None
+
+    def after_backward(self, trainer) -> None:
+        if trainer.attempt == self.at:
+            model = trainer.run.model
+            self.before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            model.blocks[0].mlp.up_proj.weight.grad.view(-1)[0] = float("inf")
+
+    def on_step_end(self, trainer, result) -> None:
+        if self.before is not None and self.unchanged is None:
+            now = dict(trainer.run.model.named_parameters())
+            self.unchanged = all(torch.equal(p, now[n]) for n, p in self.before.items())
+
+
+def _records(run) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fp16_overflow_is_skipped_once_backs_off_and_trains_on(corpus_dir, tmp_path, caplog):
+    over = {**tiny_overrides(corpus_dir, tmp_path / "data"), **FP16_RUN}
+    inject = InfGradient(at=2)  # the third attempt: step 3
+    with caplog.at_level(logging.WARNING, logger="lmforge"):
+        summary = train(load_config(None, over), tmp_path / "run", progress_bar=False, callbacks=[inject])
+    assert "fp16 on a CPU is slow" in caplog.text
+
+    records = _records(tmp_path / "run")
+    events = [x for x in records if x.get("event") not in (None, "checkpoint")]
+    assert [(e["step"], e["event"]) for e in events] == [(3, "loss_scale_overflow")]  # once, no rollback
+    assert events[0]["loss_scale"] == 1024.0 and events[0]["new_loss_scale"] == 512.0
+    assert math.isfinite(events[0]["loss"])
+    assert inject.unchanged is True  # no optimizer step on the overflowing attempt
+
+    steps = [x for x in records if "tokens_per_s" in x]
+    assert [x["step"] for x in steps] == list(range(1, 9))  # the skipped attempt got no step number
+    assert [x["loss_scale"] for x in steps] == [1024.0, 1024.0] + [512.0] * 6
+    assert all(math.isfinite(x["loss"]) and math.isfinite(x["grad_norm"]) for x in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert summary["skipped_steps"] == 1 and summary["loss_scale_overflows"] == 1
+    assert summary["rollbacks"] == 0 and summary["step"] == 8 and summary["loss_scale"] == 512.0
+
+
+def test_fp16_resume_is_exact(corpus_dir, tmp_path):
+    """The scaler's state (scale, growth tracker) is in the checkpoint: stopped at 4 and resumed to 8,
+    the run is the uninterrupted one, losses and scales bit for bit (the scale grows every 3 steps)."""
+    over = {**tiny_overrides(corpus_dir, tmp_path / "data"), **FP16_RUN}
+    over["train.loss_scale.growth_interval"] = 3
+    cfg = load_config(None, over)
+    train(cfg, tmp_path / "whole", progress_bar=False)
+    train(cfg, tmp_path / "parts", progress_bar=False, callbacks=[StopAfter(4)])
+    train(cfg, tmp_path / "parts", resume=True, progress_bar=False)
+
+    def steps(run):
+        return [(x["step"], x["loss"], x["loss_scale"]) for x in _records(run) if "tokens_per_s" in x]
+
+    whole = steps(tmp_path / "whole")
+    assert [s for _, _, s in whole] == [1024.0] * 2 + [2048.0] * 3 + [4096.0] * 3
+    assert steps(tmp_path / "parts") == whole
+
+
+def _fp16_step(policy, objective, optimizer, observers=()):
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 64, (2, 16))
+    batch = Batch(tokens, torch.randint(0, 64, (2, 16)), torch.zeros_like(tokens))
+    return train_step(objective, optimizer, [batch], 1e-3, Clipper("norm", 1.0), policy, observers)
+
+
+def test_fp16_nan_loss_stays_the_guards_and_leaves_the_scale():
+    """A non-finite loss is the guard's skip (a bad step), not an overflow; the scale is unchanged and the
+    next step goes through the scaler as usual (the vetoed step's unscaling was forgotten)."""
+    torch.manual_seed(0)
+    model = model_of(ModelConfig(n_layers=1, d_model=32, n_heads=4), 64, 16)
+    objective = NextTokenLoss(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    policy = PrecisionPolicy.resolve("fp16", CPU)
+    guard = Guard(GuardConfig(max_bad_steps=3))
+
+    def nan_loss(inputs, targets, doc_ids):
+        loss_sum, n = objective(inputs, targets, doc_ids)
+        return loss_sum * float("nan"), n
+
+    scale = policy.loss_scale
+    out = _fp16_step(policy, nan_loss, optimizer, [GuardObserver(guard, 1)])
+    assert out.action is Action.SKIP and not out.overflow
+    assert guard.bad == 1 and guard.overflows == 0 and policy.loss_scale == scale
+    out = _fp16_step(policy, objective, optimizer, [GuardObserver(guard, 1)])
+    assert out.action is Action.STEP and torch.isfinite(out.loss) and policy.loss_scale == scale
+
+
+# ---------------------------------------------------------------------------------------------------------
+# validation: refusals and warnings
+
+
+def test_fp8_refused_below_compute_capability_8_9():
+    for cap in [(7, 0), (8, 0), (8, 6)]:
+        line = fp8_refusal(cap)
+        assert line.startswith("train.precision: fp8") and "8.9" in line and "\n" not in line
+        assert f"{cap[0]}.{cap[1]}" in line
+    assert fp8_refusal((8, 9)) is None and fp8_refusal((9, 0)) is None and fp8_refusal((10, 0)) is None
+    with pytest.raises(ConfigError, match=r"compute capability 8\.9"):
+        check_precision(TrainConfig(precision="fp8"), ParallelConfig(), torch.device("cuda"), (8, 0))
+    check_precision(TrainConfig(precision="fp8"), ParallelConfig(), torch.device("cuda"), (9, 0))
+
+
+@pytest.mark.parametrize(
+    ("precision", "parallel", "key"),
+    [("fp8", {"tp": 2}, "parallel.tp"), ("fp16", {"pp": 2}, "parallel.pp")],
+)
+def test_unsupported_layouts_refused(precision, parallel, key):
+    with pytest.raises(ConfigError, match=f"train.precision: {precision} with {key}"):
+        check_precision(TrainConfig(precision=precision), ParallelConfig(**parallel), CPU)
+
+
+@pytest.mark.parametrize(
+    ("precision", "says"),
+    [("fp16", "fp16 on a CPU is slow"), ("fp8", "fp8 on a CPU runs emulated"), ("tf32", "tf32 exists only")],
+)
+def test_cpu_warnings(precision, says, caplog):
+    with caplog.at_level(logging.WARNING, logger="lmforge"):
+        check_precision(TrainConfig(precision=precision), ParallelConfig(), CPU)
+    assert [r.getMessage() for r in caplog.records if says in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lmforge"):
+        check_precision(TrainConfig(precision="fp32"), ParallelConfig(), CPU)
+    assert not caplog.records
+
+
+def test_cli_refuses_in_one_line_before_work(tmp_path, capsys, cli_logging):
+    from lmforge.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--run-dir", str(tmp_path / "run"), "--train.precision=fp8", "--parallel.tp=2"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("lmforge train: error: train.precision: fp8 with parallel.tp > 1"), err
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tf32 on CPU; where softmax, norms and the loss compute
+
+
+def test_tf32_on_cpu_is_fp32():
+    torch.manual_seed(0)
+    model = model_of(ModelConfig(n_layers=1, d_model=32, n_heads=4), 64, 16)
+    runs = {}
+    for name in ("fp32", "tf32"):
+        m = copy.deepcopy(model)
+        policy = PrecisionPolicy.resolve(name, CPU)
+        assert policy.compute_dtype == torch.float32 and policy.scaler is None
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        losses = [_fp16_step(policy, NextTokenLoss(m), optimizer).loss for _ in range(3)]
+        runs[name] = (torch.stack(losses), [p.detach().clone() for p in m.parameters()])
+    assert torch.equal(runs["tf32"][0], runs["fp32"][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs["tf32"][1], runs["fp32"][1], strict=True))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_norms_and_loss_compute_in_fp32(precision, arch):
+    """Under autocast the norms get (and return) FP32, the residual stream stays FP32, matrix products run
+    in the low precision, and the loss's logits are upcast before the cross-entropy."""
+    torch.manual_seed(0)
+    model = model_of(ModelConfig(arch=arch, n_layers=2, d_model=32, n_heads=4), 64, 16)
+    seen = []
+    for m in model.modules():
+        if isinstance(m, nn.RMSNorm | nn.LayerNorm):
+            m.register_forward_hook(lambda mod, a, out: seen.append((a[0].dtype, out.dtype)))
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(lambda mod, a, out: seen.append(("linear", out.dtype)))
+    policy = PrecisionPolicy(precision, CPU)
+    x = torch.randint(0, 64, (2, 16))
+    with policy.autocast():
+        hidden = model(x)
+        loss, _ = NextTokenLoss(model)(x, x)
+    low = policy.compute_dtype
+    assert hidden.dtype == torch.float32 and loss.dtype == torch.float32
+    norms = [s for s in seen if s[0] != "linear"]
+    assert norms and all(s == (torch.float32, torch.float32) for s in norms)
+    assert all(s == ("linear", low) for s in seen if s[0] == "linear")
