@@ -13,7 +13,8 @@ function (``lmforge.parallel.apply.set_activation_checkpointing``). For each pol
   are both given: on a machine shared with other jobs the CPU time is the steadier of the two, since
   waiting for a core does not count in it;
 * matmul FLOPs of forward + backward (``torch.utils.flop_counter.FlopCounterMode``), recomputation
-  included: the compute figure, free of timing noise.
+  included: the compute figure, free of timing noise (attention kernels count only where FlopCounterMode
+  has a formula for them: not SDPA's CPU flash kernel).
 
 Each is printed with its ratio to ``none`` in the same run, next to the seed lessons' claims (full
 checkpointing ~1.3-1.4x time or "about 2x compute"; checkpointing every sqrt(L) layers O(sqrt L) memory
