@@ -416,3 +416,21 @@ CPU_OVERHEAD = Overhead(
     "the Python interpreter, torch and lmforge ~0.5 GiB resident (benchmarks/scaling.py measured 530-580 "
     "MiB per process for a 4M-parameter model), plus 5% of allocated bytes for the allocator (assumed)",
 )
+
+
+def deepspeed_zero2_gpu_bytes(total_params: float, gpus: int) -> float:
+    """DeepSpeed's published estimate of ZeRO-2 model-state bytes per GPU without offload
+    (``deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs``, ``cpu_offload=False``):
+    ``4 P + int(16 P / gpus)``: 4 bytes per parameter on every GPU (16-bit parameters and 16-bit
+    gradients of the whole model) and 16 sharded (FP32 master weights and Adam moments, 12, and 4 more
+    the source does not break down: an FP32 gradient partition fits it)."""
+    return 4 * total_params + int(16 * total_params / gpus)
+
+
+def deepspeed_zero3_gpu_bytes(total_params: float, largest_layer_params: float, gpus: int) -> float:
+    """DeepSpeed's published estimate of ZeRO-3 model-state bytes per GPU without offload
+    (``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs``, ``cpu_offload=False``):
+    ``4 L + int(18 P / gpus)`` with ``L`` the largest layer's parameters (gathered 16-bit parameters and
+    gradients of one layer) and 18 bytes per sharded parameter (the ZeRO paper's 16 and 2 more that the
+    source does not break down)."""
+    return 4 * largest_layer_params + int(18 * total_params / gpus)
