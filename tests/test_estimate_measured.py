@@ -9,6 +9,8 @@ factored rows and columns) with ``plan/memory.py::model_states`` under the ``lmf
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -83,3 +85,26 @@ def test_8bit_states_are_quantised_where_the_planner_says():
     _, opt = _stepped(cfg, vocab, seq, OptimConfig(name="adamw8bit"))
     kinds = {type(s["exp_avg"]).__name__ for s in opt.state.values()}
     assert kinds == {"OptimState8bit", "Tensor"}
+
+
+@pytest.mark.distributed
+def test_sharded_state_bytes_equal_the_real_tensors_on_every_layout(tmp_path):
+    """Two real processes (``tests/distributed/plan_worker.py``): under ZeRO-1 (DDP +
+    ZeroRedundancyOptimizer's whole-tensor partition), ZeRO-2 and ZeRO-3 (FSDP2, uneven shards of a
+    301-row embedding, 8-bit moments of shards, Adafactor's whole-matrix statistics, Muon's routes), the
+    largest rank's parameter, gradient and optimizer-state bytes are the planner's, exactly."""
+    from tests.distributed.plan_worker import CASES, SEQ
+    from tests.torchrun import torchrun, worker
+
+    out = tmp_path / "plan.json"
+    proc = torchrun(2, [worker("plan_worker.py"), "--out", str(out)], timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    measured = json.loads(out.read_text())
+    for name, (cfg, vocab, optim) in CASES.items():
+        for layout, ranks in measured[name].items():
+            planned = model_states(param_tensors(cfg, vocab, SEQ), layout, 2, 1, optim)
+            largest = {k: max(r[k] for r in ranks) for k in ("params", "grads", "optim")}
+            assert largest == {"params": planned.params, "grads": planned.grads, "optim": planned.optim}, (
+                name,
+                layout,
+            )

@@ -197,12 +197,23 @@ def optimizer_state_bytes(
         return 4 * (rows + cols) + step
     if optimizer == "adamw8bit":
         total = math.prod(whole)
-        if total >= QUANT_MIN and total % QUANT_BLOCK == 0:
+        if total >= QUANT_MIN and total % QUANT_BLOCK == 0 and _blocks_align(local, whole):
             moment = n + 4 * (n // QUANT_BLOCK) + (QMAP_BYTES if counters else 0)
         else:
             moment = 4 * n
         return 2 * moment + step
     raise ValueError(f"optim.name: no state size for {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
+
+
+def _blocks_align(local: tuple[int, ...], whole: tuple[int, ...]) -> bool:
+    """Whether a dim-0 shard ``local`` of ``whole`` cuts into blocks of the whole tensor (else AdamW8bit
+    keeps FP32 moments for it; ``optim/adamw8bit.py::blocks_align``): whole blocks after dim 0, or an even
+    split into whole blocks. Shards of other dimensions (row-parallel TP) are taken as aligned."""
+    if local == whole or local[0] == whole[0]:
+        return True
+    return math.prod(whole[1:]) % QUANT_BLOCK == 0 or (
+        whole[0] % local[0] == 0 and math.prod(local) % QUANT_BLOCK == 0
+    )
 
 
 def optimizer_key(name: str, sgd_momentum: float = 0.9) -> str:
@@ -246,13 +257,36 @@ def per_param_formula(
     return StateBytes(2 * p / shard[0], 2 * p / shard[1], 4 * p / shard[2], k * p / shard[2])
 
 
-def zero1_largest_rank(sizes: list[int], ranks: int) -> int:
-    """ZeRO-1 (``ZeroRedundancyOptimizer``) assigns whole tensors, the largest first, each to the least
-    loaded rank; returns the largest rank's load (of ``sizes``, e.g. state bytes per tensor)."""
-    load = [0] * ranks
-    for s in sorted(sizes, reverse=True):
-        load[load.index(min(load))] += s
-    return max(load)
+def group_key(t: ParamTensor, optimizer: str) -> tuple[str, str]:
+    """``(kind, route)`` of ``optim/build.py::param_groups`` (without layer-wise decay or muP): kind
+    ``embedding`` (token and position tables), ``norm`` (norm weights), ``matrix`` (2-D and up) or
+    ``bias``; route ``muon`` / ``adamw`` under Muon. lmforge's groups come sorted by this key."""
+    if t.name in ("embed.weight", "pos_embed.weight"):
+        kind = "embedding"
+    elif t.name.endswith("norm.weight"):
+        kind = "norm"
+    else:
+        kind = "matrix" if len(t.shape) >= 2 else "bias"
+    route = ("muon" if kind == "matrix" and t.muon else "adamw") if optimizer == "muon" else ""
+    return kind, route
+
+
+def zero1_partition(tensors: list[ParamTensor], ranks: int, optimizer: str, tp: int = 1) -> list[list[int]]:
+    """Indices of ``tensors`` each ZeRO-1 rank owns, as ``ZeroRedundancyOptimizer._partition_parameters``
+    assigns them: group by group (lmforge's group order), each group's tensors largest first (stable),
+    each to the rank with the fewest parameters so far (the first such rank), the count carried across
+    groups."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(group_key(t, optimizer), []).append(i)
+    sizes = [0] * ranks
+    owned: list[list[int]] = [[] for _ in range(ranks)]
+    for key in sorted(groups):
+        for i in sorted(groups[key], key=lambda i: -math.prod(tp_shape(tensors[i], tp))):
+            rank = sizes.index(min(sizes))
+            owned[rank].append(i)
+            sizes[rank] += math.prod(tp_shape(tensors[i], tp))
+    return owned
 
 
 def model_states(
@@ -281,9 +315,7 @@ def model_states(
         shard = fsdp_shape(local, shards if fsdp else 1)
         n_local, n_shard = math.prod(local), math.prod(shard)
         opt_shape = shard if fsdp else local
-        states.append(
-            optimizer_state_bytes(optimizer, opt_shape, t.shape if fsdp else local, t.muon, counters)
-        )
+        states.append(optimizer_state_bytes(optimizer, opt_shape, t.shape, t.muon, counters))
         if accounting == "lmforge":
             params += 4 * n_shard
             grads += 4 * n_shard
@@ -291,10 +323,12 @@ def model_states(
             params += 2 * (n_shard if kind == "zero3" else n_local)
             grads += 2 * (n_shard if fsdp else n_local)
             master += 4 * n_shard  # whole unless FSDP shards it; ZeRO-1's below
-    if kind == "zero1":
-        optim = zero1_largest_rank(states, shards)
-        if accounting == "zero-paper":
-            master = zero1_largest_rank([4 * math.prod(tp_shape(t, tp)) for t in tensors], shards)
+    if kind == "zero1":  # the rank whose master weights and states are largest
+        owned = zero1_partition(tensors, shards, optimizer, tp)
+        masters = [4 * math.prod(tp_shape(t, tp)) if accounting == "zero-paper" else 0 for t in tensors]
+        master, optim = max(
+            ((sum(masters[i] for i in idx), sum(states[i] for i in idx)) for idx in owned), key=sum
+        )
     else:
         optim = sum(states)
     return StateBytes(float(params), float(grads), float(master), float(optim))
