@@ -1,0 +1,233 @@
+"""Activation memory of one micro-batch: the bytes kept alive between forward and backward (pure formulas).
+
+:func:`activation_bytes` counts, part by part, every tensor lmforge's forward saves for backward (autograd's
+saved tensors, non-reentrant checkpoint's saved block inputs, selective checkpointing's stored op outputs),
+deduplicated by storage, parameters and buffers excluded: the quantity measured by
+``lmforge.train.activation_memory.saved_activation_bytes``. It never allocates. The formulas follow what
+the eager ops of ``lmforge/model`` save, read from their saved tensors on torch 2.13 (CPU). Notation:
+
+* ``B`` micro-batch, ``T`` sequence, ``N = B*T`` tokens, ``d`` model width, ``h`` query heads, ``g`` key /
+  value heads, ``e = d / h`` head width, ``f`` MLP width, ``V`` vocabulary, ``c`` compute bytes (4: FP32,
+  2: BF16/FP16 autocast), ``a = 1`` under autocast (``c < 4``) else ``0``; under tensor parallelism ``h``,
+  ``g``, ``f`` are the per-rank shares ``/ tp`` and ``n = N / tp`` (sequence parallel), else ``n = N``.
+* The residual stream is FP32 in both precisions (FP32 master weights: the embedding output is FP32 and
+  ``x + attn(...)`` promotes to FP32), so block inputs always cost 4 bytes per value.
+
+One block without checkpointing (policy ``none``), in bytes:
+
+* residual: the block input and the mid-block sum, saved by the two norms: ``2 * 4 n d``.
+* norms: RMSNorm (a composite on CPU: ``x * rsqrt(mean(x^2) + eps) * w``) saves ``rstd`` and
+  ``x_hat = x * rstd``: ``2 * (4 n + 4 n d)``; LayerNorm (fused) saves mean and rstd: ``2 * 8 n``.
+* attention projections: the q/k/v input. FP32: the norm output once (the three matmuls share it),
+  ``4 N d``; autocast: each projection casts its input to ``c`` separately (autocast caches only leaf
+  weights), ``3 c N d``.
+* rotary (Llama): FP32 saves nothing (the cos/sin tables are buffer slices); autocast saves the four
+  ``cos/sin.to(c)`` copies (q and k): ``4 c T e``.
+* attention kernel, ``flash`` (SDPA's flash / memory-efficient / CPU flash kernels): q, k, v, out at
+  ``c`` and the FP32 log-sum-exp: ``4 c B h T e + 4 B h T``. lmforge repeats the K/V heads with
+  ``repeat_interleave`` before SDPA (``attend``), so the saved k and v are ``h`` heads wide, not ``g``.
+  ``o_proj``'s input is a view of the kernel's output (no extra bytes). ``flex`` (FlexAttention, called
+  with ``enable_gqa``): q, out at ``h`` heads, k, v at ``g`` heads: ``2 c B (h + g) T e + 4 B h T``.
+  ``math`` (SDPA's composite fallback): scaled q and k, v, the probabilities and ``o_proj``'s copied
+  input: ``4 c B h T e + c B h T^2``.
+* attention mask (``model.doc_mask``, SDPA): the boolean ``(B, 1, T, T)`` document mask is converted
+  inside SDPA to an additive mask in the compute dtype, which the kernel saves, once per block:
+  ``c B T^2`` (``flash`` only; ``math`` adds the mask without saving it; ``flex`` has no dense mask).
+* MLP: its input (FP32 ``4 N d``; autocast one cast per input projection, ``2 c N d`` SwiGLU,
+  ``c N d`` GELU) plus SwiGLU's gate, silu(gate), up and their product ``4 c N f``, or GELU's
+  pre-activation and output ``2 c N f``.
+* autocast weight casts: each matmul saves its ``c``-byte weight copy, held by the graph until backward:
+  ``c * (d h e + 2 d g e + h e d + k_mlp d f)`` with ``k_mlp`` 3 (SwiGLU) or 2 (GELU). They are counted as
+  activations: they are created per forward and freed only by backward (``weight_casts``).
+
+Checkpointed blocks (``full``; ``every:K`` checkpoints block ``i`` when ``i % K == 0``) keep only their
+input ``4 n d`` (saved by checkpoint's input saver) and, once for all of them, the boolean document mask
+they take as an argument, ``B T^2`` (the RoPE tables are buffer slices). ``selective`` keeps the block
+input, the outputs of every matmul (``mm``/``addmm``/``bmm``) and of the attention kernel:
+``4 n d + c N (h e + 2 g e) + c B h T e + 4 B h T + c N d + c N (k_mlp - 1) f + c N d`` (``o_proj`` and
+``down``/``fc_out`` outputs are full ``N d`` partial sums before tensor parallelism's reduce-scatter; the
+``math`` kernel instead keeps its two ``bmm`` outputs ``c B h T^2 + c B h T e``).
+
+Outside the blocks:
+
+* embedding: GPT-2's position ids ``arange(T)``, ``8 T`` (the token ids are the caller's input and are
+  not counted).
+* head and loss: the final norm as a block norm (input ``4 n d``, stats, RMSNorm's ``x_hat``), the head
+  input (FP32: the norm output ``4 N d``; autocast: one cast per chunk, ``c N d``), the autocast copy of
+  the head weight ``c V d`` (``/ tp``), and the chunked loss: every chunk's FP32 log-softmax stays alive
+  until backward in eager, ``4 N V`` in all (the chunking bounds the temporary logits, not the saved
+  log-probabilities), plus one 4-byte ``total_weight`` per chunk, ``4 ceil(N / chunk)``. Under tensor
+  parallelism the head input and the logits are all-gathered (lmforge does not use loss parallelism),
+  so these are full-size on every rank.
+
+The backward peak adds, on top of the saved bytes, one checkpointed block's recomputation: its ``none``
+bytes minus what it kept (``recompute``; gradients and temporaries not included).
+
+Tensor parallelism follows ``lmforge/parallel/tensor.py`` (sequence parallel norms and residual, the
+all-gathered ``(N, d)`` input saved by each column-parallel matmul); it is derived, not measured here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from lmforge.config import ModelConfig
+from lmforge.model.transformer import ff_width
+
+ATTENTION_KINDS = ("flash", "flex", "math")
+
+
+def attention_kind(device_type: str, attention: str = "auto", doc_mask: bool = True) -> str:
+    """The ``attention`` value of :func:`activation_bytes` a run gets.
+
+    ``attention`` is ``train.attention``. FlexAttention runs where the model picks it
+    (``Transformer.use_flex``): ``flex``, or ``auto`` on CUDA, and only with a document mask; otherwise
+    SDPA, which on this torch (2.13) picks a fused kernel saving O(T) per head: on CPU
+    ``_scaled_dot_product_flash_attention_for_cpu`` for ``is_causal=True`` and for the explicit boolean
+    mask, in FP32, BF16 and FP16, at any head width (measured); on CUDA flash or memory-efficient.
+    ``math`` (the O(T^2) composite) is what SDPA falls back to when no fused kernel fits; pass it
+    explicitly when that is known to happen.
+    """
+    if doc_mask and (attention == "flex" or (attention == "auto" and device_type == "cuda")):
+        return "flex"
+    return "flash"
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes saved for backward of one micro-batch on one device, by part (sums over this device's
+    blocks); :attr:`total` is their sum. ``recompute`` (not in the total) is the extra memory of one
+    checkpointed block's recomputation during backward: ``peak = total + recompute``."""
+
+    residual: int
+    norms: int
+    attention_proj: int
+    rotary: int
+    attention_kernel: int
+    attention_mask: int
+    mlp: int
+    weight_casts: int
+    embedding: int
+    head: int
+    loss: int
+    recompute: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "recompute")
+
+    @property
+    def peak(self) -> int:
+        """Saved bytes plus one block's recomputation (the backward peak of the activations)."""
+        return self.total + self.recompute
+
+
+def _checkpointed(policy: str, index: int) -> bool:
+    """Whether block ``index`` is wrapped by the policy (``selective`` wraps every block too)."""
+    if policy in ("full", "selective"):
+        return True
+    if policy.startswith("every:"):
+        return index % int(policy.partition(":")[2]) == 0
+    if policy == "none":
+        return False
+    raise ValueError(f"activation checkpointing policy {policy!r}: use none, full, selective or every:K")
+
+
+def _add(parts: dict[str, int], **kw: int) -> None:
+    for k, v in kw.items():
+        parts[k] += v
+
+
+def activation_bytes(
+    model: ModelConfig,
+    vocab_size: int,
+    seq_len: int,
+    micro_batch: int,
+    policy: str,
+    compute_bytes: int,
+    attention: str,
+    loss_chunk: int,
+    tp: int = 1,
+    layers: int | None = None,
+    first_layer: int = 0,
+) -> ActivationBytes:
+    """Bytes kept alive between forward and backward of one micro-batch of ``micro_batch x seq_len``
+    tokens on one device (formulas in the module docstring).
+
+    ``policy``: ``none``, ``full``, ``every:K`` or ``selective``; ``compute_bytes``: 4 (FP32) or 2
+    (BF16/FP16 autocast); ``attention``: ``flash``, ``flex`` or ``math`` (:func:`attention_kind`);
+    ``loss_chunk``: ``train.loss_chunk`` (0: one chunk); ``tp``: tensor-parallel degree; ``layers``: blocks
+    on this device (a pipeline stage; default all) starting at block ``first_layer``: the embedding
+    counts on the stage holding block 0, the final norm, head and loss on the one holding the last block.
+    """
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"attention {attention!r}: use one of {', '.join(ATTENTION_KINDS)}")
+    if compute_bytes not in (2, 4):
+        raise ValueError(f"compute_bytes {compute_bytes}: 4 (fp32) or 2 (bf16/fp16 autocast)")
+    layers = model.n_layers if layers is None else layers
+    c, ac = compute_bytes, compute_bytes < 4
+    B, T, d, V = micro_batch, seq_len, model.d_model, vocab_size
+    N = B * T
+    n = N // tp  # tokens of the sequence-parallel norms and residual stream
+    h = model.n_heads // tp
+    g = (model.n_kv_heads or model.n_heads) // tp
+    e = model.d_model // model.n_heads
+    f = ff_width(model) // tp
+    llama = model.arch == "llama"
+    k_mlp = 3 if llama else 2
+    doc_mask = model.doc_mask and attention != "flex"
+
+    # one block, policy none
+    norm_stats = 4 * n + 4 * n * d if llama else 8 * n
+    if attention == "flash":
+        kernel = 4 * c * B * h * T * e + 4 * B * h * T
+    elif attention == "flex":
+        kernel = 2 * c * B * (h + g) * T * e + 4 * B * h * T
+    else:
+        kernel = 4 * c * B * h * T * e + c * B * h * T * T
+    plain = {
+        "residual": 2 * 4 * n * d,
+        "norms": 2 * norm_stats,
+        "attention_proj": 3 * c * N * d if ac else 4 * N * d,
+        "rotary": 4 * c * T * e if (ac and llama) else 0,
+        "attention_kernel": kernel,
+        "attention_mask": c * B * T * T if (doc_mask and attention == "flash") else 0,
+        "mlp": ((k_mlp - 1) * c * N * d if ac else 4 * N * d) + (4 if llama else 2) * c * N * f,
+        "weight_casts": c * (d * h * e + 2 * d * g * e + h * e * d + k_mlp * d * f) if ac else 0,
+    }
+    # one block, selective: block input, matmul outputs, attention kernel outputs
+    if attention == "math":
+        kept_kernel = c * B * h * T * T + c * B * h * T * e
+    else:
+        kept_kernel = c * B * h * T * e + 4 * B * h * T
+    selective = {
+        "residual": 4 * n * d,
+        "attention_proj": c * N * (h + 2 * g) * e + c * N * d,
+        "attention_kernel": kept_kernel,
+        "mlp": c * N * (k_mlp - 1) * f + c * N * d,
+    }
+    full = {"residual": 4 * n * d}
+
+    parts = {f.name: 0 for f in fields(ActivationBytes) if f.name != "recompute"}
+    recompute, any_checkpointed = 0, False
+    for i in range(first_layer, first_layer + layers):
+        if not _checkpointed(policy, i):
+            _add(parts, **plain)
+            continue
+        any_checkpointed = True
+        kept = selective if policy == "selective" else full
+        _add(parts, **kept)
+        recompute = max(recompute, sum(plain.values()) - sum(kept.values()))
+    if any_checkpointed and model.doc_mask and attention != "flex":
+        parts["attention_mask"] += B * T * T  # the boolean mask, an argument of every checkpointed block
+
+    if first_layer == 0 and not llama:
+        parts["embedding"] += 8 * T
+    if first_layer + layers == model.n_layers:
+        head_in = c * N * d if ac else 4 * N * d
+        parts["head"] += 4 * n * d + norm_stats + head_in
+        parts["weight_casts"] += c * V * d // tp if ac else 0
+        chunks = math.ceil(N / (loss_chunk or N))
+        parts["loss"] += 4 * N * V + 4 * chunks
+    return ActivationBytes(**parts, recompute=recompute)
