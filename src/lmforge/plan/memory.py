@@ -342,25 +342,19 @@ def compute_bytes(precision: str) -> int:
 
 @dataclass(frozen=True)
 class Temporaries:
-    """Buffers beside the model states and the saved activations (bytes, one device)."""
+    """Buffers beside the model states and the saved activations (bytes, one device). Autocast's 16-bit
+    weight copies are not here: the matmuls save them, so ``plan/activations.py`` counts them."""
 
     fsdp_gathered: float = 0.0  # unsharded parameter copies FSDP2 holds
     fsdp_grad_reduce: float = 0.0  # one unit's unsharded gradient and its FP32 reduce copy
     ddp_buckets: float = 0.0  # DDP's flat gradient buckets (gradient_as_bucket_view=False)
-    autocast_weights: float = 0.0  # autocast's 16-bit copies of the Linear weights
     loss_chunk: float = 0.0  # one chunk of logits in 16 bit and FP32
     optimizer_step: float = 0.0  # the optimizer step's own scratch (after backward)
 
     @property
     def during_backward(self) -> float:
         """What coexists with the activations (everything but the optimizer step's scratch)."""
-        return (
-            self.fsdp_gathered
-            + self.fsdp_grad_reduce
-            + self.ddp_buckets
-            + self.autocast_weights
-            + self.loss_chunk
-        )
+        return self.fsdp_gathered + self.fsdp_grad_reduce + self.ddp_buckets + self.loss_chunk
 
 
 def temporaries(
@@ -383,10 +377,9 @@ def temporaries(
       bytes and, when ``c`` is 2, its FP32 copy (``reduce_dtype``): ``(c + 4 [c < 4]) * unit``;
     * DDP and ZeRO-1 (lmforge's DDP defaults: 25 MiB buckets, ``gradient_as_bucket_view=False``): flat
       bucket copies of every gradient, ``g * P``;
-    * 16-bit autocast without FSDP2 (lmforge accounting, where parameters are FP32): the cached ``c``-byte
-      copy of every Linear weight (tied head included), alive from forward to backward;
-    * the chunked loss: ``loss_tokens x vocab`` logits in ``c`` bytes and in FP32 (``.float()`` before
-      the softmax), all-gathered over the vocabulary under TP (lmforge does not use loss parallelism);
+    * the chunked loss: one chunk's ``loss_tokens x vocab`` logits in ``c`` bytes and their FP32 copy
+      (``.float()`` before the softmax; the saved FP32 log-probabilities are activations), all-gathered
+      over the vocabulary under TP (lmforge does not use loss parallelism);
     * the optimizer step (after backward, apart from activations): Lion's ``foreach`` update copy ``4n``,
       Adafactor's squared gradient ``4n``, AdamW8bit's two dequantised FP32 moments of the largest tensor.
     """
@@ -407,8 +400,6 @@ def temporaries(
         out["fsdp_grad_reduce"] = (c + (4 if c < 4 else 0)) * biggest
     elif kind in ("ddp", "zero1"):
         out["ddp_buckets"] = (4 if accounting == "lmforge" else 2) * sum(local)
-    if c < 4 and not fsdp and accounting == "lmforge":
-        out["autocast_weights"] = c * sum(n for t, n in zip(tensors, local, strict=True) if t.linear)
     has_head = any(t.name == "lm_head.weight" or (t.name == "embed.weight" and t.linear) for t in tensors)
     if has_head:
         out["loss_chunk"] = (c + 4) * loss_tokens * vocab_size
