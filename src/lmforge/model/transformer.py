@@ -21,6 +21,7 @@ and keep the parameter names of the whole model (:func:`keep_stage`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -103,7 +104,14 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    ``runner`` is how the block runs its layers: ``None`` calls :meth:`layers` directly; activation
+    checkpointing (``lmforge/parallel/apply.py``) sets it to ``runner(layers, x, rope, mask, block_mask)``
+    (``torch.utils.checkpoint`` around them). It is a plain attribute, not a module, so parameter names
+    stay ``blocks.<i>.attn.q_proj.weight`` whatever the policy; it runs inside the block's call, so hooks
+    on the block (FSDP2's all-gather) and ``Module.compile`` of the block see the checkpoint inside.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -111,8 +119,15 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
         self.mlp = SwiGLU(cfg) if cfg.arch == "llama" else GeluMLP(cfg)
+        self.runner: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, rope, mask, block_mask) -> torch.Tensor:
+        if self.runner is None:
+            return self.layers(x, rope, mask, block_mask)
+        return self.runner(self.layers, x, rope, mask, block_mask)
+
+    def layers(self, x: torch.Tensor, rope, mask, block_mask) -> torch.Tensor:
+        """The block's computation (what a checkpoint recomputes)."""
         x = x + self.attn(self.attn_norm(x), rope, mask, block_mask)
         return x + self.mlp(self.mlp_norm(x))
 

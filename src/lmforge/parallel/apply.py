@@ -27,15 +27,18 @@ FSDP2, DDP and tensor parallelism stay at block boundaries, outside the compiled
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lmforge.config import TrainConfig
+from lmforge.config import TrainConfig, check_activation_checkpointing
 from lmforge.parallel.data_parallel import apply_ddp, apply_fsdp
 from lmforge.parallel.layout import SINGLE, Layout
 
@@ -82,9 +85,103 @@ def tensor_parallel(module: nn.Module, ctx: ApplyContext) -> nn.Module:
     return module
 
 
+def _aten_ops(namespace: object, *names: str) -> frozenset:
+    """The overload packets ``namespace.<name>`` that this torch build has (kernels differ by version)."""
+    return frozenset(getattr(namespace, n) for n in names if hasattr(namespace, n))
+
+
+# Selective checkpointing keeps the outputs of these ops and recomputes everything else in the block (norms,
+# RoPE, activations, residual adds, views): matmuls and attention are the FLOPs, the rest is cheap
+# element-wise work. ``nn.Linear`` reaches the dispatcher as mm / addmm (2-D) or bmm / baddbmm.
+# A tensor-parallel reduce-scatter is kept too (as torchtitan does): recomputing it would repeat the
+# communication, not just arithmetic.
+SELECTIVE_SAVE = (
+    _aten_ops(torch.ops.aten, "mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
+    | _aten_ops(
+        torch.ops.aten,
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    )
+    | _aten_ops(torch.ops._c10d_functional, "reduce_scatter_tensor")
+)
+_FLEX = getattr(torch.ops.higher_order, "flex_attention", None)
+
+
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """MUST_SAVE for the ops of :data:`SELECTIVE_SAVE` (and FlexAttention), PREFER_RECOMPUTE otherwise."""
+    if getattr(op, "overloadpacket", None) in SELECTIVE_SAVE or op is _FLEX:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# A block's forward draws no random numbers (no dropout), so the checkpoints do not save and restore the
+# RNG state around the recomputation.
+FULL = partial(checkpoint, use_reentrant=False, preserve_rng_state=False)
+SELECTIVE = partial(FULL, context_fn=partial(create_selective_checkpoint_contexts, selective_policy))
+
+
+def block_runner(policy: str, index: int) -> Callable | None:
+    """How block ``index`` (its place in the whole model) runs under ``train.activation_checkpointing``:
+    ``None`` (plainly), :data:`FULL` (non-reentrant ``torch.utils.checkpoint``) or :data:`SELECTIVE`."""
+    if policy == "none":
+        return None
+    if policy == "selective":
+        return SELECTIVE
+    if policy.startswith("every:"):
+        return FULL if index % int(policy.removeprefix("every:")) == 0 else None
+    return FULL  # full
+
+
+def set_activation_checkpointing(model: nn.Module, policy: str) -> None:
+    """Set every block's ``runner`` for ``policy`` (``none`` clears them); parameters are not touched."""
+    for key, block in model.blocks.items():
+        block.runner = block_runner(check_activation_checkpointing(policy), int(key))
+
+
 def activation_checkpointing(module: nn.Module, ctx: ApplyContext) -> nn.Module:
-    """Recompute block activations in backward. Not configured yet: unchanged."""
+    """``train.activation_checkpointing``: recompute block activations in backward.
+
+    * ``full``: every block runs under non-reentrant ``torch.utils.checkpoint``: backward keeps only the
+      block's inputs and recomputes its forward (one more forward of the blocks per step).
+    * ``every:K``: block ``i`` is checkpointed when ``i % K == 0`` (one block in K, torchtitan's layer
+      frequency; ``every:1`` is ``full``). Not Chen et al.'s segments of K blocks: a block's input is
+      about 1/30 of what it saves inside, so checkpointing every block already keeps only O(L) small
+      tensors, and a segment of K blocks would recompute K blocks' internals at once in backward,
+      raising the peak.
+    * ``selective``: every block runs under a checkpoint with PyTorch's selective checkpoint contexts:
+      the outputs of matmuls and attention are saved (:data:`SELECTIVE_SAVE`), the element-wise ops
+      recomputed.
+
+    The checkpoint is set as each block's ``runner`` (``lmforge/model/transformer.py::Block``), an
+    attribute read inside the block's forward: no wrapper module, so ``named_parameters()`` (optimizer
+    groups, muP scales, checkpoint keys) are the same under every policy and a resume may change it; no
+    method of the model is replaced. Tensor parallelism has sharded the blocks before; compile then traces
+    the checkpoints (``torch.compile`` supports checkpoint and selective contexts), and FSDP2's hooks on
+    each block stay outside the checkpointed region, as with torchtitan's wrapper.
+    """
+    set_activation_checkpointing(model_of(module), ctx.train.activation_checkpointing)
     return module
+
+
+def activation_offload(enabled: bool) -> contextlib.AbstractContextManager:
+    """``train.activation_offload``: the context a training step runs in. ``save_on_cpu(pin_memory=True)``
+    moves every tensor saved for backward to pinned host memory as it is saved and back when backward
+    needs it; else nothing.
+
+    It wraps the whole step (``train/trainer.py``), not a stage's module: saved-tensor hooks inside a
+    compiled region make Dynamo break the graph (``save_on_cpu`` is marked not traceable), and around the
+    step they also cover DDP, FSDP2 and the pipeline schedule's forwards; the compiled objective's saved
+    tensors go through them at run time. With checkpointing, what is saved is each checkpointed block's
+    input (and selective's cached outputs stay on the device: they are not saved through hooks). CUDA only
+    (``train/build.py`` refuses it elsewhere: on a CPU the activations already live in host memory); not
+    run on this project's CPU machines.
+    """
+    return torch.autograd.graph.save_on_cpu(pin_memory=True) if enabled else contextlib.nullcontext()
 
 
 COMPILE_OPTIONS: dict = {}  # torch.compile keyword arguments of the training objective (defaults measured best)

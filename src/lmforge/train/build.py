@@ -72,6 +72,11 @@ def validate(cfg: Config) -> torch.device:
             "parallel.offload: offloading to host memory needs a CUDA device (FSDP2 computes on the "
             "accelerator; on a CPU the states already live in host memory); remove --parallel.offload"
         )
+    if cfg.train.activation_offload and device.type != "cuda":
+        raise ConfigError(
+            "train.activation_offload: offloading activations to host memory needs a CUDA device (on a CPU "
+            "they already live in host memory); remove --train.activation_offload"
+        )
     check_layout(cfg, launch_env()[2])
     check_model_layout(cfg)
     accumulation_steps(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lmforge.data.loader import Batch
+from lmforge.parallel.apply import activation_offload
 from lmforge.train.build import Run
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.checkpoint import load_model_state, load_optimizer_state, model_state, optimizer_state
@@ -82,16 +83,17 @@ class Trainer:
     def _attempt(self, batches: list[Batch]) -> StepResult:
         run = self.run
         self.lr = run.cfg.optim.lr * run.schedule(self.progress.step) * self.lr_scale
-        result = train_step(
-            run.objective,
-            run.optimizer,
-            batches,
-            self.lr,
-            run.clipper,
-            run.precision,
-            observers=[self],
-            reduce=run.reduce,
-        )
+        with activation_offload(run.cfg.train.activation_offload):
+            result = train_step(
+                run.objective,
+                run.optimizer,
+                batches,
+                self.lr,
+                run.clipper,
+                run.precision,
+                observers=[self],
+                reduce=run.reduce,
+            )
         self.attempt += 1
         if result.action is Action.STEP:
             self.progress.step += 1
