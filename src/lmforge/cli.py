@@ -431,7 +431,7 @@ def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
     if args.json:
         print(json.dumps({"model": name, "estimate": est.to_dict(), "search": [e.to_dict() for e in found]}))
     else:
-        print(_estimate_text(est, name, precision, workload.optimizer, hw))
+        print(_estimate_text(est, name, workload.optimizer, hw))
         if args.search:
             print(_search_text(found, args.gpus, hw))
         elif not est.fits:
@@ -455,7 +455,7 @@ def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def _estimate_text(e, name: str, precision: str, optimizer: str, hw) -> str:
+def _estimate_text(e, name: str, optimizer: str, hw) -> str:
     t, c = e.temporaries, e.comm
     temps = ", ".join(
         f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in vars(t).items() if v and k != "optimizer_step"
@@ -464,7 +464,7 @@ def _estimate_text(e, name: str, precision: str, optimizer: str, hw) -> str:
     limit = e.margin * e.memory_bytes
     lines = [
         f"{name}: {e.n_params:,} parameters ({e.n_params / 1e9:.2f}B); {e.layout.world} x {hw.name} "
-        f"({e.memory_bytes / GIB:.1f} GiB each); {precision}, {optimizer}, {e.attention} attention; "
+        f"({e.memory_bytes / GIB:.1f} GiB each); {e.precision}, {optimizer}, {e.attention} attention; "
         f"{e.accounting} accounting",
         f"layout: {e.layout.describe()}; {e.tokens_per_step:,} tokens per step ({e.accum} micro-batch{'es' if e.accum > 1 else ''} per rank)",
         f"per device (pipeline rank {e.pp_rank}: {e.device_params / 1e9:.2f}B parameters after TP/PP, before "

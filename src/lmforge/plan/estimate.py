@@ -137,6 +137,7 @@ class Estimate:
     layout: Layout
     device: str
     accounting: str
+    precision: str
     attention: str
     memory_bytes: float
     margin: float
@@ -388,6 +389,7 @@ def estimate(
         layout=layout,
         device=hw.name,
         accounting=accounting,
+        precision=workload.precision,
         attention=workload.attention,
         memory_bytes=float(hw.memory_bytes),
         margin=margin,
@@ -519,15 +521,16 @@ def layout_from_config(cfg: Config, gpus: int | None = None) -> Layout:
     return layout
 
 
-def workload_from_config(cfg: Config, precision: str, attention: str) -> Workload:
-    """The :class:`Workload` of a recipe, with ``train.precision`` already resolved to ``precision``."""
+def workload_from_config(cfg: Config, number_format: str, attention: str) -> Workload:
+    """The :class:`Workload` of a recipe, with ``train.precision`` already resolved to ``number_format``
+    for the planned device (no ``PrecisionPolicy``: that one belongs to a device of this process)."""
     name = cfg.optim.name
     optimizer = "sgd0" if name == "sgd" and cfg.optim.sgd.momentum == 0 else name
     return Workload(
         cfg.model,
         cfg.data.vocab_size,
         cfg.data.seq_len,
-        precision,
+        number_format,
         optimizer,
         attention,
         cfg.train.loss_chunk,

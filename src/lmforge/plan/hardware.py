@@ -46,13 +46,14 @@ class Hardware:
     node_link_bytes_per_s: float = 0.0
     source: str = ""
 
-    def peak(self, precision: str) -> float:
-        """Dense peak FLOP/s at ``precision`` (fp32, tf32, bf16, fp16, fp8); KeyError names the choices."""
-        if precision not in self.peak_flops:
+    def peak(self, number_format: str) -> float:
+        """Dense peak FLOP/s in ``number_format`` (fp32, tf32, bf16, fp16, fp8: a planned run's
+        ``train.precision``, no device's policy); KeyError names the choices."""
+        if number_format not in self.peak_flops:
             raise KeyError(
-                f"{self.name} has no {precision} peak; it has {', '.join(sorted(self.peak_flops))}"
+                f"{self.name} has no {number_format} peak; it has {', '.join(sorted(self.peak_flops))}"
             )
-        return self.peak_flops[precision]
+        return self.peak_flops[number_format]
 
 
 def _hopper(name: str, memory_mib: int, source: str) -> Hardware:

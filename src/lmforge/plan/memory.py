@@ -334,10 +334,10 @@ def model_states(
     return StateBytes(float(params), float(grads), float(master), float(optim))
 
 
-def compute_bytes(precision: str) -> int:
+def compute_bytes(number_format: str) -> int:
     """Bytes of a value in the matmuls' dtype: 2 for bf16 / fp16 / fp8 (FP8 layers keep BF16 weights
     outside the matmul), 4 for fp32 / tf32."""
-    return 2 if precision in ("bf16", "fp16", "fp8") else 4
+    return 2 if number_format in ("bf16", "fp16", "fp8") else 4
 
 
 @dataclass(frozen=True)
@@ -362,7 +362,7 @@ def temporaries(
     kind: str,
     shards: int,
     tp: int,
-    precision: str,
+    number_format: str,
     optimizer: str,
     vocab_size: int,
     loss_tokens: int,
@@ -383,7 +383,7 @@ def temporaries(
     * the optimizer step (after backward, apart from activations): Lion's ``foreach`` update copy ``4n``,
       Adafactor's squared gradient ``4n``, AdamW8bit's two dequantised FP32 moments of the largest tensor.
     """
-    c = compute_bytes(precision)
+    c = compute_bytes(number_format)
     local = [math.prod(tp_shape(t, tp)) for t in tensors]
     fsdp = kind in ("zero2", "zero3")
     out: dict[str, float] = {}
