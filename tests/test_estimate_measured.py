@@ -108,3 +108,55 @@ def test_sharded_state_bytes_equal_the_real_tensors_on_every_layout(tmp_path):
                 name,
                 layout,
             )
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "every:2", "selective"])
+@pytest.mark.parametrize(("arch", "precision"), [("llama", "fp32"), ("gpt2", "bf16")])
+def test_estimate_activations_equal_what_lmforge_objective_saves(arch: str, precision: str, policy: str):
+    """The estimate's activations row (saved part, without the backward's recomputation) equals the bytes
+    lmforge's own training objective keeps for backward, built from the same recipe as ``lmforge train``
+    builds it (``build_model``, ``training_objective`` with its checkpointing stage), measured by
+    ``train/activation_memory.py``: the wiring of recipe -> workload -> layout -> activation formula,
+    including autocast's weight copies under bf16, GQA and the document mask."""
+    from lmforge.plan import hardware
+    from lmforge.plan.activations import attention_kind
+    from lmforge.plan.estimate import estimate, layout_from_config, workload_from_config
+    from lmforge.precision import PrecisionPolicy
+    from lmforge.recipe import load_config
+    from lmforge.train.activation_memory import saved_activation_bytes
+    from lmforge.train.build import build_model, training_objective
+
+    over = {
+        "model.arch": arch,
+        "model.n_layers": 3,
+        "model.d_model": 64,
+        "model.n_heads": 4,
+        "model.tie_embeddings": arch == "gpt2",
+        "data.vocab_size": 300,
+        "data.seq_len": 32,
+        "train.micro_batch_size": 2,
+        "train.loss_chunk": 16,
+        "train.compile": False,
+        "train.precision": precision,
+        "train.activation_checkpointing": policy,
+    }
+    if arch == "llama":
+        over["model.n_kv_heads"] = 2
+    cfg = load_config(None, over)
+    cpu = torch.device("cpu")
+    objective = training_objective(build_model(cfg, 300, cpu), cfg, cpu)
+    policy_obj = PrecisionPolicy(precision, cpu)
+    x = torch.randint(0, 300, (2, 32))
+    docs = torch.zeros(2, 32, dtype=torch.long)
+    docs[:, 16:] = 1  # two documents per sequence: the document mask is in play
+
+    def forward():
+        with policy_obj.autocast():
+            return objective(x, x, docs)
+
+    measured = saved_activation_bytes(forward)
+    workload = workload_from_config(
+        cfg, precision, attention_kind("cpu", cfg.train.attention, cfg.model.doc_mask)
+    )
+    e = estimate(workload, layout_from_config(cfg, 1), hardware.cpu(1e11))
+    assert e.activations - e.activation_parts["recompute"] == measured
