@@ -11,7 +11,7 @@ import pytest
 
 from lmforge.cli import main
 from lmforge.plan import comm, hardware, models
-from lmforge.plan.estimate import Layout, Workload, candidate_layouts, estimate, search
+from lmforge.plan.estimate import Layout, Workload, candidate_layouts, estimate, fewest_devices, search
 from lmforge.plan.flops import flops_per_token
 from lmforge.plan.memory import (
     deepspeed_zero2_gpu_bytes,
@@ -195,7 +195,16 @@ def test_candidate_layouts_are_runnable_by_lmforge():
 
 def test_70b_needs_more_than_8_h100_under_lmforge_accounting():
     assert search(_workload("llama-70b"), 8, H100) == []
-    assert search(_workload("llama-70b"), 32, H100)
+    n, best = fewest_devices(_workload("llama-70b"), 8, H100)
+    assert n in (16, 32) and best.fits and best.layout.world == n
+    assert search(_workload("llama-70b"), n // 2, H100) == []
+
+
+def test_the_head_goes_with_the_last_block_on_a_v_shaped_pipeline():
+    """zbv: rank 0 owns the first and the last stage, so it holds the embedding and the head."""
+    w = replace(_workload("llama-7b"), tokens_per_step=8 * 2048 * 2)
+    e = estimate(w, Layout(dp_shard=2, pp=2, micro_batch=8, pp_schedule="zbv"), H100)
+    assert e.pp_rank == 0 and e.temporaries.loss_chunk > 0
 
 
 def test_cpu_device_uses_host_memory_and_the_given_peak():
@@ -254,6 +263,14 @@ def test_cli_overrides_and_zero_paper_weights(cli):
     p = e["n_params"]
     assert e["states"]["master"] == pytest.approx(4 * p / 4)
     assert e["states"]["optim"] == pytest.approx(4 * p / 4)  # Lion: one FP32 momentum
+
+
+def test_cli_cpu_plans_for_this_host(cli):
+    code, out, err = cli("--gpu", "cpu", "--json", "--model.n_layers=2")
+    assert code == 0, err
+    e = json.loads(out)["estimate"]
+    assert e["device"] == "cpu" and e["memory_bytes"] == hardware.host_memory_bytes()
+    assert e["tokens_per_s"] > 0 and e["overhead_runtime"] == 0.5 * 2**30
 
 
 @pytest.mark.parametrize(

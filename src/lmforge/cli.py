@@ -407,6 +407,7 @@ def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
     from lmforge.plan.activations import attention_kind
     from lmforge.plan.estimate import (
         estimate,
+        fewest_devices,
         layout_from_config,
         search,
         workload_from_config,
@@ -427,13 +428,19 @@ def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
     found = (
         search(workload, args.gpus, hw, args.weights, args.margin, args.mfu, args.top) if args.search else []
     )
+    more = None
+    if args.search and not found:
+        more = fewest_devices(workload, args.gpus, hw, args.weights, args.margin, args.mfu)
     name = args.model or (args.recipe or "default recipe")
     if args.json:
-        print(json.dumps({"model": name, "estimate": est.to_dict(), "search": [e.to_dict() for e in found]}))
+        out = {"model": name, "estimate": est.to_dict(), "search": [e.to_dict() for e in found]}
+        if args.search and not found:
+            out["fewest_devices"] = None if more is None else {"gpus": more[0], "estimate": more[1].to_dict()}
+        print(json.dumps(out))
     else:
         print(_estimate_text(est, name, workload.optimizer, hw))
         if args.search:
-            print(_search_text(found, args.gpus, hw))
+            print(_search_text(found, args.gpus, hw, more))
         elif not est.fits:
             print("does not fit: lmforge estimate ... --search lists the layouts that do, fastest first")
     if args.plot:
@@ -499,9 +506,16 @@ def _estimate_text(e, name: str, optimizer: str, hw) -> str:
     return "\n".join(lines)
 
 
-def _search_text(found: list, gpus: int, hw) -> str:
+def _search_text(found: list, gpus: int, hw, more=None) -> str:
     if not found:
-        return f"\nsearch: no layout of {gpus} x {hw.name} fits; add devices or lower the batch"
+        text = f"\nsearch: no layout of {gpus} x {hw.name} fits"
+        if more is None:
+            return text + " (nor on up to 4096 devices)"
+        n, e = more
+        return (
+            f"{text}; the fewest devices (doubling) on which one does: {n} x {hw.name}, fastest: "
+            f"{e.layout.describe()}, {e.total / GIB:.2f} GiB per device, {e.tokens_per_s:,.0f} tokens/s"
+        )
     lines = [
         f"\nlayouts that fit on {gpus} x {hw.name}, fastest first:",
         f"  {'#':>2s}  {'layout':<42s} {'GiB':>7s} {'tokens/s':>11s} {'step s':>7s} {'days 20N':>8s}",

@@ -36,6 +36,7 @@ gives the days that takes at the estimated throughput.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
@@ -288,7 +289,7 @@ def estimate(
 ) -> Estimate:
     """The :class:`Estimate` of ``workload`` under ``layout`` on devices ``hw`` (module docstring)."""
     cfg = workload.model
-    tensors = param_tensors(cfg, workload.vocab_size, workload.seq_len)
+    tensors = _param_tensors(cfg.model_dump_json(), workload.vocab_size, workload.seq_len)
     n_params = sum(t.numel for t in tensors)
     tokens, accum = accumulation(workload, layout)
     m, v = (1, 1)
@@ -300,7 +301,8 @@ def estimate(
         bubble = bubble_fraction(layout.pp, m, v)
     if layout.micro_batch % m:
         raise ValueError(
-            f"parallel.pp_microbatches: {m} does not divide train.micro_batch_size {layout.micro_batch}"
+            f"parallel.pp_microbatches: {m} pipeline micro-batches do not divide train.micro_batch_size "
+            f"{layout.micro_batch}; set --train.micro_batch_size to a multiple of {m}"
         )
     pipe_mb = layout.micro_batch // m  # sequences of one pipeline micro-batch
     ranges = stage_layers(cfg.n_layers, layout.pp * v)
@@ -314,36 +316,31 @@ def estimate(
             if layout.pp > 1
             else ranges
         )
-        mine: list[ParamTensor] = []
-        for r in owned:
-            mine += [t for t in stage_tensors(tensors, r, cfg.n_layers) if t not in mine]
         in_flight = (
             1 if layout.pp == 1 else (m if layout.pp_schedule == "gpipe" else min(m, layout.pp - rank))
         )
-        states = model_states(mine, kind, shards, layout.tp, workload.optimizer, accounting)
         acts, parts = _activations(workload, layout, owned, in_flight, pipe_mb, accounting)
-        has_head = any(t.unit == "head" or (t.name == "embed.weight" and t.linear) for t in mine) and (
-            rank == layout.pp - 1 or layout.pp == 1
-        )
         loss_tokens = min(workload.loss_chunk or pipe_mb * workload.seq_len, pipe_mb * workload.seq_len)
-        temps = temporaries(
-            mine if has_head else [t for t in mine if t.name != "lm_head.weight"],
+        mine, states, temps = _device_states(
+            cfg.model_dump_json(),
+            workload.vocab_size,
+            workload.seq_len,
+            tuple((r.start, r.stop) for r in owned),
             kind,
             shards,
             layout.tp,
             workload.precision,
             workload.optimizer,
-            workload.vocab_size,
-            loss_tokens if has_head else 0,
+            loss_tokens,
             accounting,
         )
         allocated = states.total + max(acts + temps.during_backward, temps.optimizer_step)
         overhead = overhead_model.runtime_bytes + overhead_model.fragmentation * allocated
         total = allocated + overhead
         if best is None or total > best[0]:
-            best = (total, rank, mine, states, acts, parts, temps, overhead, has_head)
+            best = (total, rank, mine, states, acts, parts, temps, overhead)
     assert best is not None
-    total, rank, mine, states, acts, parts, temps, overhead, _ = best
+    total, rank, mine, states, acts, parts, temps, overhead = best
     device_params = sum(math.prod(tp_shape(t, layout.tp)) for t in mine)
 
     fpt = flops_per_token(n_params - _embedding_params(tensors), cfg.n_layers, cfg.d_model, workload.seq_len)
@@ -421,6 +418,53 @@ def estimate(
         chinchilla_days=chin / tps / 86400,
         warnings=warnings,
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _device_states(
+    model_json: str,
+    vocab_size: int,
+    seq_len: int,
+    owned: tuple[tuple[int, int], ...],
+    kind: str,
+    shards: int,
+    tp: int,
+    number_format: str,
+    optimizer: str,
+    loss_tokens: int,
+    accounting: str,
+) -> tuple[list[ParamTensor], StateBytes, Temporaries]:
+    """The tensors of a pipeline rank owning the block ranges ``owned``, their model states and the
+    temporaries (the head's loss chunk on the rank owning the last block only); cached, since the layouts of a search
+    that differ only in checkpointing or micro-batch share them."""
+    tensors = _param_tensors(model_json, vocab_size, seq_len)
+    n_layers = ModelConfig.model_validate_json(model_json).n_layers
+    mine: list[ParamTensor] = []
+    for start, stop in owned:
+        have = {t.name for t in mine}
+        mine += [t for t in stage_tensors(tensors, range(start, stop), n_layers) if t.name not in have]
+    states = model_states(mine, kind, shards, tp, optimizer, accounting)
+    has_head = any(stop == n_layers for _, stop in owned) and any(
+        t.unit == "head" or (t.name == "embed.weight" and t.linear) for t in mine
+    )
+    temps = temporaries(
+        mine if has_head else [t for t in mine if t.name != "lm_head.weight"],
+        kind,
+        shards,
+        tp,
+        number_format,
+        optimizer,
+        vocab_size,
+        loss_tokens if has_head else 0,
+        accounting,
+    )
+    return mine, states, temps
+
+
+@functools.lru_cache(maxsize=8)
+def _param_tensors(model_json: str, vocab_size: int, seq_len: int) -> list[ParamTensor]:
+    """:func:`param_tensors`, once per model (a search estimates hundreds of layouts of one model)."""
+    return param_tensors(ModelConfig.model_validate_json(model_json), vocab_size, seq_len)
 
 
 def _embedding_params(tensors: list[ParamTensor]) -> int:
@@ -536,3 +580,24 @@ def workload_from_config(cfg: Config, number_format: str, attention: str) -> Wor
         cfg.train.loss_chunk,
         cfg.train.tokens_per_step,
     )
+
+
+def fewest_devices(
+    workload: Workload,
+    gpus: int,
+    hw: Hardware,
+    accounting: str = "lmforge",
+    margin: float = DEFAULT_MARGIN,
+    mfu: float = DEFAULT_MFU,
+    limit: int = 4096,
+) -> tuple[int, Estimate] | None:
+    """When nothing fits on ``gpus`` devices: the smallest ``gpus * 2^k`` (up to ``limit``) on which a
+    layout fits, with its fastest layout; the step's tokens grow with the devices (one sequence each,
+    unless ``workload`` fixes them). None when none up to ``limit`` does."""
+    n = gpus * 2
+    while n <= limit:
+        found = search(workload, n, hw, accounting, margin, mfu, top=1)
+        if found:
+            return n, found[0]
+        n *= 2
+    return None

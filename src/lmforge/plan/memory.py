@@ -403,14 +403,8 @@ def temporaries(
     has_head = any(t.name == "lm_head.weight" or (t.name == "embed.weight" and t.linear) for t in tensors)
     if has_head:
         out["loss_chunk"] = (c + 4) * loss_tokens * vocab_size
-    n_opt = (
-        max(local, default=0)
-        if not fsdp
-        else max((math.prod(fsdp_shape(tp_shape(t, tp), shards)) for t in tensors), default=0)
-    )
-    total_opt = (
-        sum(local) if not fsdp else sum(math.prod(fsdp_shape(tp_shape(t, tp), shards)) for t in tensors)
-    )
+    held = [math.prod(fsdp_shape(tp_shape(t, tp), shards)) for t in tensors] if fsdp else local
+    n_opt, total_opt = max(held, default=0), sum(held)
     if optimizer in ("lion", "adafactor"):
         out["optimizer_step"] = 4 * total_opt
     elif optimizer == "adamw8bit":
