@@ -12,6 +12,10 @@ Per device (the largest pipeline rank)::
 Parallelism and Memory Consumption Estimator") report no out-of-memory error in 454 runs whose estimate
 stayed under 80% of device memory.
 
+Activations: ``plan/activations.py`` for the rank's blocks, times the micro-batches in flight (GPipe
+``m``; 1F1B and the others ``min(m, p - rank)``, Narayanan et al. 2021; interleaved schedules hold
+somewhat more on the first rank, not modelled), plus one checkpointed block's recomputation.
+
 Peak: activations coexist with the model states and the backward temporaries; the optimizer step's own
 scratch comes after the activations are freed, so ``total = states + overhead + max(activations +
 backward temporaries, step scratch)``.
