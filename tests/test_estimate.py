@@ -185,6 +185,12 @@ def test_search_returns_fitting_layouts_fastest_first():
     assert not any(e.layout.kind == "ddp" for e in found)
 
 
+def test_candidate_layouts_pass_lmforge_checks():
+    """No TP for GPT-3 (vocabulary 50257 is odd), no pipeline for tied embeddings."""
+    layouts = candidate_layouts(_workload("gpt3-175b"), 64)
+    assert layouts and all(layout.tp == 1 and layout.pp == 1 for layout in layouts)
+
+
 def test_candidate_layouts_are_runnable_by_lmforge():
     for layout in candidate_layouts(_workload("llama-70b"), 16):
         assert layout.world == 16
@@ -281,6 +287,9 @@ def test_cli_cpu_plans_for_this_host(cli):
         (["--gpus", "4", "--parallel.dp_shard=2"], "--gpus"),
         (["--gpu", "a100-80gb", "--train.precision=fp8"], "train.precision"),
         (["--mfu", "1.5"], "--mfu"),
+        # what lmforge train refuses is refused with its line: GPT-3's vocabulary does not split in 8
+        (["--model", "gpt3-175b", "--gpus", "8", "--parallel.tp=8"], "data.vocab_size"),
+        (["--model", "llama-7b", "--gpus", "2", "--parallel.pp=2"], "parallel.pp_microbatches"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(cli, args: list[str], flag: str):

@@ -418,6 +418,7 @@ def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
         layout = layout_from_config(cfg, args.gpus)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    _check_runnable(cfg, layout, args.gpus)
     device_type = "cpu" if hw.name == "cpu" else "cuda"
     attention = args.attention or attention_kind(device_type, cfg.train.attention, cfg.model.doc_mask)
     workload = workload_from_config(cfg, precision, attention)
@@ -460,6 +461,17 @@ def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
         if not args.json:
             print(f"wrote {args.plot}")
     return 0
+
+
+def _check_runnable(cfg, layout, gpus: int) -> None:
+    """What ``lmforge train`` would refuse of this layout, refused here with the same one line."""
+    from lmforge.parallel.layout import check_layout
+    from lmforge.train.build import check_model_layout
+
+    parallel = cfg.parallel.model_copy(update={"dp_shard": layout.dp_shard})
+    planned = cfg.model_copy(update={"parallel": parallel})
+    check_layout(planned, gpus, env={"WORLD_SIZE": str(gpus)})
+    check_model_layout(planned)
 
 
 def _estimate_text(e, name: str, optimizer: str, hw) -> str:

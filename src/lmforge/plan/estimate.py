@@ -46,7 +46,15 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from lmforge.config import Config, ModelConfig
-from lmforge.parallel.pipeline import bubble_fraction, pipeline_settings, stage_ids, stage_layers
+from lmforge.errors import ConfigError
+from lmforge.parallel.pipeline import (
+    bubble_fraction,
+    check_pipeline,
+    pipeline_settings,
+    stage_ids,
+    stage_layers,
+)
+from lmforge.parallel.tensor import check_tensor_parallel
 from lmforge.plan.activations import activation_bytes
 from lmforge.plan.comm import CommVolume, dp_volume, pp_volume, tp_volume
 from lmforge.plan.flops import flops_per_token
@@ -480,20 +488,40 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def runnable(workload: Workload, layout: Layout) -> bool:
+    """Whether lmforge runs ``layout`` for this model: its own checks (``parallel/tensor.py``'s
+    ``check_tensor_parallel``: heads, MLP width, vocabulary and sequence divisible by ``tp``;
+    ``parallel/pipeline.py``'s ``check_pipeline``: stages, schedule, micro-batches, no tied embeddings
+    across stages) and ``parallel/layout.py``'s rule that DDP and ZeRO-1 take neither TP nor PP."""
+    if layout.kind in ("ddp", "zero1") and (layout.tp > 1 or layout.pp > 1):
+        return False
+    cfg = workload.model
+    try:
+        check_tensor_parallel(cfg, workload.vocab_size, workload.seq_len, layout.tp)
+        if layout.pp > 1:
+            m, v = pipeline_settings(
+                layout.pp, layout.pp_schedule, layout.pp_microbatches, layout.pp_stages_per_rank
+            )
+            check_pipeline(
+                cfg.n_layers, layout.pp, layout.pp_schedule, m, layout.micro_batch, cfg.tie_embeddings, v
+            )
+    except ConfigError:
+        return False
+    return True
+
+
 def candidate_layouts(
     workload: Workload, gpus: int, micro_batches: tuple[int, ...] = (1, 2, 4, 8)
 ) -> list[Layout]:
-    """Every layout of ``gpus`` devices lmforge can run: ``tp`` up to a node (8) dividing the heads,
-    key/value heads and vocabulary-free widths; ``pp`` up to the layer count; the data-parallel rest as
-    DDP, ZeRO-1, -2, -3, or hybrid ZeRO-3 (sharded inside a node, replicated across); DDP and ZeRO-1 only
-    without TP and PP (``parallel/layout.py`` refuses the rest); each checkpointing policy of
-    :data:`POLICIES` and micro-batch size; a pipeline splits each micro-batch into one pipeline
-    micro-batch per sequence (at least ``pp``)."""
+    """Every layout of ``gpus`` devices lmforge can run (:func:`runnable`): ``tp`` up to a node (8);
+    ``pp`` up to the layer count; the data-parallel rest as DDP, ZeRO-1, -2, -3, or hybrid ZeRO-3
+    (sharded inside a node, replicated across); each checkpointing policy of :data:`POLICIES` and
+    micro-batch size; a pipeline (1F1B) splits each micro-batch into one pipeline micro-batch per
+    sequence (at least ``pp``)."""
     cfg = workload.model
-    kv = cfg.n_kv_heads or cfg.n_heads
     out = []
     for tp in divisors(gpus):
-        if tp > GPUS_PER_NODE or cfg.n_heads % tp or kv % tp or workload.seq_len % tp:
+        if tp > GPUS_PER_NODE:
             continue
         for pp in divisors(gpus // tp):
             if pp > cfg.n_layers:
@@ -512,7 +540,9 @@ def candidate_layouts(
             for (rep, shard, zero), policy, mb in itertools.product(dps, POLICIES, micro_batches):
                 if pp > 1 and mb < pp:
                     continue  # fewer sequences than stages: the bubble would exceed half the step
-                out.append(Layout(rep, shard, tp, pp, zero, mb, policy, "1f1b", mb if pp > 1 else 0))
+                layout = Layout(rep, shard, tp, pp, zero, mb, policy, "1f1b", mb if pp > 1 else 0)
+                if runnable(workload, layout):
+                    out.append(layout)
     return out
 
 
