@@ -131,4 +131,5 @@ class CommVolume:
 
     @property
     def total(self) -> float:
+        """``dp + tp + pp``."""
         return self.dp + self.tp + self.pp

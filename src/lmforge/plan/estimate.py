@@ -98,10 +98,12 @@ class Layout:
 
     @property
     def world(self) -> int:
+        """Devices: ``dp_replicate * dp_shard * tp * pp``."""
         return self.dp_replicate * self.dp_shard * self.tp * self.pp
 
     @property
     def dp(self) -> int:
+        """Data-parallel ranks: ``dp_replicate * dp_shard``."""
         return self.dp_replicate * self.dp_shard
 
     @property
@@ -112,6 +114,7 @@ class Layout:
         return "ddp" if self.dp_replicate > 1 else "none"
 
     def describe(self) -> str:
+        """One line: kind, degrees above 1, micro-batch, checkpointing policy."""
         parts = [self.kind if self.kind != "none" else "1 device"]
         if self.dp > 1:
             parts.append(
@@ -184,14 +187,18 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
+        """``total <= margin * memory``."""
         return self.total <= self.margin * self.memory_bytes
 
     @property
     def tokens_per_day(self) -> float:
+        """``tokens_per_s * 86400``."""
         return self.tokens_per_s * 86400
 
     @property
     def effective_mfu(self) -> float:
+        """Model FLOPs over the step's peak: ``flops_per_step / (world * peak * step_s)`` = ``mfu *
+        (1 - bubble) / recompute * compute_s / step_s``."""
         return (
             self.mfu * self.compute_s / self.step_s * (1 - self.bubble) / self.recompute
             if self.step_s
@@ -212,6 +219,7 @@ class Estimate:
         }
 
     def to_dict(self) -> dict:
+        """Every field (nested dataclasses as dicts) and the derived figures, for ``--json``."""
         out = asdict(self)
         out |= {
             "fits": self.fits,
@@ -485,6 +493,7 @@ def _embedding_params(tensors: list[ParamTensor]) -> int:
 
 
 def divisors(n: int) -> list[int]:
+    """``[d for d in 1..n if n % d == 0]``."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 

@@ -68,10 +68,12 @@ class ParamTensor:
 
     @property
     def numel(self) -> int:
+        """``prod(shape)``."""
         return math.prod(self.shape)
 
     @property
     def muon(self) -> bool:
+        """Muon moves 2-D matrices inside blocks (``optim/build.py::muon_routed``)."""
         return self.layer is not None and len(self.shape) == 2
 
 
@@ -241,6 +243,7 @@ class StateBytes:
 
     @property
     def total(self) -> float:
+        """``params + grads + master + optim``."""
         return self.params + self.grads + self.master + self.optim
 
 
