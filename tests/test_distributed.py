@@ -112,6 +112,16 @@ LAYOUTS = {
     "tp": (2, {"parallel.tp": 2}),
     "fsdp_tp": (4, {"parallel.dp_shard": 2, "parallel.tp": 2}),
     "zero3_compiled": (2, {"parallel.dp_shard": 2, "train.compile": True}),  # blocks compiled in place
+    # activation checkpointing recomputes the same kernels: the run must not change (selective under the
+    # zero-bubble schedules is refused: tests/test_layout.py)
+    "activation_checkpointing": (2, {"parallel.dp_shard": 2, "train.activation_checkpointing": "selective"}),
+    "ac_ddp_every2": (2, {"parallel.dp_replicate": 2, "train.activation_checkpointing": "every:2"}),
+    "ac_tp_full": (2, {"parallel.tp": 2, "train.activation_checkpointing": "full"}),
+    "ac_tp_selective": (2, {"parallel.tp": 2, "train.activation_checkpointing": "selective"}),
+    "ac_zero3_compiled": (
+        2,
+        {"parallel.dp_shard": 2, "train.compile": True, "train.activation_checkpointing": "selective"},
+    ),
 }
 DEFAULT_SET = {"ddp", "zero3"}
 
@@ -155,6 +165,18 @@ PIPELINES = {
     "zero_bubble": (2, {"parallel.pp": 2, "parallel.pp_schedule": "zero_bubble"}),
     "zbv": (2, {"parallel.pp": 2, "parallel.pp_schedule": "zbv"}),
     "fsdp_tp_pp": (8, {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.tp": 2}),
+    "1f1b_ac_full": (
+        2,
+        {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.activation_checkpointing": "full"},
+    ),
+    "zero_bubble_ac_full": (
+        2,
+        {"parallel.pp": 2, "parallel.pp_schedule": "zero_bubble", "train.activation_checkpointing": "full"},
+    ),
+    "zbv_ac_every2": (
+        2,
+        {"parallel.pp": 2, "parallel.pp_schedule": "zbv", "train.activation_checkpointing": "every:2"},
+    ),
 }
 
 

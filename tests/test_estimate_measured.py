@@ -156,7 +156,7 @@ def test_estimate_activations_equal_what_lmforge_objective_saves(arch: str, prec
 
     measured = saved_activation_bytes(forward)
     workload = workload_from_config(
-        cfg, precision, attention_kind("cpu", cfg.train.attention, cfg.model.doc_mask)
+        cfg, precision, attention_kind("cpu", cfg.train.attention, cfg.model.doc_mask), "cpu"
     )
     e = estimate(workload, layout_from_config(cfg, 1), hardware.cpu(1e11))
     assert e.activations - e.activation_parts["recompute"] == measured

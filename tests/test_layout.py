@@ -61,6 +61,16 @@ def test_layouts_name_their_machinery():
             {"parallel.pp": 2, "model.tie_embeddings": False, "train.clip_mode": "group_norm"},
             "train.clip_mode:",
         ),
+        (  # selective checkpointing refuses the second backward of the split schedules (seen in a run)
+            {
+                "parallel.pp": 2,
+                "parallel.pp_schedule": "zero_bubble",
+                "model.n_layers": 4,
+                "model.tie_embeddings": False,
+                "train.activation_checkpointing": "selective",
+            },
+            "train.activation_checkpointing:",
+        ),
     ],
 )
 def test_model_must_divide_as_the_layout_cuts_it(over, key):

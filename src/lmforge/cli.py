@@ -421,7 +421,7 @@ def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
     _check_runnable(cfg, layout, args.gpus)
     device_type = "cpu" if hw.name == "cpu" else "cuda"
     attention = args.attention or attention_kind(device_type, cfg.train.attention, cfg.model.doc_mask)
-    workload = workload_from_config(cfg, precision, attention)
+    workload = workload_from_config(cfg, precision, attention, device_type)
     try:
         est = estimate(workload, layout, hw, args.weights, args.margin, args.mfu)
     except ValueError as exc:

@@ -219,11 +219,14 @@ class TrainConfig(_Section):
     )
     activation_checkpointing: str = Field(
         "none",
-        description="recompute activations in backward: none; full (every block); every:K (one block in "
-        "every K); selective (per op: keep matmul and attention outputs, recompute element-wise ops)",
+        description="recompute activations in backward: none; full (every block); every:K (block i when "
+        "i % K == 0: one in K); selective (every block, per op: keep matmul and attention outputs, recompute "
+        "element-wise ops); an execution setting (a resume may change it)",
     )
     activation_offload: bool = Field(
-        False, description="keep the activations saved for backward in host memory (CUDA only)"
+        False,
+        description="keep the tensors saved for backward in pinned host memory during the training step "
+        "(save_on_cpu; CUDA only)",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     compile: bool = Field(True, description="torch.compile the model (skipped where the platform cannot)")

@@ -8,13 +8,17 @@ the only place the order is written. The order is forced by what each stage need
 1. ``convert`` swaps module types (FP8 linear layers, lmforge/precision): every later stage must see the
    final modules, and tensor parallelism must shard the converted weights.
 2. ``tensor_parallel`` (``parallelize_module``) shards the weights of each block across the TP mesh.
-3. ``activation_checkpointing`` wraps whole blocks, which must already be sharded.
+3. ``activation_checkpointing`` (``train.activation_checkpointing``: ``none``, ``full``, ``every:K``,
+   ``selective``) makes whole blocks recompute in backward, which must already be sharded. It sets each
+   block's ``runner`` attribute (no wrapper module: parameter names stay); see
+   :func:`activation_checkpointing` for the policies.
 4. ``compile`` traces the blocks as they will run: converted, sharded and checkpointed.
 5. ``data_parallel`` (``fully_shard`` / DDP) comes last: it wraps the compiled modules and owns the
    parameters' storage from then on.
 
-``convert`` (FP8) and ``activation_checkpointing`` return the module unchanged today and are where
-those features go. Pipeline parallelism cuts the model into stages (``lmforge/parallel/pipeline.py``)
+``convert`` (FP8) returns the module unchanged today and is where that feature goes. Activation
+offloading (``train.activation_offload``, CUDA) is not a stage: its saved-tensor hooks wrap the whole
+training step (:func:`activation_offload`). Pipeline parallelism cuts the model into stages (``lmforge/parallel/pipeline.py``)
 before any of them; the stages then run on each stage's objective.
 
 Compilation: a single process compiles the whole training objective
@@ -164,7 +168,11 @@ def activation_checkpointing(module: nn.Module, ctx: ApplyContext) -> nn.Module:
     the checkpoints (``torch.compile`` supports checkpoint and selective contexts), and FSDP2's hooks on
     each block stay outside the checkpointed region, as with torchtitan's wrapper.
     """
-    set_activation_checkpointing(model_of(module), ctx.train.activation_checkpointing)
+    policy, model = ctx.train.activation_checkpointing, model_of(module)
+    set_activation_checkpointing(model, policy)
+    if policy != "none":
+        n = sum(block.runner is not None for block in model.blocks.values())
+        log.info("activation checkpointing: %s, %d of %d blocks", policy, n, len(model.blocks))
     return module
 
 

@@ -17,7 +17,9 @@ One block without checkpointing (policy ``none``), in bytes:
 
 * residual: the block input and the mid-block sum, saved by the two norms: ``2 * 4 n d``.
 * norms: RMSNorm (a composite on CPU: ``x * rsqrt(mean(x^2) + eps) * w``) saves ``rstd`` and
-  ``x_hat = x * rstd``: ``2 * (4 n + 4 n d)``; LayerNorm (fused) saves mean and rstd: ``2 * 8 n``.
+  ``x_hat = x * rstd``: ``2 * (4 n + 4 n d)``; on CUDA ``rms_norm`` dispatches to the fused
+  ``_fused_rms_norm`` kernel, whose backward needs only the input and ``rstd``: ``2 * 4 n`` (read from
+  PyTorch's ``rms_norm_symint``, not measured here); LayerNorm (fused) saves mean and rstd: ``2 * 8 n``.
 * attention projections: the q/k/v input. FP32: the norm output once (the three matmuls share it),
   ``4 N d``; autocast: each projection casts its input to ``c`` separately (autocast caches only leaf
   weights), ``3 c N d``.
@@ -28,8 +30,9 @@ One block without checkpointing (policy ``none``), in bytes:
   ``repeat_interleave`` before SDPA (``attend``), so the saved k and v are ``h`` heads wide, not ``g``.
   ``o_proj``'s input is a view of the kernel's output (no extra bytes). ``flex`` (FlexAttention, called
   with ``enable_gqa``): q, out at ``h`` heads, k, v at ``g`` heads: ``2 c B (h + g) T e + 4 B h T``.
-  ``math`` (SDPA's composite fallback): scaled q and k, v, the probabilities and ``o_proj``'s copied
-  input: ``4 c B h T e + c B h T^2``.
+  ``math`` (SDPA's composite fallback): scaled q and k, v and the probabilities in the kernel's dtype
+  ``m``, and ``o_proj``'s copied input: ``3 m B h T e + m B h T^2 + c B h T e``; the CPU math kernel
+  upcasts BF16/FP16 inputs to FP32 (``m = 4``, measured), on CUDA ``m = c`` (not measured).
 * attention mask (``model.doc_mask``, SDPA): the boolean ``(B, 1, T, T)`` document mask is converted
   inside SDPA to an additive mask in the compute dtype, which the kernel saves, once per block:
   ``c B T^2`` (``flash`` only; ``math`` adds the mask without saving it; ``flex`` has no dense mask).
@@ -45,8 +48,9 @@ input ``4 n d`` (saved by checkpoint's input saver) and, once for all of them, t
 they take as an argument, ``B T^2`` (the RoPE tables are buffer slices). ``selective`` keeps the block
 input, the outputs of every matmul (``mm``/``addmm``/``bmm``) and of the attention kernel:
 ``4 n d + c N (h e + 2 g e) + c B h T e + 4 B h T + c N d + c N (k_mlp - 1) f + c N d`` (``o_proj`` and
-``down``/``fc_out`` outputs are full ``N d`` partial sums before tensor parallelism's reduce-scatter; the
-``math`` kernel instead keeps its two ``bmm`` outputs ``c B h T^2 + c B h T e``).
+``down``/``fc_out`` outputs are full ``N d`` partial sums under tensor parallelism, whose two
+reduce-scatter outputs are kept too, ``+ 2 c n d``; the ``math`` kernel instead keeps its two ``bmm``
+outputs ``m B h T^2 + m B h T e``).
 
 Outside the blocks:
 
@@ -63,8 +67,12 @@ Outside the blocks:
 The backward peak adds, on top of the saved bytes, one checkpointed block's recomputation: its ``none``
 bytes minus what it kept (``recompute``; gradients and temporaries not included).
 
-Tensor parallelism follows ``lmforge/parallel/tensor.py`` (sequence parallel norms and residual, the
-all-gathered ``(N, d)`` input saved by each column-parallel matmul); it is derived, not measured here.
+Tensor parallelism follows ``lmforge/parallel/tensor.py``: norms and residual on the sequence shard
+(``n = N / tp``), each column-parallel matmul saves the all-gathered ``(N, d)`` input (or, under
+autocast, its own cast of it), heads and MLP channels ``/ tp``, the mask, the RoPE casts, the head input
+and the loss full-size on every rank. Measured exact at ``tp = 2`` (2 CPU processes, gloo, saved-tensor
+hooks unwrapping DTensors) for ``none``, ``full`` and ``every:2`` in FP32 and BF16; ``selective`` under
+TP is derived, not measured.
 """
 
 from __future__ import annotations
@@ -151,6 +159,7 @@ def activation_bytes(
     tp: int = 1,
     layers: int | None = None,
     first_layer: int = 0,
+    device_type: str = "cpu",
 ) -> ActivationBytes:
     """Bytes kept alive between forward and backward of one micro-batch of ``micro_batch x seq_len``
     tokens on one device (formulas in the module docstring).
@@ -160,12 +169,18 @@ def activation_bytes(
     ``loss_chunk``: ``train.loss_chunk`` (0: one chunk); ``tp``: tensor-parallel degree; ``layers``: blocks
     on this device (a pipeline stage; default all) starting at block ``first_layer``: the embedding
     counts on the stage holding block 0, the final norm, head and loss on the one holding the last block.
+    ``device_type``: ``cpu`` (measured) or ``cuda`` (fused RMSNorm saves no ``x_hat``; the math kernel
+    computes in the compute dtype); see the module docstring.
     """
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention {attention!r}: use one of {', '.join(ATTENTION_KINDS)}")
     if compute_bytes not in (2, 4):
         raise ValueError(f"compute_bytes {compute_bytes}: 4 (fp32) or 2 (bf16/fp16 autocast)")
     layers = model.n_layers if layers is None else layers
+    if layers < 1 or first_layer < 0 or first_layer + layers > model.n_layers:
+        raise ValueError(
+            f"blocks {first_layer}..{first_layer + layers - 1} are not within 0..{model.n_layers - 1}"
+        )
     c, ac = compute_bytes, compute_bytes < 4
     B, T, d, V = micro_batch, seq_len, model.d_model, vocab_size
     N = B * T
@@ -176,40 +191,42 @@ def activation_bytes(
     f = ff_width(model) // tp
     llama = model.arch == "llama"
     k_mlp = 3 if llama else 2
-    doc_mask = model.doc_mask and attention != "flex"
 
     # one block, policy none
-    norm_stats = 4 * n + 4 * n * d if llama else 8 * n
+    composite_rms = device_type != "cuda"  # CUDA has a fused RMSNorm kernel, CPU decomposes it
+    norm_stats = (4 * n + 4 * n * d if composite_rms else 4 * n) if llama else 8 * n
+    m = 4 if device_type == "cpu" else c  # the math kernel's dtype: the CPU one upcasts to FP32
     if attention == "flash":
         kernel = 4 * c * B * h * T * e + 4 * B * h * T
     elif attention == "flex":
         kernel = 2 * c * B * (h + g) * T * e + 4 * B * h * T
     else:
-        kernel = 4 * c * B * h * T * e + c * B * h * T * T
+        kernel = 3 * m * B * h * T * e + m * B * h * T * T + c * B * h * T * e
     plain = {
         "residual": 2 * 4 * n * d,
         "norms": 2 * norm_stats,
         "attention_proj": 3 * c * N * d if ac else 4 * N * d,
         "rotary": 4 * c * T * e if (ac and llama) else 0,
         "attention_kernel": kernel,
-        "attention_mask": c * B * T * T if (doc_mask and attention == "flash") else 0,
+        "attention_mask": c * B * T * T if (model.doc_mask and attention == "flash") else 0,
         "mlp": ((k_mlp - 1) * c * N * d if ac else 4 * N * d) + (4 if llama else 2) * c * N * f,
         "weight_casts": c * (d * h * e + 2 * d * g * e + h * e * d + k_mlp * d * f) if ac else 0,
     }
     # one block, selective: block input, matmul outputs, attention kernel outputs
     if attention == "math":
-        kept_kernel = c * B * h * T * T + c * B * h * T * e
+        kept_kernel = m * B * h * T * T + m * B * h * T * e
     else:
         kept_kernel = c * B * h * T * e + 4 * B * h * T
+    reduce_scatter = c * n * d if tp > 1 else 0  # the selective policy keeps TP's reduce-scatter outputs
     selective = {
         "residual": 4 * n * d,
-        "attention_proj": c * N * (h + 2 * g) * e + c * N * d,
+        "attention_proj": c * N * (h + 2 * g) * e + c * N * d + reduce_scatter,
         "attention_kernel": kept_kernel,
-        "mlp": c * N * (k_mlp - 1) * f + c * N * d,
+        "mlp": c * N * (k_mlp - 1) * f + c * N * d + reduce_scatter,
     }
     full = {"residual": 4 * n * d}
 
-    parts = {f.name: 0 for f in fields(ActivationBytes) if f.name != "recompute"}
+    parts = {field.name: 0 for field in fields(ActivationBytes) if field.name != "recompute"}
     recompute, any_checkpointed = 0, False
     for i in range(first_layer, first_layer + layers):
         if not _checkpointed(policy, i):

@@ -133,8 +133,9 @@ class Layout:
 
 @dataclass(frozen=True)
 class Workload:
-    """What is trained: the model, its vocabulary and sequence length, precision, optimizer, and the
-    tokens of one optimizer step (None: one micro-batch per data-parallel rank)."""
+    """What is trained: the model, its vocabulary and sequence length, precision, optimizer, the tokens
+    of one optimizer step (None: one micro-batch per data-parallel rank), and the device type
+    (``cuda`` / ``cpu``: which kernels, hence which saved tensors, ``plan/activations.py`` assumes)."""
 
     model: ModelConfig
     vocab_size: int
@@ -144,6 +145,7 @@ class Workload:
     attention: str = "flash"
     loss_chunk: int = 1024
     tokens_per_step: int | None = None
+    device_type: str = "cuda"
 
 
 @dataclass(frozen=True)
@@ -287,6 +289,7 @@ def _activations(
             tp=layout.tp,
             layers=len(r),
             first_layer=r.start,
+            device_type=workload.device_type,
         )
         for k, v in asdict(a).items():
             parts[k] = parts.get(k, 0.0) + float(v) * in_flight
@@ -608,7 +611,9 @@ def layout_from_config(cfg: Config, gpus: int | None = None) -> Layout:
     return layout
 
 
-def workload_from_config(cfg: Config, number_format: str, attention: str) -> Workload:
+def workload_from_config(
+    cfg: Config, number_format: str, attention: str, device_type: str = "cuda"
+) -> Workload:
     """The :class:`Workload` of a recipe, with ``train.precision`` already resolved to ``number_format``
     for the planned device (no ``PrecisionPolicy``: that one belongs to a device of this process)."""
     name = cfg.optim.name
@@ -622,6 +627,7 @@ def workload_from_config(cfg: Config, number_format: str, attention: str) -> Wor
         attention,
         cfg.train.loss_chunk,
         cfg.train.tokens_per_step,
+        device_type,
     )
 
 

@@ -94,6 +94,12 @@ def check_model_layout(cfg: Config) -> None:
             cfg.model.n_layers, p.pp, p.pp_schedule, microbatches, cfg.train.micro_batch_size,
             cfg.model.tie_embeddings, v,
         )  # fmt: skip
+        if p.pp_schedule in ("zero_bubble", "zbv") and cfg.train.activation_checkpointing == "selective":
+            raise ConfigError(
+                f"train.activation_checkpointing: selective checkpointing allows one backward through a "
+                f"block, and the {p.pp_schedule} schedule runs two (input, then weight gradients); use full "
+                "or every:K with this schedule, or another parallel.pp_schedule"
+            )
         if cfg.train.clip_mode == "group_norm":
             raise ConfigError(
                 "train.clip_mode: group_norm clips per optimizer group, and pipeline stages hold different "
