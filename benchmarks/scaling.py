@@ -161,24 +161,24 @@ DEFAULTS = {
 
 
 def seed_formula(layout: str, p: int, n: int) -> float:
-    """Bytes per rank in the seed lessons' table (mixed-precision Adam, 2 + 2 + 12 bytes per parameter)."""
-    if n == 1:
-        return 16 * p
-    return {"ddp": 16 * p, "zero1": 4 * p + 12 * p / n, "zero2": 2 * p + 14 * p / n, "zero3": 16 * p / n}[
-        layout
-    ]
+    """Bytes per rank in the seed lessons' table (mixed-precision Adam, 2 + 2 + 12 bytes per parameter):
+    the planner's ``zero-paper`` accounting (``lmforge.plan.memory.per_param_formula``)."""
+    from lmforge.plan.memory import per_param_formula
+
+    return per_param_formula("ddp" if n == 1 else layout, p, n, 8, "zero-paper").total
 
 
 def lmforge_parts(layout: str, p: int, n: int, gathered_bytes: int, root: int = 0) -> dict[str, float]:
-    """Bytes per rank with lmforge's dtypes: FP32 parameters (the master weights), FP32 gradients, two FP32
-    AdamW moments, and what FSDP2 holds gathered between forward and backward (``gathered_bytes`` per
-    parameter: all of them under ZeRO-2, the ``root`` ones (embedding, final norm) under ZeRO-3)."""
-    if n == 1 or layout == "ddp":
-        return {"params": 4 * p, "grads": 4 * p, "optim": 8 * p, "gathered": 0}
-    if layout == "zero1":
-        return {"params": 4 * p, "grads": 4 * p, "optim": 8 * p / n, "gathered": 0}
-    gathered = gathered_bytes * (p if layout == "zero2" else root)
-    return {"params": 4 * p / n, "grads": 4 * p / n, "optim": 8 * p / n, "gathered": gathered}
+    """Bytes per rank with lmforge's dtypes (the planner's ``lmforge`` accounting): FP32 parameters (the
+    master weights), FP32 gradients, two FP32 AdamW moments, and what FSDP2 holds gathered between forward
+    and backward (``gathered_bytes`` per parameter: all of them under ZeRO-2, the ``root`` ones
+    (embedding, final norm) under ZeRO-3)."""
+    from lmforge.plan.memory import per_param_formula
+
+    kind = "ddp" if n == 1 else layout
+    f = per_param_formula(kind, p, n, 8, "lmforge")
+    gathered = 0 if kind in ("ddp", "zero1") else gathered_bytes * (p if kind == "zero2" else root)
+    return {"params": f.params, "grads": f.grads, "optim": f.optim, "gathered": gathered}
 
 
 def lmforge_formula(

@@ -101,3 +101,40 @@ def write_schedule(cfg: Config, out: Path) -> list[float]:
         json.dumps({"schedule": s.model_dump(mode="json"), "step": list(range(len(lrs))), "lr": lrs}) + "\n"
     )
     return lrs
+
+
+MEMORY_COLORS = {
+    "parameters": "tab:blue",
+    "gradients": "tab:orange",
+    "master weights": "tab:purple",
+    "optimizer states": "tab:green",
+    "activations": "tab:red",
+    "temporaries": "tab:brown",
+    "overhead": "tab:gray",
+}
+
+
+def memory_chart(
+    bars: list[tuple[str, dict[str, float]]], memory_bytes: float, margin: float, path: Path, title: str
+) -> Figure:
+    """Stacked bars of per-device memory (GiB), one bar per ``(label, {row: bytes})``, with the device's
+    memory and the ``margin`` limit as horizontal lines."""
+    gib = 2**30
+    fig = Figure(figsize=(max(5.0, 1.1 * len(bars) + 3), 4.5))
+    ax = fig.add_subplot()
+    xs = range(len(bars))
+    bottom = [0.0] * len(bars)
+    for row, color in MEMORY_COLORS.items():
+        heights = [parts.get(row, 0.0) / gib for _, parts in bars]
+        if any(heights):
+            ax.bar(xs, heights, bottom=bottom, color=color, label=row, width=0.6)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.axhline(memory_bytes / gib, color="black", lw=1, label=f"device memory {memory_bytes / gib:.1f} GiB")
+    ax.axhline(margin * memory_bytes / gib, color="black", ls="--", lw=1, label=f"{margin:.0%} margin")
+    ax.set_xticks(list(xs), [label for label, _ in bars], fontsize=7)
+    ax.set_ylabel("GiB per device")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(alpha=0.3, axis="y")
+    _save(fig, path)
+    return fig

@@ -323,6 +323,222 @@ def cmd_mup_check(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+GIB = 2**30
+
+
+def _cpu_peak_flops(n: int = 1024, repeats: int = 5) -> float:
+    """Float32 matmul FLOP/s of this host: the best of ``repeats`` timed ``n x n`` products (~0.1-1 s)."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _estimate_inputs(args: argparse.Namespace, extra: list[str]):
+    """The recipe (a named size under the command-line overrides), the device and the resolved precision."""
+    from lmforge.plan import hardware, models
+
+    overrides = parse_overrides(extra)
+    if args.model is not None:
+        try:
+            named = models.get(args.model)
+        except KeyError:
+            raise UserError(
+                f"--model: unknown size {args.model!r}; use one of {', '.join(models.MODELS)}"
+            ) from None
+        m = named.model
+        base = {
+            f"model.{k}": getattr(m, k)
+            for k in (
+                "arch",
+                "n_layers",
+                "d_model",
+                "n_heads",
+                "n_kv_heads",
+                "d_ff",
+                "tie_embeddings",
+                "bias",
+            )
+        }
+        base |= {
+            "data.vocab_size": named.vocab_size,
+            "data.seq_len": named.seq_len,
+            "train.micro_batch_size": 1,
+        }
+        overrides = {**base, **overrides}
+    cfg = load_config(args.recipe, overrides)
+    if args.gpu not in hardware.NAMES:
+        raise UserError(f"--gpu: unknown device {args.gpu!r}; use one of {', '.join(hardware.NAMES)}")
+    hw = hardware.get(args.gpu, _cpu_peak_flops() if args.gpu == "cpu" else None)
+    precision = cfg.train.precision
+    if precision == "auto":
+        import torch
+
+        from lmforge.precision import native_bf16
+
+        precision = "bf16" if args.gpu != "cpu" or native_bf16(torch.device("cpu")) else "fp32"
+    if precision not in hw.peak_flops:
+        raise UserError(
+            f"train.precision: {args.gpu} has no {precision} units; use --train.precision=bf16 (or a device "
+            "with FP8: h100-80gb, h200)"
+        )
+    for flag, value, ok in (
+        ("--gpus", args.gpus, args.gpus >= 1),
+        ("--margin", args.margin, 0 < args.margin <= 1),
+        ("--mfu", args.mfu, 0 < args.mfu <= 1),
+    ):
+        if not ok:
+            raise UserError(
+                f"{flag}: {value} is out of range; give "
+                + ("an integer >= 1" if flag == "--gpus" else "a number in (0, 1]")
+            )
+    return cfg, hw, precision
+
+
+def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.plan.activations import attention_kind
+    from lmforge.plan.estimate import (
+        estimate,
+        fewest_devices,
+        layout_from_config,
+        search,
+        workload_from_config,
+    )
+
+    cfg, hw, precision = _estimate_inputs(args, extra)
+    try:
+        layout = layout_from_config(cfg, args.gpus)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    _check_runnable(cfg, layout, args.gpus)
+    device_type = "cpu" if hw.name == "cpu" else "cuda"
+    attention = args.attention or attention_kind(device_type, cfg.train.attention, cfg.model.doc_mask)
+    workload = workload_from_config(cfg, precision, attention, device_type)
+    try:
+        est = estimate(workload, layout, hw, args.weights, args.margin, args.mfu)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    found = (
+        search(workload, args.gpus, hw, args.weights, args.margin, args.mfu, args.top) if args.search else []
+    )
+    more = None
+    if args.search and not found:
+        more = fewest_devices(workload, args.gpus, hw, args.weights, args.margin, args.mfu)
+    name = args.model or (args.recipe or "default recipe")
+    if args.json:
+        out = {"model": name, "estimate": est.to_dict(), "search": [e.to_dict() for e in found]}
+        if args.search and not found:
+            out["fewest_devices"] = None if more is None else {"gpus": more[0], "estimate": more[1].to_dict()}
+        print(json.dumps(out))
+    else:
+        print(_estimate_text(est, name, workload.optimizer, hw))
+        if args.search:
+            print(_search_text(found, args.gpus, hw, more))
+        elif not est.fits:
+            print("does not fit: lmforge estimate ... --search lists the layouts that do, fastest first")
+    if args.plot:
+        from lmforge.charts import memory_chart
+
+        bars = [(f"asked: {est.layout.describe()}", est.rows())] + [
+            (e.layout.describe(), e.rows()) for e in found
+        ]
+        title = f"{name} on {args.gpus} x {hw.name}, {precision}, {workload.optimizer} ({args.weights} accounting)"
+        memory_chart(
+            [(label.replace(", ", "\n"), rows) for label, rows in bars],
+            hw.memory_bytes,
+            args.margin,
+            Path(args.plot),
+            title,
+        )
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0
+
+
+def _check_runnable(cfg, layout, gpus: int) -> None:
+    """What ``lmforge train`` would refuse of this layout, refused here with the same one line."""
+    from lmforge.parallel.layout import check_layout
+    from lmforge.train.build import check_model_layout
+
+    parallel = cfg.parallel.model_copy(update={"dp_shard": layout.dp_shard})
+    planned = cfg.model_copy(update={"parallel": parallel})
+    check_layout(planned, gpus, env={"WORLD_SIZE": str(gpus)})
+    check_model_layout(planned)
+
+
+def _estimate_text(e, name: str, optimizer: str, hw) -> str:
+    t, c = e.temporaries, e.comm
+    temps = ", ".join(
+        f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in vars(t).items() if v and k != "optimizer_step"
+    )
+    acts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in e.activation_parts.items() if v)
+    limit = e.margin * e.memory_bytes
+    lines = [
+        f"{name}: {e.n_params:,} parameters ({e.n_params / 1e9:.2f}B); {e.layout.world} x {hw.name} "
+        f"({e.memory_bytes / GIB:.1f} GiB each); {e.precision}, {optimizer}, {e.attention} attention; "
+        f"{e.accounting} accounting",
+        f"layout: {e.layout.describe()}; {e.tokens_per_step:,} tokens per step ({e.accum} micro-batch{'es' if e.accum > 1 else ''} per rank)",
+        f"per device (pipeline rank {e.pp_rank}: {e.device_params / 1e9:.2f}B parameters after TP/PP, before "
+        "data-parallel sharding)        GiB",
+    ]
+    for row, value in e.rows().items():
+        detail = {
+            "activations": acts,
+            "temporaries": temps,
+            "overhead": f"{e.overhead_runtime / GIB:.1f} GiB runtime + {e.overhead_fraction:.0%} of the rest, assumed",
+        }.get(row, "")
+        lines.append(f"  {row:<18s} {value / GIB:10.2f}" + (f"   ({detail})" if detail else ""))
+    if t.optimizer_step:
+        lines.append(
+            f"  (optimizer step scratch {t.optimizer_step / GIB:.2f} GiB, after the activations are freed)"
+        )
+    verdict = "fits" if e.fits else "DOES NOT FIT"
+    lines.append(
+        f"  {'total':<18s} {e.total / GIB:10.2f}   {verdict}: {e.total / e.memory_bytes:.0%} of the device; limit "
+        f"{e.margin:.0%} = {limit / GIB:.1f} GiB (Fujii et al. 2024: no OOM in 454 runs under 80%)"
+    )
+    lines += [
+        f"compute: {e.flops_per_token / 1e9:.1f} GFLOP per token (6N + 12 L d T), {e.flops_per_step / 1e15:.2f} PFLOP "
+        f"per step; recompute x{e.recompute:.2f}, pipeline bubble {e.bubble:.1%} ((p-1)/(m+p-1))",
+        f"time at MFU {e.mfu:.2f}: step {e.step_s:.3f} s (compute {e.compute_s:.3f} s, exposed communication "
+        f"{e.exposed_comm_s:.3f} s), {e.tokens_per_s:,.0f} tokens/s, {e.tokens_per_day / 1e9:.2f}B tokens/day",
+        f"communication per step and device: data parallel {c.dp / GIB:.2f} GiB, tensor parallel {c.tp / GIB:.2f} GiB, "
+        f"pipeline {c.pp / GIB:.2f} GiB",
+        f"Chinchilla (D = 20 N): {e.chinchilla_tokens / 1e9:.1f}B tokens in {e.chinchilla_days:.1f} days at this rate",
+    ]
+    lines += [f"warning: {w}" for w in e.warnings]
+    return "\n".join(lines)
+
+
+def _search_text(found: list, gpus: int, hw, more=None) -> str:
+    if not found:
+        text = f"\nsearch: no layout of {gpus} x {hw.name} fits"
+        if more is None:
+            return text + " (nor on up to 4096 devices)"
+        n, e = more
+        return (
+            f"{text}; the fewest devices (doubling) on which one does: {n} x {hw.name}, fastest: "
+            f"{e.layout.describe()}, {e.total / GIB:.2f} GiB per device, {e.tokens_per_s:,.0f} tokens/s"
+        )
+    lines = [
+        f"\nlayouts that fit on {gpus} x {hw.name}, fastest first:",
+        f"  {'#':>2s}  {'layout':<42s} {'GiB':>7s} {'tokens/s':>11s} {'step s':>7s} {'days 20N':>8s}",
+    ]
+    for i, e in enumerate(found, 1):
+        lines.append(
+            f"  {i:2d}  {e.layout.describe():<42s} {e.total / GIB:7.2f} {e.tokens_per_s:11,.0f} {e.step_s:7.3f} {e.chinchilla_days:8.1f}"
+        )
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmforge", description="Train language models from raw text.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -451,8 +667,44 @@ def _add_probe_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="mup_check", help="output folder (default: mup_check)")
     p.set_defaults(func=cmd_mup_check)
 
+    p = sub.add_parser(
+        "estimate",
+        help="memory, time and communication of a layout before running it",
+        description="Per device: parameters, gradients, optimizer states, master weights, activations, "
+        "temporary buffers and overhead, whether that fits under --margin of the device's memory; FLOPs, "
+        "step time at --mfu, tokens/day, communication, pipeline bubble, days to Chinchilla's 20 N tokens. "
+        "Formulas: lmforge/plan/ and docs/memory.md.",
+    )
+    p.add_argument("recipe", nargs="?", help=recipe_help)
+    p.add_argument(
+        "--model",
+        help="a named size (its model, vocab and seq_len under the overrides): "
+        "gpt2-124m, llama-1b, llama-7b, llama-13b, llama-70b, gpt3-175b",
+    )
+    p.add_argument("--gpu", default="h100-80gb", help="h100-80gb, h200, a100-80gb, a100-40gb or cpu")
+    p.add_argument("--gpus", type=int, default=1, help="devices (with every parallel degree 1: all shard)")
+    p.add_argument(
+        "--weights",
+        choices=["lmforge", "zero-paper"],
+        default="lmforge",
+        help="accounting: lmforge (FP32 params = master, FP32 grads) or zero-paper (2+2+4+K)",
+    )
+    p.add_argument("--search", action="store_true", help="also list the layouts that fit, fastest first")
+    p.add_argument("--top", type=int, default=10, help="layouts --search lists (default 10)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--plot", metavar="PNG", help="stacked bar chart of the breakdown (one bar per layout)")
+    p.add_argument("--margin", type=float, default=0.8, help="fits below this share of memory (0.8)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model-FLOPs utilisation assumed (0.4)")
+    p.add_argument(
+        "--attention",
+        choices=["flash", "flex", "math"],
+        default=None,
+        help="what attention saves: flash / flex O(T), math T x T (default: what train.attention picks there)",
+    )
+    p.set_defaults(func=cmd_estimate)
 
-TAKES_OVERRIDES = {"train", "data", "plot-schedule", "lr-find", "mup-check"}
+
+TAKES_OVERRIDES = {"train", "data", "plot-schedule", "lr-find", "mup-check", "estimate"}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,458 @@
+"""Bytes of model state per device: parameters, gradients, master weights, optimizer states, and the
+temporary buffers of each layout. Pure formulas over parameter *shapes*; nothing is allocated.
+
+Parameters. :func:`param_tensors` lists every parameter of lmforge's ``Transformer`` for a
+:class:`ModelConfig` (name, shape, which FSDP2 unit holds it, which dimension tensor parallelism splits),
+in ``named_parameters`` order, tied weights once. Per block (``d`` width, ``h`` head dim, ``H`` / ``K``
+query / key-value heads, ``f`` MLP width)::
+
+    attention  d*H*h + 2*d*K*h + H*h*d      (+ H*h + 2*K*h + d biases)
+    MLP        llama 3*d*f (gate, up, down); gpt2 2*d*f (+ f + d biases)
+    norms      2*d (RMSNorm; LayerNorm with biases 4*d)
+
+plus the embedding ``V*d``, gpt2's positions ``T*d``, the final norm and an untied head ``V*d``.
+
+Two accountings of the model states (bytes per parameter, ``P`` parameters, ``N`` data-parallel ranks
+that shard, ``K`` the optimizer's state bytes per parameter, 8 for Adam):
+
+``lmforge`` (what lmforge allocates): FP32 parameters, which *are* the master weights (no separate copy;
+``bf16`` autocasts, FSDP2 gathers BF16 copies), FP32 gradients, FP32 optimizer states (plus their step
+counters, 8-bit code books and scales, Adafactor's factored rows and columns, exactly as torch keeps
+them). Per device::
+
+    DDP          4P + 4P + KP
+    ZeRO-1       4P + 4P + KP/N          (DDP + ZeroRedundancyOptimizer: whole tensors per rank)
+    ZeRO-2, -3   (4P + 4P + KP)/N        (FSDP2: sharded parameters, gradients and states)
+
+``zero-paper`` (Rajbhandari et al. 2020, "ZeRO", section 3; Megatron-LM and DeepSpeed count the same):
+16-bit parameters and gradients, FP32 master weights, FP32 states::
+
+    DDP          2P + 2P + 4P + KP       (16P for Adam)
+    ZeRO-1       2P + 2P + (4 + K)P/N    (4P + 12P/N)
+    ZeRO-2       2P + (2 + 4 + K)P/N     (2P + 14P/N)
+    ZeRO-3       (2 + 2 + 4 + K)P/N      (16P/N)
+
+Tensor parallelism divides each split tensor by ``tp`` (projections, embeddings, head; norms and
+row-parallel biases are replicated), a pipeline rank holds only its stages' tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lmforge.config import ModelConfig
+from lmforge.model.transformer import ff_width, uses_bias
+
+ACCOUNTINGS = ("lmforge", "zero-paper")
+OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon")
+QUANT_BLOCK = 256  # values per 8-bit block (torchao / bitsandbytes)
+QUANT_MIN = 4096  # torchao quantises tensors of at least this many values (and whole blocks)
+QMAP_BYTES = 256 * 4  # each 8-bit moment keeps its own FP32 code book of 256 entries
+STEP_BYTES = 4  # a per-tensor FP32 step counter (torch's Adam/AdamW/Adafactor, torchao)
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter: ``unit`` is the FSDP2 unit holding it (``root``: embedding, positions, final
+    norm, a tied head; ``block``; ``head``: an untied head), ``layer`` its block (None outside blocks),
+    ``tp_dim`` the dimension tensor parallelism splits (None: replicated), ``linear`` whether it is an
+    ``nn.Linear`` weight (autocast casts those), ``muon`` whether Muon moves it (2-D, inside a block)."""
+
+    name: str
+    shape: tuple[int, ...]
+    unit: str
+    layer: int | None = None
+    tp_dim: int | None = None
+    linear: bool = False
+
+    @property
+    def numel(self) -> int:
+        """``prod(shape)``."""
+        return math.prod(self.shape)
+
+    @property
+    def muon(self) -> bool:
+        """Muon moves 2-D matrices inside blocks (``optim/build.py::muon_routed``)."""
+        return self.layer is not None and len(self.shape) == 2
+
+
+def _block(cfg: ModelConfig, i: int) -> list[ParamTensor]:
+    d, bias = cfg.d_model, uses_bias(cfg)
+    head_dim = d // cfg.n_heads
+    q, kv, f = cfg.n_heads * head_dim, (cfg.n_kv_heads or cfg.n_heads) * head_dim, ff_width(cfg)
+    pre = f"blocks.{i}."
+    out: list[ParamTensor] = []
+
+    def linear(name: str, d_in: int, d_out: int, column: bool) -> None:
+        # column-parallel: output rows split (weight dim 0, bias split); row-parallel: input split, bias replicated
+        out.append(ParamTensor(pre + name + ".weight", (d_out, d_in), "block", i, 0 if column else 1, True))
+        if bias:
+            out.append(ParamTensor(pre + name + ".bias", (d_out,), "block", i, 0 if column else None))
+
+    def norm(name: str) -> None:
+        out.append(ParamTensor(pre + name + ".weight", (d,), "block", i))
+        if cfg.arch == "gpt2" and bias:
+            out.append(ParamTensor(pre + name + ".bias", (d,), "block", i))
+
+    norm("attn_norm")
+    linear("attn.q_proj", d, q, True)
+    linear("attn.k_proj", d, kv, True)
+    linear("attn.v_proj", d, kv, True)
+    linear("attn.o_proj", q, d, False)
+    norm("mlp_norm")
+    if cfg.arch == "llama":
+        linear("mlp.gate_proj", d, f, True)
+        linear("mlp.up_proj", d, f, True)
+        linear("mlp.down_proj", f, d, False)
+    else:
+        linear("mlp.fc_in", d, f, True)
+        linear("mlp.fc_out", f, d, False)
+    return out
+
+
+def param_tensors(cfg: ModelConfig, vocab_size: int, seq_len: int) -> list[ParamTensor]:
+    """Every parameter of ``Transformer(cfg, vocab_size, seq_len)``, in ``named_parameters`` order."""
+    d = cfg.d_model
+    tied = cfg.tie_embeddings
+    out = [ParamTensor("embed.weight", (vocab_size, d), "root", tp_dim=0, linear=tied)]
+    if cfg.arch == "gpt2":
+        out.append(ParamTensor("pos_embed.weight", (seq_len, d), "root", tp_dim=0))
+    for i in range(cfg.n_layers):
+        out += _block(cfg, i)
+    out.append(ParamTensor("norm.weight", (d,), "root"))
+    if cfg.arch == "gpt2" and uses_bias(cfg):
+        out.append(ParamTensor("norm.bias", (d,), "root"))
+    if not tied:
+        out.append(ParamTensor("lm_head.weight", (vocab_size, d), "head", tp_dim=0, linear=True))
+    return out
+
+
+def param_count(cfg: ModelConfig, vocab_size: int, seq_len: int) -> int:
+    """``N``: parameters of the model, tied ones once (the sum of :func:`param_tensors`)."""
+    return sum(t.numel for t in param_tensors(cfg, vocab_size, seq_len))
+
+
+def split(n: int, parts: int) -> int:
+    """The largest piece of ``n`` cut in ``parts`` as torch's ``Shard`` cuts: ``ceil(n / parts)``."""
+    return -(-n // parts)
+
+
+def tp_shape(t: ParamTensor, tp: int) -> tuple[int, ...]:
+    """Shape of ``t`` on the largest tensor-parallel rank."""
+    if tp == 1 or t.tp_dim is None:
+        return t.shape
+    return tuple(split(s, tp) if i == t.tp_dim else s for i, s in enumerate(t.shape))
+
+
+def fsdp_shape(shape: tuple[int, ...], shards: int) -> tuple[int, ...]:
+    """FSDP2's largest local shard: dim 0 cut in ``shards`` pieces (``Shard(0)``, padded)."""
+    if shards == 1:
+        return shape
+    return (split(shape[0], shards), *shape[1:])
+
+
+def stage_tensors(tensors: list[ParamTensor], layers: range, n_layers: int) -> list[ParamTensor]:
+    """What a pipeline rank owning blocks ``layers`` keeps (``model.transformer.keep_stage``): its blocks,
+    the embedding (and positions) with block 0, the final norm and head with the last block. A tied head
+    on a last stage that lacks block 0 keeps its own copy of the embedding matrix."""
+    first, last = layers.start == 0, layers.stop == n_layers
+    out = []
+    for t in tensors:
+        if t.layer is not None:
+            keep = t.layer in layers
+        elif t.name in ("embed.weight", "pos_embed.weight"):
+            keep = first or (last and t.name == "embed.weight" and t.linear)
+        else:
+            keep = last
+        if keep:
+            out.append(t)
+    return out
+
+
+def optimizer_state_bytes(
+    optimizer: str, local: tuple[int, ...], whole: tuple[int, ...], muon: bool, counters: bool = True
+) -> int:
+    """State bytes one rank keeps for a parameter of shape ``whole`` held as ``local`` (its shard).
+
+    ``adamw`` / ``adam``: two FP32 moments ``8n`` (+ a 4-byte step); ``sgd`` with momentum: ``4n``
+    (``sgd0``: none); ``lion``: ``4n``; ``adafactor``: a row and a column FP32 mean of the *whole* matrix
+    ``4(prod(shape[:-1]) + prod(shape[:-2]) * shape[-1])`` on every rank (``4n`` for vectors; + step);
+    ``adamw8bit``: per moment ``n`` codes + ``4n/256`` scales + a 1,024-byte code book where the whole
+    tensor has at least 4,096 values in whole blocks of 256, else ``4n`` (+ step); ``muon``: ``4n``
+    momentum for block matrices, AdamW's ``8n`` + step for the rest. ``counters=False`` leaves out the
+    step counters and code books (the per-parameter convention of the ZeRO paper).
+    """
+    n = math.prod(local)
+    step = STEP_BYTES if counters else 0
+    if optimizer in ("adamw", "adam") or (optimizer == "muon" and not muon):
+        return 8 * n + step
+    if optimizer in ("sgd", "lion") or optimizer == "muon":
+        return 4 * n
+    if optimizer == "sgd0":
+        return 0
+    if optimizer == "adafactor":
+        if len(whole) < 2:
+            return 4 * math.prod(whole) + step
+        rows = math.prod(whole[:-1])
+        cols = math.prod(whole[:-2]) * whole[-1]
+        return 4 * (rows + cols) + step
+    if optimizer == "adamw8bit":
+        total = math.prod(whole)
+        if total >= QUANT_MIN and total % QUANT_BLOCK == 0 and _blocks_align(local, whole):
+            moment = n + 4 * (n // QUANT_BLOCK) + (QMAP_BYTES if counters else 0)
+        else:
+            moment = 4 * n
+        return 2 * moment + step
+    raise ValueError(f"optim.name: no state size for {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
+
+
+def _blocks_align(local: tuple[int, ...], whole: tuple[int, ...]) -> bool:
+    """Whether a dim-0 shard ``local`` of ``whole`` cuts into blocks of the whole tensor (else AdamW8bit
+    keeps FP32 moments for it; ``optim/adamw8bit.py::blocks_align``): whole blocks after dim 0, or an even
+    split into whole blocks. Shards of other dimensions (row-parallel TP) are taken as aligned."""
+    if local == whole or local[0] == whole[0]:
+        return True
+    return math.prod(whole[1:]) % QUANT_BLOCK == 0 or (
+        whole[0] % local[0] == 0 and math.prod(local) % QUANT_BLOCK == 0
+    )
+
+
+def optimizer_key(name: str, sgd_momentum: float = 0.9) -> str:
+    """The state-size key of an optimizer config: ``sgd`` without momentum keeps no state (``sgd0``)."""
+    return "sgd0" if name == "sgd" and sgd_momentum == 0 else name
+
+
+def state_bytes_per_param(optimizer: str) -> float:
+    """``K``: optimizer-state bytes per parameter by the per-parameter convention (no counters, dense
+    tensors): adam(w) 8, sgd 4 (0 without momentum), lion 4, muon 4 (its matrices), adamw8bit
+    2 + 8/256 (codes and block scales), adafactor ~0 (factored: rows + columns of each matrix)."""
+    return {"adamw": 8, "adam": 8, "sgd": 4, "sgd0": 0, "lion": 4, "muon": 4, "adamw8bit": 2 + 8 / 256}.get(
+        optimizer, 0.0
+    )
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Model-state bytes of one device."""
+
+    params: float
+    grads: float
+    master: float
+    optim: float
+
+    @property
+    def total(self) -> float:
+        """``params + grads + master + optim``."""
+        return self.params + self.grads + self.master + self.optim
+
+
+def per_param_formula(
+    kind: str, p: float, n: int, k: float = 8, accounting: str = "zero-paper"
+) -> StateBytes:
+    """The model states of ``p`` parameters per device as the closed formulas of the module docstring:
+    ``kind`` ``ddp`` | ``zero1`` | ``zero2`` | ``zero3`` over ``n`` ranks, ``k`` optimizer bytes per
+    parameter (8: Adam). E.g. zero-paper ZeRO-1 = ``2p + 2p + (4 + k)p / n``."""
+    if accounting == "lmforge":
+        shard = {"ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (n, n, n), "zero3": (n, n, n)}[kind]
+        return StateBytes(4 * p / shard[0], 4 * p / shard[1], 0.0, k * p / shard[2])
+    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (1, n, n), "zero3": (n, n, n)}[kind]
+    return StateBytes(2 * p / shard[0], 2 * p / shard[1], 4 * p / shard[2], k * p / shard[2])
+
+
+def group_key(t: ParamTensor, optimizer: str) -> tuple[str, str]:
+    """``(kind, route)`` of ``optim/build.py::param_groups`` (without layer-wise decay or muP): kind
+    ``embedding`` (token and position tables), ``norm`` (norm weights), ``matrix`` (2-D and up) or
+    ``bias``; route ``muon`` / ``adamw`` under Muon. lmforge's groups come sorted by this key."""
+    if t.name in ("embed.weight", "pos_embed.weight"):
+        kind = "embedding"
+    elif t.name.endswith("norm.weight"):
+        kind = "norm"
+    else:
+        kind = "matrix" if len(t.shape) >= 2 else "bias"
+    route = ("muon" if kind == "matrix" and t.muon else "adamw") if optimizer == "muon" else ""
+    return kind, route
+
+
+def zero1_partition(tensors: list[ParamTensor], ranks: int, optimizer: str, tp: int = 1) -> list[list[int]]:
+    """Indices of ``tensors`` each ZeRO-1 rank owns, as ``ZeroRedundancyOptimizer._partition_parameters``
+    assigns them: group by group (lmforge's group order), each group's tensors largest first (stable),
+    each to the rank with the fewest parameters so far (the first such rank), the count carried across
+    groups."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(group_key(t, optimizer), []).append(i)
+    sizes = [0] * ranks
+    owned: list[list[int]] = [[] for _ in range(ranks)]
+    for key in sorted(groups):
+        for i in sorted(groups[key], key=lambda i: -math.prod(tp_shape(tensors[i], tp))):
+            rank = sizes.index(min(sizes))
+            owned[rank].append(i)
+            sizes[rank] += math.prod(tp_shape(tensors[i], tp))
+    return owned
+
+
+def model_states(
+    tensors: list[ParamTensor],
+    kind: str,
+    shards: int,
+    tp: int,
+    optimizer: str,
+    accounting: str = "lmforge",
+) -> StateBytes:
+    """Model-state bytes of one device holding ``tensors`` (one pipeline rank's), ``kind`` ``none`` |
+    ``ddp`` | ``zero1`` | ``zero2`` | ``zero3`` with ``shards`` ranks sharding (``dp_shard``), ``tp``.
+
+    Sharded tensors are counted at the largest rank's piece (``ceil``). ``lmforge``: 4 + 4 bytes of
+    parameter and gradient, states by :func:`optimizer_state_bytes` with counters; ``zero-paper``: 2 + 2
+    + 4 master + states without counters, sharded as in the ZeRO paper.
+    """
+    if accounting not in ACCOUNTINGS:
+        raise ValueError(f"--weights: {accounting!r}; use lmforge or zero-paper")
+    fsdp = kind in ("zero2", "zero3")
+    counters = accounting == "lmforge"
+    params = grads = master = 0
+    states = []
+    for t in tensors:
+        local = tp_shape(t, tp)
+        shard = fsdp_shape(local, shards if fsdp else 1)
+        n_local, n_shard = math.prod(local), math.prod(shard)
+        opt_shape = shard if fsdp else local
+        states.append(optimizer_state_bytes(optimizer, opt_shape, t.shape, t.muon, counters))
+        if accounting == "lmforge":
+            params += 4 * n_shard
+            grads += 4 * n_shard
+        else:
+            params += 2 * (n_shard if kind == "zero3" else n_local)
+            grads += 2 * (n_shard if fsdp else n_local)
+            master += 4 * n_shard  # whole unless FSDP shards it; ZeRO-1's below
+    if kind == "zero1":  # the rank whose master weights and states are largest
+        owned = zero1_partition(tensors, shards, optimizer, tp)
+        masters = [4 * math.prod(tp_shape(t, tp)) if accounting == "zero-paper" else 0 for t in tensors]
+        master, optim = max(
+            ((sum(masters[i] for i in idx), sum(states[i] for i in idx)) for idx in owned), key=sum
+        )
+    else:
+        optim = sum(states)
+    return StateBytes(float(params), float(grads), float(master), float(optim))
+
+
+def compute_bytes(number_format: str) -> int:
+    """Bytes of a value in the matmuls' dtype: 2 for bf16 / fp16 / fp8 (FP8 layers keep BF16 weights
+    outside the matmul), 4 for fp32 / tf32."""
+    return 2 if number_format in ("bf16", "fp16", "fp8") else 4
+
+
+@dataclass(frozen=True)
+class Temporaries:
+    """Buffers beside the model states and the saved activations (bytes, one device). Autocast's 16-bit
+    weight copies are not here: the matmuls save them, so ``plan/activations.py`` counts them."""
+
+    fsdp_gathered: float = 0.0  # unsharded parameter copies FSDP2 holds
+    fsdp_grad_reduce: float = 0.0  # one unit's unsharded gradient and its FP32 reduce copy
+    ddp_buckets: float = 0.0  # DDP's flat gradient buckets (gradient_as_bucket_view=False)
+    loss_chunk: float = 0.0  # one chunk of logits in 16 bit and FP32
+    optimizer_step: float = 0.0  # the optimizer step's own scratch (after backward)
+
+    @property
+    def during_backward(self) -> float:
+        """What coexists with the activations (everything but the optimizer step's scratch)."""
+        return self.fsdp_gathered + self.fsdp_grad_reduce + self.ddp_buckets + self.loss_chunk
+
+
+def temporaries(
+    tensors: list[ParamTensor],
+    kind: str,
+    shards: int,
+    tp: int,
+    number_format: str,
+    optimizer: str,
+    vocab_size: int,
+    loss_tokens: int,
+    accounting: str = "lmforge",
+) -> Temporaries:
+    """Temporary buffers of one device (``c`` compute bytes, ``g`` gradient bytes: 4, or 2 in zero-paper):
+
+    * ZeRO-2 (FSDP2, ``reshard_after_forward=False``): every parameter gathered from forward to backward,
+      ``c * P_local``; ZeRO-3: the root unit (embedding, positions, final norm, tied head: lmforge keeps it
+      gathered from forward to backward) plus two of the largest unit (the one computing and the one
+      prefetched), ``c``-byte copies; either: one unit's unsharded gradient for its reduce-scatter in ``c``
+      bytes and, when ``c`` is 2, its FP32 copy (``reduce_dtype``): ``(c + 4 [c < 4]) * unit``;
+    * DDP and ZeRO-1 (lmforge's DDP defaults: 25 MiB buckets, ``gradient_as_bucket_view=False``): flat
+      bucket copies of every gradient, ``g * P``;
+    * the chunked loss: one chunk's ``loss_tokens x vocab`` logits in ``c`` bytes and their FP32 copy
+      (``.float()`` before the softmax; the saved FP32 log-probabilities are activations), all-gathered
+      over the vocabulary under TP (lmforge does not use loss parallelism);
+    * the optimizer step (after backward, apart from activations): Lion's ``foreach`` update copy ``4n``,
+      Adafactor's squared gradient ``4n``, AdamW8bit's two dequantised FP32 moments of the largest tensor.
+    """
+    c = compute_bytes(number_format)
+    local = [math.prod(tp_shape(t, tp)) for t in tensors]
+    fsdp = kind in ("zero2", "zero3")
+    out: dict[str, float] = {}
+    if fsdp:
+        units: dict[str, int] = {}
+        for t, n in zip(tensors, local, strict=True):
+            key = "root" if t.unit == "root" else (f"block{t.layer}" if t.unit == "block" else "head")
+            units[key] = units.get(key, 0) + n
+        biggest = max((v for k, v in units.items() if k != "root"), default=0)
+        if kind == "zero2":
+            out["fsdp_gathered"] = c * sum(local)
+        else:
+            out["fsdp_gathered"] = c * (units.get("root", 0) + 2 * biggest)
+        out["fsdp_grad_reduce"] = (c + (4 if c < 4 else 0)) * biggest
+    elif kind in ("ddp", "zero1"):
+        out["ddp_buckets"] = (4 if accounting == "lmforge" else 2) * sum(local)
+    has_head = any(t.name == "lm_head.weight" or (t.name == "embed.weight" and t.linear) for t in tensors)
+    if has_head:
+        out["loss_chunk"] = (c + 4) * loss_tokens * vocab_size
+    held = [math.prod(fsdp_shape(tp_shape(t, tp), shards)) for t in tensors] if fsdp else local
+    n_opt, total_opt = max(held, default=0), sum(held)
+    if optimizer in ("lion", "adafactor"):
+        out["optimizer_step"] = 4 * total_opt
+    elif optimizer == "adamw8bit":
+        out["optimizer_step"] = 8 * n_opt
+    return Temporaries(**out)
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """The framework's own memory: a fixed runtime part and a fraction of everything allocated."""
+
+    runtime_bytes: float
+    fragmentation: float
+    note: str
+
+
+GPU_OVERHEAD = Overhead(
+    1.0 * 2**30,
+    0.05,
+    "CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers ~1 GiB (the context alone is 0.3-0.6 GiB on "
+    "CUDA 12; NCCL adds a few hundred MiB per communicator), plus 5% of allocated bytes lost to the "
+    "caching allocator's fragmentation (assumed; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+    "lowers it)",
+)
+CPU_OVERHEAD = Overhead(
+    0.5 * 2**30,
+    0.05,
+    "the Python interpreter, torch and lmforge ~0.5 GiB resident (benchmarks/scaling.py measured 530-580 "
+    "MiB per process for a 4M-parameter model), plus 5% of allocated bytes for the allocator (assumed)",
+)
+
+
+def deepspeed_zero2_gpu_bytes(total_params: float, gpus: int) -> float:
+    """DeepSpeed's published estimate of ZeRO-2 model-state bytes per GPU without offload
+    (``deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs``, ``cpu_offload=False``):
+    ``4 P + int(16 P / gpus)``: 4 bytes per parameter on every GPU (16-bit parameters and 16-bit
+    gradients of the whole model) and 16 sharded (FP32 master weights and Adam moments, 12, and 4 more
+    the source does not break down: an FP32 gradient partition fits it)."""
+    return 4 * total_params + int(16 * total_params / gpus)
+
+
+def deepspeed_zero3_gpu_bytes(total_params: float, largest_layer_params: float, gpus: int) -> float:
+    """DeepSpeed's published estimate of ZeRO-3 model-state bytes per GPU without offload
+    (``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs``, ``cpu_offload=False``):
+    ``4 L + int(18 P / gpus)`` with ``L`` the largest layer's parameters (gathered 16-bit parameters and
+    gradients of one layer) and 18 bytes per sharded parameter (the ZeRO paper's 16 and 2 more that the
+    source does not break down)."""
+    return 4 * largest_layer_params + int(18 * total_params / gpus)
