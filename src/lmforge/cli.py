@@ -423,6 +423,8 @@ def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
     attention = args.attention or attention_kind(device_type, cfg.train.attention, cfg.model.doc_mask)
     workload = workload_from_config(cfg, precision, attention, device_type)
     try:
+        if cfg.train.micro_batch_size == "auto":
+            layout = _auto_micro_batch(cfg, layout, workload, hw, args)
         est = estimate(workload, layout, hw, args.weights, args.margin, args.mfu)
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -461,6 +463,25 @@ def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
         if not args.json:
             print(f"wrote {args.plot}")
     return 0
+
+
+def _auto_micro_batch(cfg, layout, workload, hw, args: argparse.Namespace):
+    """``train.micro_batch_size = "auto"`` as ``lmforge train`` resolves it: the largest size splitting
+    ``train.tokens_per_step`` whose estimate fits (else the smallest)."""
+    from dataclasses import replace
+
+    from lmforge.plan.estimate import estimate
+    from lmforge.train.auto_batch import auto_candidates, largest
+
+    parallel = cfg.parallel.model_copy(update={"dp_shard": layout.dp_shard})
+    sizes = auto_candidates(cfg.model_copy(update={"parallel": parallel}))
+
+    def fits(size: int) -> bool:
+        return estimate(
+            workload, replace(layout, micro_batch=size), hw, args.weights, args.margin, args.mfu
+        ).fits
+
+    return replace(layout, micro_batch=largest(sizes, fits) or sizes[-1])
 
 
 def _check_runnable(cfg, layout, gpus: int) -> None:

@@ -199,7 +199,11 @@ def check_activation_checkpointing(policy: str) -> str:
 
 class TrainConfig(_Section):
     steps: int = Field(1050, ge=1, description="optimizer steps")
-    micro_batch_size: int = Field(8, ge=1, description="sequences per forward/backward pass")
+    micro_batch_size: int | Literal["auto"] = Field(
+        8,
+        description='sequences per forward/backward pass; "auto": the largest that lmforge estimate says '
+        "fits this device (a probe on one CUDA GPU), train.tokens_per_step kept by the accumulation",
+    )
     tokens_per_step: int | None = Field(
         None,
         ge=1,
@@ -278,6 +282,8 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _clip(self) -> TrainConfig:
         check_activation_checkpointing(self.activation_checkpointing)
+        if self.micro_batch_size != "auto" and self.micro_batch_size < 1:
+            raise ValueError('train.micro_batch_size: give at least 1 sequence, or "auto"')
         if self.clip_mode == "value" and self.value_clip.limit == 0:
             raise ValueError(
                 "train.value_clip.limit: clip_mode 'value' needs train.value_clip.limit above 0, e.g. 0.01"

@@ -20,6 +20,7 @@ data (tokenizer, shards) while the others wait, then they read its cache.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,7 @@ from lmforge.parallel.pipeline import (
 from lmforge.parallel.reduce import StepReduce
 from lmforge.parallel.tensor import check_tensor_parallel
 from lmforge.precision import PrecisionPolicy, check_precision
+from lmforge.train.auto_batch import auto_candidates, probe, resolve_micro_batch
 from lmforge.train.runtime import configure_determinism, pick_device, seed_all
 
 log = logging.getLogger(__name__)
@@ -80,7 +82,10 @@ def validate(cfg: Config) -> torch.device:
     check_precision(cfg.train, cfg.parallel, device)
     check_layout(cfg, launch_env()[2])
     check_model_layout(cfg)
-    accumulation_steps(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
+    if cfg.train.micro_batch_size == "auto":
+        auto_candidates(cfg)
+    else:
+        accumulation_steps(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
     input_files(cfg.data)  # missing inputs fail here
     check_domains(cfg.data)
     return device
@@ -92,7 +97,8 @@ def check_model_layout(cfg: Config) -> None:
     if p.pp > 1:
         microbatches, v = pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)
         check_pipeline(
-            cfg.model.n_layers, p.pp, p.pp_schedule, microbatches, cfg.train.micro_batch_size,
+            cfg.model.n_layers, p.pp, p.pp_schedule, microbatches,
+            None if cfg.train.micro_batch_size == "auto" else cfg.train.micro_batch_size,
             cfg.model.tie_embeddings, v,
         )  # fmt: skip
         if p.pp_schedule in ("zero_bubble", "zbv") and cfg.train.activation_checkpointing == "selective":
@@ -160,13 +166,21 @@ class Run:
         return self.accum * self.cfg.train.micro_batch_size * self.cfg.data.seq_len * self.layout.dp
 
 
+def local_processes() -> int:
+    """Processes of this run on this host (``torchrun``'s ``LOCAL_WORLD_SIZE``; 1 for a plain process)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def build_run(cfg: Config, data: PreparedData | None = None) -> Run:
-    """Build every part of a run of ``cfg`` (``data``: already prepared data, else prepared here)."""
+    """Build every part of a run of ``cfg`` (``data``: already prepared data, else prepared here).
+    ``train.micro_batch_size = "auto"`` is resolved first (``train/auto_batch.py``); the run's ``cfg``
+    holds the number chosen."""
     device = validate(cfg)
     layout = init_layout(cfg, device.type)
     if device.type == "cuda" and layout.distributed:
         device = torch.device("cuda", torch.cuda.current_device())
-    accum = accumulation_steps(cfg, layout.dp)
+    auto = cfg.train.micro_batch_size == "auto"
+    cfg, smaller, optimizer_bytes = resolve_micro_batch(cfg, device, local_processes())
     configure_determinism(cfg.train.deterministic)
     precision = PrecisionPolicy.resolve(cfg.train.precision, device, cfg.train.loss_scale, layout.distributed)
     if data is None:
@@ -180,6 +194,9 @@ def build_run(cfg: Config, data: PreparedData | None = None) -> Run:
         n_params = model.num_params(False)
         objective = training_objective(model, cfg, device, layout, precision.compute_dtype)
         eval_objective = objective if layout.kind == "fsdp" else NextTokenLoss(model, cfg.train.loss_chunk)
+    if auto and device.type == "cuda" and not layout.distributed:
+        cfg = probe(objective, cfg, smaller, data.tokenizer.vocab_size, precision.autocast, optimizer_bytes)
+    accum = accumulation_steps(cfg, layout.dp)
     compile = can_compile(cfg.train.compile, device)
     if layout.kind == "zero1":
         from lmforge.optim.build import build_zero_optimizer
