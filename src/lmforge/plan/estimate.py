@@ -292,7 +292,10 @@ def _activations(
             device_type=workload.device_type,
         )
         for k, v in asdict(a).items():
-            parts[k] = parts.get(k, 0.0) + float(v) * in_flight
+            if k == "recompute":  # one block recomputes at a time on a rank, whatever is in flight
+                parts[k] = max(parts.get(k, 0.0), float(v))
+            else:
+                parts[k] = parts.get(k, 0.0) + float(v) * in_flight
     if layout.kind in ("zero2", "zero3") or accounting == "zero-paper":
         parts["weight_casts"] = 0.0
     return sum(parts.values()), parts
