@@ -16,9 +16,20 @@ Activations: ``plan/activations.py`` for the rank's blocks, times the micro-batc
 ``m``; 1F1B and the others ``min(m, p - rank)``, Narayanan et al. 2021; interleaved schedules hold
 somewhat more on the first rank, not modelled), plus one checkpointed block's recomputation.
 
-Peak: activations coexist with the model states and the backward temporaries; the optimizer step's own
-scratch comes after the activations are freed, so ``total = states + overhead + max(activations +
-backward temporaries, step scratch)``.
+Peak: activations coexist with the parameters, master weights, optimizer states and the backward
+temporaries; the optimizer step's own scratch comes after the activations are freed. Gradients coexist
+with the activations only when a step has more than one micro-batch (gradient accumulation, or several
+pipeline micro-batches): ``train/step.py`` ends every step with ``zero_grad(set_to_none=True)``, so with
+one micro-batch the backward starts with no gradient, and each layer's gradient appears as that layer's
+activations are freed; activations plus gradients then peak at one end of the backward (linear in
+between), at its start (all activations) or its end (all gradients, with the FSDP2 / DDP buffers)::
+
+    several micro-batches:  total = states + overhead + max(activations + backward temporaries, step scratch)
+    one micro-batch:        total = states - grads + overhead + max(activations + backward temporaries,
+                                    grads + backward temporaries but the loss chunk, grads + step scratch)
+
+(measured against PyTorch's FSDP memory tracker on real FSDP2 runs: tests/test_estimate_fsdp_tracker.py).
+``gradients_at_peak`` is the gradient bytes of the peak's phase, the ``gradients`` row.
 
 Time (``mfu`` the model-FLOPs utilisation a plain layout reaches on this device, default 0.4 on GPUs: a
 typical well-tuned dense run reaches 0.35-0.5 on A100/H100)::
@@ -172,6 +183,7 @@ class Estimate:
     overhead_fraction: float
     overhead_note: str
     total: float
+    gradients_at_peak: float
     flops_per_token: float
     flops_per_step: float
     tokens_per_step: int
@@ -212,7 +224,7 @@ class Estimate:
         t = self.temporaries
         return {
             "parameters": self.states.params,
-            "gradients": self.states.grads,
+            "gradients": self.gradients_at_peak,
             "master weights": self.states.master,
             "optimizer states": self.states.optim,
             "activations": self.activations,
@@ -360,13 +372,20 @@ def estimate(
             loss_tokens,
             accounting,
         )
-        allocated = states.total + max(acts + temps.during_backward, temps.optimizer_step)
+        if accum * m > 1:  # gradients accumulate over micro-batches: they coexist with the activations
+            grads_at_peak = states.grads
+            allocated = states.total + max(acts + temps.during_backward, temps.optimizer_step)
+        else:  # one micro-batch: no gradient before its backward (module docstring)
+            start = acts + temps.during_backward
+            end = states.grads + max(temps.during_backward - temps.loss_chunk, temps.optimizer_step)
+            grads_at_peak = 0.0 if start >= end else states.grads
+            allocated = states.total - states.grads + max(start, end)
         overhead = overhead_model.runtime_bytes + overhead_model.fragmentation * allocated
         total = allocated + overhead
         if best is None or total > best[0]:
-            best = (total, rank, mine, states, acts, parts, temps, overhead)
+            best = (total, rank, mine, states, acts, parts, temps, overhead, grads_at_peak)
     assert best is not None
-    total, rank, mine, states, acts, parts, temps, overhead = best
+    total, rank, mine, states, acts, parts, temps, overhead, grads_at_peak = best
     device_params = sum(math.prod(tp_shape(t, layout.tp)) for t in mine)
 
     fpt = flops_per_token(n_params - _embedding_params(tensors), cfg.n_layers, cfg.d_model, workload.seq_len)
@@ -429,6 +448,7 @@ def estimate(
         overhead_fraction=overhead_model.fragmentation,
         overhead_note=overhead_model.note,
         total=total,
+        gradients_at_peak=grads_at_peak,
         flops_per_token=fpt,
         flops_per_step=flops_step,
         tokens_per_step=tokens,
