@@ -134,6 +134,21 @@ def test_estimate_rows_add_up_and_fit_uses_the_margin():
     e = estimate(_workload("llama-7b"), Layout(dp_shard=8), H100)
     rows = e.rows()
     assert sum(rows.values()) == pytest.approx(e.total)
+    # every peak phase: one micro-batch (start of backward; or its end when gradients outweigh the
+    # activations, as under DDP with full checkpointing), and accumulation
+    phases = {e.peak_phase}
+    for workload, layout in (
+        (_workload("llama-7b"), Layout(dp_replicate=8, activation_checkpointing="full")),
+        (replace(_workload("llama-7b"), tokens_per_step=8 * 4 * 4096), Layout(dp_shard=8)),
+    ):
+        other = estimate(workload, layout, H100)
+        assert sum(other.rows().values()) == pytest.approx(other.total)
+        phases.add(other.peak_phase)
+    assert phases == {
+        "start of backward (no gradients yet)",
+        "end of backward / optimizer step",
+        "backward, gradients accumulating",
+    }
     assert e.fits == (e.total <= 0.8 * H100.memory_bytes)
     tight = estimate(
         _workload("llama-7b"), Layout(dp_shard=8), H100, margin=e.total / H100.memory_bytes * 0.99

@@ -510,10 +510,20 @@ def _estimate_text(e, name: str, optimizer: str, hw) -> str:
         f"per device (pipeline rank {e.pp_rank}: {e.device_params / 1e9:.2f}B parameters after TP/PP, before "
         "data-parallel sharding)        GiB",
     ]
+    lines.append(f"  peak: {e.peak_phase}")
+    grads_note = (
+        ""
+        if e.gradients_at_peak == e.states.grads
+        else f"{e.states.grads / GIB:.2f} GiB by the end of backward"
+    )
+    acts_note = (
+        acts if e.activations_at_peak else f"{e.activations / GIB:.2f} GiB at the start of backward: {acts}"
+    )
     for row, value in e.rows().items():
         detail = {
-            "activations": acts,
-            "temporaries": temps,
+            "gradients": grads_note,
+            "activations": acts_note,
+            "temporaries": temps if e.temporaries_at_peak == t.during_backward else "",
             "overhead": f"{e.overhead_runtime / GIB:.1f} GiB runtime + {e.overhead_fraction:.0%} of the rest, assumed",
         }.get(row, "")
         lines.append(f"  {row:<18s} {value / GIB:10.2f}" + (f"   ({detail})" if detail else ""))

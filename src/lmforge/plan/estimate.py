@@ -29,7 +29,8 @@ between), at its start (all activations) or its end (all gradients, with the FSD
                                     grads + backward temporaries but the loss chunk, grads + step scratch)
 
 (measured against PyTorch's FSDP memory tracker on real FSDP2 runs: tests/test_estimate_fsdp_tracker.py).
-``gradients_at_peak`` is the gradient bytes of the peak's phase, the ``gradients`` row.
+``peak_phase`` names the phase of the peak; ``gradients_at_peak``, ``activations_at_peak`` and
+``temporaries_at_peak`` are its rows (they add up to the total).
 
 Time (``mfu`` the model-FLOPs utilisation a plain layout reaches on this device, default 0.4 on GPUs: a
 typical well-tuned dense run reaches 0.35-0.5 on A100/H100)::
@@ -183,7 +184,10 @@ class Estimate:
     overhead_fraction: float
     overhead_note: str
     total: float
+    peak_phase: str
     gradients_at_peak: float
+    activations_at_peak: float
+    temporaries_at_peak: float
     flops_per_token: float
     flops_per_step: float
     tokens_per_step: int
@@ -220,15 +224,15 @@ class Estimate:
         )
 
     def rows(self) -> dict[str, float]:
-        """The memory breakdown, one entry per row of the table and bar of the chart."""
-        t = self.temporaries
+        """The memory breakdown at the peak (``peak_phase``), one entry per row of the table and bar of the
+        chart; the rows add up to ``total``."""
         return {
             "parameters": self.states.params,
             "gradients": self.gradients_at_peak,
             "master weights": self.states.master,
             "optimizer states": self.states.optim,
-            "activations": self.activations,
-            "temporaries": t.during_backward,
+            "activations": self.activations_at_peak,
+            "temporaries": self.temporaries_at_peak,
             "overhead": self.overhead,
         }
 
@@ -372,20 +376,26 @@ def estimate(
             loss_tokens,
             accounting,
         )
+        # (phase, gradients, activations, temporaries) at each candidate peak (module docstring)
         if accum * m > 1:  # gradients accumulate over micro-batches: they coexist with the activations
-            grads_at_peak = states.grads
-            allocated = states.total + max(acts + temps.during_backward, temps.optimizer_step)
-        else:  # one micro-batch: no gradient before its backward (module docstring)
-            start = acts + temps.during_backward
-            end = states.grads + max(temps.during_backward - temps.loss_chunk, temps.optimizer_step)
-            grads_at_peak = 0.0 if start >= end else states.grads
-            allocated = states.total - states.grads + max(start, end)
+            phases = [
+                ("backward, gradients accumulating", states.grads, acts, temps.during_backward),
+                ("optimizer step", states.grads, 0.0, temps.optimizer_step),
+            ]
+        else:  # one micro-batch: no gradient before its backward
+            end_temps = max(temps.during_backward - temps.loss_chunk, temps.optimizer_step)
+            phases = [
+                ("start of backward (no gradients yet)", 0.0, acts, temps.during_backward),
+                ("end of backward / optimizer step", states.grads, 0.0, end_temps),
+            ]
+        at_peak = max(phases, key=lambda ph: ph[1] + ph[2] + ph[3])
+        allocated = states.total - states.grads + sum(at_peak[1:])
         overhead = overhead_model.runtime_bytes + overhead_model.fragmentation * allocated
         total = allocated + overhead
         if best is None or total > best[0]:
-            best = (total, rank, mine, states, acts, parts, temps, overhead, grads_at_peak)
+            best = (total, rank, mine, states, acts, parts, temps, overhead, at_peak)
     assert best is not None
-    total, rank, mine, states, acts, parts, temps, overhead, grads_at_peak = best
+    total, rank, mine, states, acts, parts, temps, overhead, at_peak = best
     device_params = sum(math.prod(tp_shape(t, layout.tp)) for t in mine)
 
     fpt = flops_per_token(n_params - _embedding_params(tensors), cfg.n_layers, cfg.d_model, workload.seq_len)
@@ -448,7 +458,10 @@ def estimate(
         overhead_fraction=overhead_model.fragmentation,
         overhead_note=overhead_model.note,
         total=total,
-        gradients_at_peak=grads_at_peak,
+        peak_phase=at_peak[0],
+        gradients_at_peak=at_peak[1],
+        activations_at_peak=at_peak[2],
+        temporaries_at_peak=at_peak[3],
         flops_per_token=fpt,
         flops_per_step=flops_step,
         tokens_per_step=tokens,
