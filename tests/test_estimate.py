@@ -11,7 +11,7 @@ import pytest
 
 from lmforge.cli import main
 from lmforge.plan import comm, hardware, models
-from lmforge.plan.estimate import Layout, Workload, candidate_layouts, estimate, fewest_devices, search
+from lmforge.plan.estimate import Layout, Workload, estimate
 from lmforge.plan.flops import flops_per_token
 from lmforge.plan.memory import (
     deepspeed_zero2_gpu_bytes,
@@ -21,6 +21,7 @@ from lmforge.plan.memory import (
     param_tensors,
     per_param_formula,
 )
+from lmforge.plan.search import candidate_layouts, fewest_devices, search
 
 H100 = hardware.get("h100-80gb")
 GB, GIB = 1e9, 2**30

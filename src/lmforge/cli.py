@@ -405,13 +405,8 @@ def _estimate_inputs(args: argparse.Namespace, extra: list[str]):
 
 def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
     from lmforge.plan.activations import attention_kind
-    from lmforge.plan.estimate import (
-        estimate,
-        fewest_devices,
-        layout_from_config,
-        search,
-        workload_from_config,
-    )
+    from lmforge.plan.estimate import estimate, layout_from_config, workload_from_config
+    from lmforge.plan.search import fewest_devices, search
 
     cfg, hw, precision = _estimate_inputs(args, extra)
     try:
