@@ -255,6 +255,17 @@ class TrainConfig(_Section):
         False, description="write checkpoints in the background while training goes on (DCP async save)"
     )
     log_interval: int = Field(10, ge=1, description="steps between metrics lines")
+    early_stop_patience: int = Field(
+        0,
+        ge=0,
+        description="stop after this many evaluations in a row without a new best validation loss, keeping "
+        "the best checkpoint (0: never stop early)",
+    )
+    profile_steps: list[int] | None = Field(
+        None,
+        description="[A, B]: a torch.profiler trace of steps A..B (inclusive) in RUN/profile/ and a table of "
+        "the most expensive operators",
+    )
     grad_clip: float = Field(
         1.0,
         ge=0,
@@ -284,11 +295,31 @@ class TrainConfig(_Section):
         check_activation_checkpointing(self.activation_checkpointing)
         if self.micro_batch_size != "auto" and self.micro_batch_size < 1:
             raise ValueError('train.micro_batch_size: give at least 1 sequence, or "auto"')
+        if self.profile_steps is not None and (
+            len(self.profile_steps) != 2 or not 1 <= self.profile_steps[0] <= self.profile_steps[1]
+        ):
+            raise ValueError("train.profile_steps: give two steps [A, B] with 1 <= A <= B, e.g. [5, 7]")
         if self.clip_mode == "value" and self.value_clip.limit == 0:
             raise ValueError(
                 "train.value_clip.limit: clip_mode 'value' needs train.value_clip.limit above 0, e.g. 0.01"
             )
         return self
+
+
+class MetricsConfig(_Section):
+    """What a run measures beyond the per-step record, and where records go besides ``metrics.jsonl`` and
+    TensorBoard. Every metric's name and meaning: ``docs/metrics.md``."""
+
+    detail_interval: int = Field(
+        50,
+        ge=0,
+        description="steps between detail records (per-block and per-kind norms, update ratio, activation "
+        "RMS, attention entropy on one micro-batch; 0: never)",
+    )
+    wandb: bool = Field(
+        False, description="also log to Weights & Biases in offline mode (RUN/wandb; the wandb extra)"
+    )
+    wandb_project: str = Field("lmforge", description="the W&B project name of metrics.wandb")
 
 
 class GuardConfig(_Section):
@@ -581,6 +612,10 @@ class Config(_Section):
     parallel: ParallelConfig = Field(
         default_factory=ParallelConfig,
         description="layout over torchrun processes: data, tensor and pipeline parallel degrees",
+    )
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig,
+        description="detail metrics (norms per block, update ratio, activations, attention entropy) and sinks",
     )
     lr_find: LRFindConfig = Field(
         default_factory=LRFindConfig, description="lmforge lr-find: the exponential learning-rate sweep"
