@@ -161,6 +161,23 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.hf.export import export_run
+
+    print(f"exported to {export_run(args.run, args.out, args.step)}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.hf.import_ import import_hf
+
+    ckpt = import_hf(args.hf_dir, args.run_dir, args.config, parse_overrides(extra))
+    print(
+        f"imported to {args.run_dir} ({ckpt.name}); continue with: lmforge train --resume --run-dir {args.run_dir}"
+    )
+    return 0
+
+
 def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
     from lmforge.corpus.config import load_pipeline_config
     from lmforge.corpus.pipeline import Layout, run_pipeline, write_report
@@ -656,6 +673,23 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model folder")
+    p.add_argument("run", help="run folder")
+    p.add_argument("--out", help="output folder (default: RUN/hf)")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "import",
+        help="a Hugging Face Llama / GPT-2 folder as a run folder",
+        description="Make a run folder of a local LlamaForCausalLM / GPT2LMHeadModel folder; other keys "
+        "(data, train) from --config and --SECTION.KEY=VALUE as for train.",
+    )
+    p.add_argument("hf_dir", metavar="HF_DIR", help="folder with config.json, *.safetensors, tokenizer.json")
+    p.add_argument("--run-dir", required=True, help="the new run folder")
+    p.add_argument("--config", help="TOML recipe for the data and training keys")
+    p.set_defaults(func=cmd_import)
+
 
 def _add_probe_commands(sub: argparse._SubParsersAction) -> None:
     """``plot-schedule``, ``lr-find`` and ``mup-check``: short probes of a recipe before a run."""
@@ -730,7 +764,7 @@ def _add_probe_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_estimate)
 
 
-TAKES_OVERRIDES = {"train", "data", "plot-schedule", "lr-find", "mup-check", "estimate"}
+TAKES_OVERRIDES = {"train", "data", "import", "plot-schedule", "lr-find", "mup-check", "estimate"}
 
 
 def main(argv: list[str] | None = None) -> None:

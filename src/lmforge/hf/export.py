@@ -1,0 +1,71 @@
+"""``lmforge export RUN``: a run's checkpoint as a Hugging Face model folder.
+
+The checkpoint is read whole into this process (``load_checkpoint``: DCP consolidates the shards of any
+layout, so a run trained under torchrun exports the same way), renamed by the architecture's map
+(``llama.py``, ``gpt2.py``) and written as ``config.json``, ``generation_config.json``,
+``model.safetensors`` and the tokenizer files. A setting the Hugging Face class cannot express is refused
+before anything is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lmforge.config import ModelConfig
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.errors import UserError
+from lmforge.hf import gpt2, llama
+from lmforge.hf.files import write_json, write_tokenizer, write_weights
+from lmforge.recipe import load_saved_config
+from lmforge.train.checkpoint import list_checkpoints, load_checkpoint
+
+MAPS = {"llama": llama, "gpt2": gpt2}
+
+
+def pick_checkpoint(run_dir: Path, step: int | None) -> Path:
+    """The checkpoint of ``step`` (None: the newest) of ``run_dir``."""
+    if not (run_dir / "config.toml").is_file():
+        raise UserError(f"RUN: {run_dir} is not an lmforge run folder (no config.toml); give a run folder")
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise UserError(f"RUN: {run_dir} has no complete checkpoint yet; train longer or pick another run")
+    if step is None:
+        return found[-1]
+    by_step = {int(p.name.removeprefix("step_")): p for p in found}
+    if step not in by_step:
+        have = ", ".join(str(s) for s in sorted(by_step))
+        raise UserError(f"--step: {run_dir} has no checkpoint of step {step}; it has step(s) {have}")
+    return by_step[step]
+
+
+def write_folder(
+    out: Path, model: ModelConfig, state: dict[str, torch.Tensor], tok: Tokenizer, max_len: int
+) -> Path:
+    """Write the Hugging Face folder of an lmforge model (``state``: its tensors by lmforge name)."""
+    arch = MAPS[model.arch]
+    hf_config = arch.config_to_hf(model, tok.vocab_size, max_len, tok.eot_id)  # refusals before any write
+    tensors = arch.state_to_hf(state, model)
+    hf_config["dtype"] = str(tensors[next(iter(tensors))].dtype).removeprefix("torch.")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "config.json", hf_config)
+    write_json(
+        out / "generation_config.json",
+        {"bos_token_id": tok.eot_id, "eos_token_id": tok.eot_id, "do_sample": False},
+    )
+    write_weights(out, tensors)
+    write_tokenizer(out, tok.path, max_len)
+    return out
+
+
+def export_run(run_dir: str | Path, out: str | Path | None = None, step: int | None = None) -> Path:
+    """Write the Hugging Face folder of ``run_dir``'s checkpoint ``step`` to ``out`` (default RUN/hf)."""
+    run_dir = Path(run_dir)
+    ckpt = pick_checkpoint(run_dir, step)
+    cfg = load_saved_config(ckpt / "config.toml")
+    tok = Tokenizer(run_dir / "tokenizer.json")
+    MAPS[cfg.model.arch].config_to_hf(cfg.model, tok.vocab_size, cfg.data.seq_len, tok.eot_id)  # refuse early
+    state = load_checkpoint(ckpt)
+    out = Path(out) if out is not None else run_dir / "hf"
+    return write_folder(out, cfg.model, state["model"], tok, cfg.data.seq_len)

@@ -1,0 +1,89 @@
+"""The files of a Hugging Face model folder: ``config.json``, safetensors weights (one file, or shards
+named by ``model.safetensors.index.json``), and the tokenizer files ``AutoTokenizer`` reads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from lmforge.data.tokenizer import EOT
+from lmforge.errors import UserError
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def write_json(path: Path, value: dict[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """``folder/config.json``; missing or unreadable is the user's error."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise UserError(f"HF_DIR: {folder} has no config.json; give a Hugging Face model folder")
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path}: not a JSON object; give a Hugging Face config.json")
+    return value
+
+
+def write_weights(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """One ``model.safetensors`` (``format = pt``, which ``from_pretrained`` checks)."""
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, folder / WEIGHTS, {"format": "pt"})
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
+    if (folder / WEIGHTS).is_file():
+        return _load(folder / WEIGHTS)
+    if not (folder / INDEX).is_file():
+        raise UserError(
+            f"HF_DIR: {folder} has neither {WEIGHTS} nor {INDEX}; save the model with safe_serialization"
+        )
+    try:
+        shards = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, AttributeError) as exc:
+        raise UserError(f"{folder / INDEX}: no weight_map ({exc}); give a complete index") from None
+    out: dict[str, torch.Tensor] = {}
+    for name in shards:
+        if not (folder / name).is_file():
+            raise UserError(f"{folder / INDEX}: names the shard {name}, which is missing")
+        out.update(_load(folder / name))
+    return out
+
+
+def write_tokenizer(folder: Path, tokenizer_json: Path, max_len: int) -> None:
+    """``tokenizer.json`` (the run's own) with ``tokenizer_config.json`` and ``special_tokens_map.json``
+    naming lmforge's end-of-text token as the BOS and EOS token (no token is added when encoding: the
+    tokenizer has no post-processor, as lmforge encodes)."""
+    shutil.copyfile(tokenizer_json, folder / "tokenizer.json")
+    special = {"bos_token": EOT, "eos_token": EOT}
+    write_json(
+        folder / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **special,
+            "model_max_length": max_len,
+            "clean_up_tokenization_spaces": False,
+            "add_bos_token": False,
+            "add_eos_token": False,
+        },
+    )
+    write_json(folder / "special_tokens_map.json", special)
