@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from lmforge.corpus.pystdlib import stdlib_root
+from lmforge.hf.import_ import FROM_FOLDER
 from lmforge.model.sampling import generate
 from lmforge.recipe import load_config
 from lmforge.train.launch import train
@@ -36,6 +38,24 @@ def train_tiny(corpus_dir: Path, root: Path, name: str, steps: int = 8) -> Path:
     run = root / name
     train(load_config(None, over), run, progress_bar=False)
     return run
+
+
+def import_overrides(corpus_dir: Path, cache: Path, steps: int = 8) -> dict:
+    """The tiny runs' data and training keys, without what an import takes from the folder."""
+    over = {**tiny_overrides(corpus_dir, cache), "train.steps": steps, "train.eval_tokens": 512}
+    return {k: v for k, v in over.items() if not k.startswith("model.") and k not in FROM_FOLDER}
+
+
+_TRAINED: dict[str, Path] = {}
+
+
+def trained_runs(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny trained run per variant, trained once per test session (the export and import tests
+    share them)."""
+    if not _TRAINED:
+        root = tmp_path_factory.mktemp("hf-runs")
+        _TRAINED.update({name: train_tiny(corpus_dir, root, name) for name in VARIANTS})
+    return dict(_TRAINED)
 
 
 def sample_text() -> str:

@@ -30,7 +30,7 @@ from tests.hf_runs import (
     lmforge_greedy,
     lmforge_logits,
     sample_text,
-    train_tiny,
+    trained_runs,
 )
 from tests.torchrun import torchrun
 
@@ -42,8 +42,7 @@ GREEDY = 50
 
 @pytest.fixture(scope="module")
 def runs(corpus_dir, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf-export")
-    return {name: train_tiny(corpus_dir, root, name) for name in VARIANTS}
+    return trained_runs(corpus_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
