@@ -227,3 +227,30 @@ def test_run_trained_under_torchrun_exports(corpus_dir, tmp_path):
     diff = (hf_logits(hf_model(folder), ids) - lmforge_logits(run, ids)).abs().max().item()
     assert diff <= TOL
     assert json.loads((folder / "config.json").read_text())["num_key_value_heads"] == 2
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"arch": "gpt2", "tie_embeddings": False, "d_ff": 80},
+        {"arch": "llama", "n_kv_heads": 1, "bias": True, "d_ff": 48, "norm_eps": 1e-6, "rope_theta": 1e6},
+    ],
+    ids=["gpt2_untied", "llama_mqa_biases"],
+)
+def test_configs_the_trained_runs_do_not_cover(fields, runs, tmp_path):
+    """An untied GPT-2 head and Llama biases (attention_bias = mlp_bias = true) have Hugging Face
+    counterparts: a fresh model (biases and norm weights random too) gives the same logits."""
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, init_std=0.5, **fields)
+    tok = Tokenizer(runs["gpt2"] / "tokenizer.json")
+    torch.manual_seed(0)
+    model = Transformer(cfg, tok.vocab_size, SEQ_LEN)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.normal_(0, 0.3)
+    folder = write_folder(tmp_path / "hf", cfg, model.state_dict(), tok, SEQ_LEN)
+    ids = _ids(runs["gpt2"])
+    with torch.no_grad():
+        ours = model.logits(model(torch.tensor([ids])))[0]
+    assert (hf_logits(hf_model(folder), ids) - ours).abs().max().item() <= TOL
