@@ -44,9 +44,9 @@ def runs(corpus_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     base = tiny_overrides(corpus_dir, root / "data") | GUARD
     out = {"a": root / "a", "b": root / "b", "stopped": root / "stopped", "killed": root / "killed"}
-    train(load_config(None, base | {"train.steps": 16}), out["a"], progress_bar=False)
-    train(load_config(None, base | {"train.steps": 20, "optim.lr": 1e-2}), out["b"], progress_bar=False)
-    cfg = load_config(None, base | {"train.steps": 16})
+    train(load_config(None, base | {"train.steps": 12}), out["a"], progress_bar=False)
+    train(load_config(None, base | {"train.steps": 14, "optim.lr": 1e-2}), out["b"], progress_bar=False)
+    cfg = load_config(None, base | {"train.steps": 12})
     train(cfg, out["stopped"], progress_bar=False, callbacks=[StopAfter(6)])
     out["killed"].mkdir()
     shutil.copyfile(out["stopped"] / "config.toml", out["killed"] / "config.toml")
@@ -163,14 +163,14 @@ def test_compare_lists_exactly_the_keys_the_runs_differ_in(runs, capsys):
     code, out, err = run_cli(capsys, "compare", str(runs["a"]), str(runs["b"]), "--json")
     assert code == 0, err
     result = json.loads(out)
-    assert result["differences"] == {"optim.lr": [3e-3, 1e-2], "train.steps": [16, 20]}
+    assert result["differences"] == {"optim.lr": [3e-3, 1e-2], "train.steps": [12, 14]}
     code, text, _ = run_cli(capsys, "compare", str(runs["a"]), str(runs["b"]))
     assert text == table_text(result) + "\n"
     diff_lines = text.split("key config differences:\n")[1].splitlines()
     assert [line.split() for line in diff_lines] == [
         ["key", "a", "b"],
         ["optim.lr", "0.003", "0.01"],
-        ["train.steps", "16", "20"],
+        ["train.steps", "12", "14"],
     ]
 
 
