@@ -29,6 +29,7 @@ GUARD = {
     "guard.max_bad_steps": 1000,
     "train.log_interval": 1,
     "train.sample_tokens": 0,
+    "train.eval_tokens": 256,
 }
 
 
@@ -39,19 +40,19 @@ def _cli_logging(cli_logging):
 
 @pytest.fixture(scope="module")
 def runs(corpus_dir, tmp_path_factory) -> dict[str, Path]:
-    """Two finished runs that differ in ``optim.lr`` and ``train.steps``, one stopped after step 6 and
+    """Two finished runs that differ in ``optim.lr`` and ``train.steps``, one stopped after step 4 and
     one killed before its first checkpoint (the stopped run's folder without checkpoints, cut short)."""
     root = tmp_path_factory.mktemp("runs")
     base = tiny_overrides(corpus_dir, root / "data") | GUARD
     out = {"a": root / "a", "b": root / "b", "stopped": root / "stopped", "killed": root / "killed"}
-    train(load_config(None, base | {"train.steps": 12}), out["a"], progress_bar=False)
-    train(load_config(None, base | {"train.steps": 14, "optim.lr": 1e-2}), out["b"], progress_bar=False)
-    cfg = load_config(None, base | {"train.steps": 12})
-    train(cfg, out["stopped"], progress_bar=False, callbacks=[StopAfter(6)])
+    train(load_config(None, base | {"train.steps": 10}), out["a"], progress_bar=False)
+    train(load_config(None, base | {"train.steps": 12, "optim.lr": 1e-2}), out["b"], progress_bar=False)
+    cfg = load_config(None, base | {"train.steps": 10})
+    train(cfg, out["stopped"], progress_bar=False, callbacks=[StopAfter(4)])
     out["killed"].mkdir()
     shutil.copyfile(out["stopped"] / "config.toml", out["killed"] / "config.toml")
-    steps = [r for r in read_metrics(out["stopped"] / "metrics.jsonl") if "tokens_per_s" in r][:4]
-    text = "".join(json.dumps(r) + "\n" for r in steps) + '{"step": 5, "lo'  # its last line cut mid-way
+    steps = [r for r in read_metrics(out["stopped"] / "metrics.jsonl") if "tokens_per_s" in r][:3]
+    text = "".join(json.dumps(r) + "\n" for r in steps) + '{"step": 4, "lo'  # its last line cut mid-way
     (out["killed"] / "metrics.jsonl").write_text(text)
     return out
 
@@ -163,14 +164,14 @@ def test_compare_lists_exactly_the_keys_the_runs_differ_in(runs, capsys):
     code, out, err = run_cli(capsys, "compare", str(runs["a"]), str(runs["b"]), "--json")
     assert code == 0, err
     result = json.loads(out)
-    assert result["differences"] == {"optim.lr": [3e-3, 1e-2], "train.steps": [12, 14]}
+    assert result["differences"] == {"optim.lr": [3e-3, 1e-2], "train.steps": [10, 12]}
     code, text, _ = run_cli(capsys, "compare", str(runs["a"]), str(runs["b"]))
     assert text == table_text(result) + "\n"
     diff_lines = text.split("key config differences:\n")[1].splitlines()
     assert [line.split() for line in diff_lines] == [
         ["key", "a", "b"],
         ["optim.lr", "0.003", "0.01"],
-        ["train.steps", "12", "14"],
+        ["train.steps", "10", "12"],
     ]
 
 
@@ -201,9 +202,9 @@ def test_compare_shows_stopped_and_unfinished_runs_from_their_records(runs):
     ]
     records = read_metrics(runs["stopped"] / "metrics.jsonl")
     last = [r for r in records if "tokens_per_s" in r][-1]
-    assert stopped["steps"] == 6 and stopped["tokens_seen"] == last["tokens_seen"]
+    assert stopped["steps"] == 4 and stopped["tokens_seen"] == last["tokens_seen"]
     assert stopped["final_val_loss"] is None and stopped["wall_time_s"] is None  # no evaluation before 10
-    assert killed["steps"] == 4  # the cut line is left out
+    assert killed["steps"] == 3  # the cut line is left out
     assert result["differences"] == {}  # the same recipe; stopping early changes no key
     assert differences([{"x": 1, "l": [1, 2]}, {"x": 1, "l": [1, 3], "y": 0}]) == {
         "l": [[1, 2], [1, 3]],
