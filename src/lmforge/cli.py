@@ -119,7 +119,55 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
         raise UserError(
             f"--tokens: {args.tokens} is out of range; give an integer >= 0 (0: train.eval_tokens)"
         )
+    if args.data:
+        return _eval_data(args)
     print(json.dumps(evaluate_run(args.run, _device(args.device), args.tokens)))
+    return 0
+
+
+def _eval_data(args: argparse.Namespace) -> int:
+    from lmforge.train.eval_data import check_files, evaluate_files
+
+    check_files(args.data, args.text_field)  # before loading the model
+    result = evaluate_files(args.run, args.data, _device(args.device), args.text_field)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    rows = [[r["file"], f"{r['targets']:,}", f"{r['loss']:.4f}", f"{r['ppl']:.2f}"] for r in result["files"]]
+    rows.append(["overall", f"{result['targets']:,}", f"{result['loss']:.4f}", f"{result['ppl']:.2f}"])
+    widths = [max(len(x) for x in col) for col in zip(["file", "targets", "loss", "ppl"], *rows, strict=True)]
+    print(f"{args.run} at step {result['step']}: mean next-token cross-entropy (nats) and perplexity")
+    for row in [["file", "targets", "loss", "ppl"], *rows]:
+        print(
+            "  ".join(
+                [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))]
+            )
+        )
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.report.plots import select_panels, write_dashboard
+    from lmforge.report.runs import open_run
+
+    runs = [open_run(r) for r in args.runs]
+    out = Path(args.out) if args.out else (runs[0].path / "plots" if len(runs) == 1 else Path("plots"))
+    written = write_dashboard(runs, out, per_panel=not args.dashboard_only)
+    if not written:
+        raise UserError(f"RUN: {', '.join(args.runs)}: no metrics to draw yet (metrics.jsonl has no records)")
+    events = sum(len(r.events()) for r in runs)
+    print(f"{written[0]}: {', '.join(p.name for p in select_panels(runs))}; {events} events marked")
+    if len(written) > 1:
+        print(f"one PNG per panel beside it in {out}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.report.compare import compare, table_text
+    from lmforge.report.runs import open_run
+
+    result = compare([open_run(r) for r in args.runs])
+    print(json.dumps(result) if args.json else table_text(result))
     return 0
 
 
@@ -652,14 +700,44 @@ def _is_data_inspect(argv: list[str]) -> bool:
 
 
 def _add_run_commands(sub: argparse._SubParsersAction) -> None:
-    """``eval`` and ``generate``: the commands that read a run folder's newest checkpoint."""
+    """``eval``, ``plot``, ``compare`` and ``generate``: the commands that read run folders."""
     p = sub.add_parser("eval", help="validation loss and perplexity of a run's newest checkpoint")
     p.add_argument("run", help="run folder")
     p.add_argument(
         "--tokens", type=int, default=0, help="validation tokens to score (default: train.eval_tokens)"
     )
+    p.add_argument(
+        "--data",
+        nargs="+",
+        metavar="FILE",
+        help="score these .txt / .jsonl / .parquet files instead of the validation split",
+    )
+    p.add_argument("--text-field", default="text", help="with --data: JSON key / parquet column of the text")
+    p.add_argument("--json", action="store_true", help="with --data: one JSON object instead of the table")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser(
+        "plot",
+        help="PNG dashboard of one or several runs (loss, lr, norms, throughput...)",
+        description="Draw the metrics of runs (overlaid, one colour per run): OUT/dashboard.png with every "
+        "panel some run has data for, and OUT/<panel>.png for each. Default OUT: RUN/plots for one run, "
+        "./plots for several.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
+    p.add_argument("--out", help="output folder (default: RUN/plots, or ./plots for several runs)")
+    p.add_argument("--dashboard-only", action="store_true", help="write dashboard.png only")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser(
+        "compare",
+        help="runs side by side: losses, tokens, time, and the config keys that differ",
+        description="Per run: status, steps, final and best validation loss, tokens seen, wall time, mean "
+        "tokens/s, parameters; then every config key whose value differs between the runs.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("generate", help="sample text from a run's newest checkpoint")
     p.add_argument("run", help="run folder")
