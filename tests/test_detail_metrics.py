@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from lmforge.config import ModelConfig
@@ -92,9 +93,10 @@ def test_entropy_matches_a_direct_computation():
 # -- norms per part ----------------------------------------------------------------------------------
 
 
-def test_part_norms_square_sum_to_the_global_norm():
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_part_norms_square_sum_to_the_global_norm(arch):
     torch.manual_seed(0)
-    cfg = ModelConfig(n_layers=3, d_model=32, n_heads=4, tie_embeddings=False)
+    cfg = ModelConfig(arch=arch, n_layers=3, d_model=32, n_heads=4, tie_embeddings=False)
     model = model_of(cfg, 64, 16)
     x = torch.randint(0, 64, (2, 16))
     loss, _ = NextTokenLoss(model)(x, x)
@@ -102,6 +104,8 @@ def test_part_norms_square_sum_to_the_global_norm():
     named = dict(model.named_parameters())
     keys = part_keys(cfg.n_layers, tied=False)
     assert keys[-1] == "head" and {param_kind(n) for n in named} == set(KINDS)
+    if arch == "gpt2":
+        assert param_kind("pos_embed.weight") == "embedding"
     blocks, kinds = keys[: cfg.n_layers], keys[cfg.n_layers :]
     for values in (named, {n: p.grad for n, p in named.items()}):
         whole = torch.linalg.vector_norm(torch.cat([v.flatten() for v in values.values()]))
@@ -142,7 +146,8 @@ class _Witness(Callback):
 
     def on_step_end(self, trainer, result):
         self._pending["after"] = {n: p.detach().clone() for n, p in trainer.run.model.named_parameters()}
-        self._pending["lr"] = trainer.lr
+        lr_of = {id(p): g["lr"] for g in trainer.run.optimizer.param_groups for p in g["params"]}
+        self._pending["lr"] = {n: lr_of[id(p)] for n, p in trainer.run.model.named_parameters()}
         self.seen[trainer.progress.step] = self._pending
 
     def on_log(self, trainer, record):
@@ -154,9 +159,11 @@ def _norm(tensors) -> float:
     return float(torch.linalg.vector_norm(torch.cat([t.flatten() for t in tensors])))
 
 
-def test_sgd_record_matches_hand_computations(tiny_config):
+@pytest.mark.parametrize("model", [{}, {"mup": True, "mup_base_width": 16, "n_kv_heads": 2}])
+def test_sgd_record_matches_hand_computations(tiny_config, model):
+    cfg = tiny_config.model_copy(update={"model": tiny_config.model.model_copy(update=model)})
     cfg = _with(
-        tiny_config,
+        cfg,
         optim__name="sgd",
         optim__weight_decay=0.0,
         train__grad_clip=0.0,
@@ -172,20 +179,23 @@ def test_sgd_record_matches_hand_computations(tiny_config):
     for record in witness.records:
         seen = witness.seen[record["step"]]
         lr, grads, before, after = seen["lr"], seen["grads"], seen["before"], seen["after"]
-        assert lr > 0
+        assert min(lr.values()) > 0
+        # plain SGD: theta_after = theta_before - lr_p * g_p (lr_p: the parameter's group rate, muP's
+        # multipliers included), so the ratio is ||lr_p * g_p|| / ||theta_before||
+        update = {n: lr[n] * g for n, g in grads.items()}
         for i in range(cfg.model.n_layers):
             names = [n for n in grads if n.startswith(f"blocks.{i}.")]
             g, b = _norm(grads[n] for n in names), _norm(before[n] for n in names)
             assert math.isclose(record[f"grad_norm/block.{i}"], g, rel_tol=1e-5)
             assert math.isclose(record[f"param_norm/block.{i}"], _norm(after[n] for n in names), rel_tol=1e-5)
-            # plain SGD: theta_after = theta_before - lr * g, so the ratio is lr * ||g|| / ||theta_before||
-            assert math.isclose(record[f"update_ratio/block.{i}"], lr * g / b, rel_tol=1e-3)
+            want = _norm(update[n] for n in names) / b
+            assert math.isclose(record[f"update_ratio/block.{i}"], want, rel_tol=1e-3)
         kinds = [k for k in KINDS if f"grad_norm/{k}" in record]
         assert kinds == ["embedding", "attention", "mlp", "norm"]  # tied head: counted as the embedding
         total = math.sqrt(sum(record[f"grad_norm/{k}"] ** 2 for k in kinds))
         assert math.isclose(total, seen["grad_norm"], rel_tol=1e-5)
-        whole_g, whole_b = _norm(grads.values()), _norm(before.values())
-        assert math.isclose(record["update_ratio"], lr * whole_g / whole_b, rel_tol=1e-3)
+        want = _norm(update.values()) / _norm(before.values())
+        assert math.isclose(record["update_ratio"], want, rel_tol=1e-3)
         assert math.isclose(record["param_norm"], _norm(after.values()), rel_tol=1e-5)
         # the measuring forward: the first micro-batch through the model after the step, by hand
         batch = seen["batch"]
