@@ -11,6 +11,7 @@ import torch
 from lmforge.config import ModelConfig
 from lmforge.model.attention import apply_rope, document_causal_mask
 from lmforge.model.loss import NextTokenLoss
+from lmforge.recipe import load_config
 from lmforge.train.build import build_run
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.callbacks.detail import DetailMetrics, is_detail_step
@@ -239,3 +240,36 @@ def test_records_at_the_interval_across_a_resume_and_never_at_zero(tiny_config, 
     off = _with(cfg, metrics__detail_interval=0)
     train(off, tmp_path / "off", progress_bar=False)
     assert not any(r.get("detail") for r in _records(tmp_path / "off"))
+
+
+# -- layouts (torchrun, gloo on CPU: ``-m distributed``) ---------------------------------------------
+
+DETAIL_LAYOUTS = {
+    "ddp": (2, {"parallel.dp_replicate": 2}),
+    "zero3": (2, {"parallel.dp_shard": 2}),
+    "tp": (2, {"parallel.tp": 2}),
+    "1f1b": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "model.tie_embeddings": False}),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(DETAIL_LAYOUTS))
+def test_layout_norms_match_one_process(name, corpus_dir, tmp_path):
+    """Norms and update ratios are over the whole model whatever the layout; the measuring forward (each
+    rank's own first micro-batch) runs except under tensor and pipeline parallelism."""
+    from tests.test_distributed import _overrides, launch
+
+    nproc, layout = DETAIL_LAYOUTS[name]
+    cache = tmp_path / "cache"
+    extra = {"metrics.detail_interval": 5, "model.tie_embeddings": layout.get("model.tie_embeddings", True)}
+    train(load_config(None, _overrides(corpus_dir, cache, **extra)), tmp_path / "one", progress_bar=False)
+    launch(nproc, tmp_path / name, _overrides(corpus_dir, cache, **{**extra, **layout}))
+    want = [r for r in _records(tmp_path / "one") if r.get("detail")]
+    got = [r for r in _records(tmp_path / name) if r.get("detail")]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [5, 10]
+    for g, w in zip(got, want, strict=True):
+        norms = [k for k in w if k.startswith(("grad_norm/", "param_norm", "update_ratio"))]
+        assert len(norms) > 20 and all(k in g for k in norms)
+        for key in norms:
+            assert g[key] == pytest.approx(w[key], rel=1e-4), key
+        assert ("act_rms/block.0" in g) == (name in ("ddp", "zero3"))
