@@ -57,6 +57,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=bias)
         self.scale = attention_scale(self.head_dim, cfg.mup_base_width // cfg.n_heads, cfg.mup)
+        # called with (q, k) after RoPE when set: the detail metrics' attention entropy
+        # (``train/callbacks/detail.py``) sets it for one measuring forward; None otherwise
+        self.probe: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask, block_mask):
         b, t, _ = x.shape
@@ -66,6 +69,8 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.probe is not None:
+            self.probe(q, k)
         y = attend(q, k, v, mask=mask, block_mask=block_mask, scale=self.scale)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 

@@ -14,6 +14,7 @@ from lmforge.parallel.layout import close_layout, launch_env
 from lmforge.train.build import Run, build_run, validate
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
+from lmforge.train.callbacks.detail import DetailMetrics
 from lmforge.train.callbacks.evaluation import Evaluation
 from lmforge.train.callbacks.guard import StabilityGuard
 from lmforge.train.callbacks.metrics import Console, MetricsFile, StepMetrics
@@ -67,6 +68,7 @@ def default_callbacks(
         StopOnSignal(),
         StabilityGuard(cfg.guard),
         StepMetrics(),
+        DetailMetrics(),
         Evaluation(),
         Checkpointing(run_dir, config_toml),
         Sample(),

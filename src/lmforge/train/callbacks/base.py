@@ -5,7 +5,8 @@ Hooks, in the order a run meets them (every one a no-op by default):
 * ``on_train_start(trainer)``: after the state is built or restored, before the first step;
 * ``on_batches(trainer, batches) -> batches``: the micro-batches about to be trained on;
 * ``after_backward(trainer)``: gradients are accumulated, nothing measured yet;
-* ``veto(trainer, loss, grad_norm) -> Action``: before the optimizer step (the stability guard);
+* ``veto(trainer, loss, grad_norm) -> Action``: before the optimizer step (the stability guard); the
+  gradients are unscaled and not yet clipped (the detail metrics read them here and never veto);
 * ``on_step_end(trainer, result)``: after every attempt, taken or vetoed;
 * ``on_log(trainer, record)``: a metrics record (``trainer.log``) for the sinks;
 * ``on_checkpoint(trainer, state)``: a checkpoint's state was just written;

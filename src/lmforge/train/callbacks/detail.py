@@ -1,0 +1,185 @@
+"""Detail records: where in the model the gradients, weights, updates, activations and attention stand.
+
+Every ``metrics.detail_interval`` steps (``step % interval == 0``; not at step 1, never with 0), on a
+step that was taken, one record ``{"step": N, "detail": True, ...}`` (names and formulas:
+``docs/metrics.md``; the formulas: ``train/detail_metrics.py``):
+
+* ``grad_norm/<part>``: gradients after unscaling and before clipping, read in :meth:`veto` (the step
+  calls it after ``precision.unscale_`` and the global norm, before clipping and the optimizer step; this
+  callback never vetoes), so ``sum_kind grad_norm/kind^2`` is the step record's ``grad_norm^2``;
+* ``param_norm`` and ``param_norm/<part>``: the parameters after step N;
+* ``update_ratio`` and ``update_ratio/<part>``: ``||theta_after - theta_before|| / ||theta_before||``; a
+  copy of this process's parameters (its shards) is taken in :meth:`veto` of a detail step only and
+  dropped after the step: one extra copy of the parameters while the optimizer steps;
+* ``act_rms/block.<i>`` and ``attn_entropy/layer.<i>``, ``attn_entropy``: one extra forward, no grad, in
+  eval mode and the run's autocast, after the step, of the step's first micro-batch (kept from
+  :meth:`on_batches`) through the evaluation objective (the FSDP2 root, so its parameters are gathered).
+  ``act_rms``: over the whole micro-batch; attention entropy: every row of every head of the micro-batch's
+  first sequence, from q and k after RoPE taken by ``Attention.probe`` (set only during this forward).
+
+Every rank runs this callback (the norms of sharded parameters and the measuring forward under FSDP2 are
+collectives); only the main process's sinks write the record. Under pipeline parallelism each stage
+holds other parts and the norms are summed over the ``pp`` group; there, and under tensor parallelism,
+there is no ``act_rms`` or ``attn_entropy`` (no single process runs the whole forward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmforge.data.loader import Batch
+from lmforge.model.attention import document_causal_mask
+from lmforge.train.callbacks.base import Callback
+from lmforge.train.detail_metrics import (
+    attention_entropy,
+    group_by_part,
+    part_keys,
+    part_norms,
+    rms,
+    update_ratio,
+)
+from lmforge.train.step import Action, StepResult
+from lmforge.train.trainer import Trainer
+
+
+def is_detail_step(step: int, interval: int) -> bool:
+    """Whether step ``step`` (counted from 1) gets a detail record: ``interval > 0 and step % interval == 0``."""
+    return interval > 0 and step % interval == 0
+
+
+class DetailMetrics(Callback):
+    """The detail record every ``metrics.detail_interval`` steps (module docstring)."""
+
+    def __init__(self) -> None:
+        self._batch: Batch | None = None
+        self._grad_norms: torch.Tensor | None = None
+        self._before: list[torch.Tensor] | None = None
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def _due(self, trainer: Trainer) -> bool:
+        """Whether the step being attempted (``progress.step + 1``) is a detail step."""
+        return is_detail_step(trainer.progress.step + 1, trainer.run.cfg.metrics.detail_interval)
+
+    def on_batches(self, trainer: Trainer, batches: list[Batch]) -> list[Batch]:
+        self._batch = batches[0] if self._due(trainer) and batches else None
+        return batches
+
+    def veto(self, trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor) -> Action:
+        if self._due(trainer):
+            named = self._named(trainer)
+            grads = {n: p.grad for n, p in named.items() if p.grad is not None}
+            self._grad_norms = self._norms(trainer, grads)
+            self._before = [p.detach().clone() for p in named.values()]
+        return Action.STEP
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        grad_norms, before, batch = self._grad_norms, self._before, self._batch
+        self._grad_norms = self._before = self._batch = None
+        step = trainer.progress.step
+        interval = trainer.run.cfg.metrics.detail_interval
+        if result.action is not Action.STEP or not is_detail_step(step, interval) or before is None:
+            return
+        record: dict = {"step": step, "detail": True}
+        record.update(self._weights(trainer, before, grad_norms))
+        if batch is not None and self._measures_forward(trainer):
+            record.update(self._forward(trainer, batch))
+        trainer.log(record)
+
+    # -- norms ---------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _named(trainer: Trainer) -> dict[str, torch.Tensor]:
+        return dict(trainer.run.model.named_parameters())
+
+    @staticmethod
+    def _keys(trainer: Trainer) -> list[str]:
+        m = trainer.run.cfg.model
+        return part_keys(m.n_layers, m.tie_embeddings)
+
+    def _norms(self, trainer: Trainer, named: dict[str, torch.Tensor], whole: bool = False) -> torch.Tensor:
+        """Per-part norms (``_keys`` order), then the norm of everything last when ``whole``."""
+        groups = group_by_part(named, self._keys(trainer))
+        if whole:
+            groups["*"] = list(named.values())
+        return part_norms(groups, trainer.run.device, self._across(trainer))
+
+    @staticmethod
+    def _across(trainer: Trainer):
+        layout = trainer.run.layout
+        return layout.group("pp") if layout.degrees["pp"] > 1 else None
+
+    @torch.no_grad()
+    def _weights(
+        self, trainer: Trainer, before: list[torch.Tensor], grad_norms: torch.Tensor | None
+    ) -> dict[str, float]:
+        named = self._named(trainer)
+        names = list(named)
+        after = self._norms(trainer, named, whole=True)
+        prior = self._norms(trainer, dict(zip(names, before, strict=True)), whole=True)
+        for b, p in zip(before, named.values(), strict=True):  # in place: no second copy
+            b.sub_(p.detach())  # theta_before - theta_after: the update's norm
+        moved = self._norms(trainer, dict(zip(names, before, strict=True)), whole=True)
+        keys = [*self._keys(trainer), "*"]
+        after_l, prior_l, moved_l = after.tolist(), prior.tolist(), moved.tolist()
+        out: dict[str, float] = {}
+        for i, key in enumerate(keys):
+            suffix = "" if key == "*" else f"/{key}"
+            out[f"param_norm{suffix}"] = after_l[i]
+            out[f"update_ratio{suffix}"] = update_ratio(moved_l[i], prior_l[i])
+        if grad_norms is not None:
+            for key, value in zip(keys[:-1], grad_norms.tolist(), strict=True):
+                out[f"grad_norm/{key}"] = value
+        return out
+
+    # -- the measuring forward -----------------------------------------------------------------------
+
+    @staticmethod
+    def _measures_forward(trainer: Trainer) -> bool:
+        """Not under pipeline or tensor parallelism (no process runs the whole forward on whole tensors)."""
+        run = trainer.run
+        return not hasattr(run.objective, "pipeline") and run.layout.degrees["tp"] == 1
+
+    @torch.no_grad()
+    def _forward(self, trainer: Trainer, batch: Batch) -> dict[str, float]:
+        run = trainer.run
+        model, objective = run.model, run.eval_objective
+        batch = batch.to(run.precision.device)
+        first_docs = batch.doc_ids[:1] if batch.doc_ids is not None and model.cfg.doc_mask else None
+        t = batch.inputs.shape[1]
+        if first_docs is not None:
+            allowed = document_causal_mask(first_docs)[0, 0]
+        else:
+            allowed = torch.ones(t, t, dtype=torch.bool, device=batch.inputs.device).tril()
+        act: dict[int, torch.Tensor] = {}
+        ent: dict[int, torch.Tensor] = {}
+        handles = []
+        for key, block in model.blocks.items():
+            i = int(key)
+
+            def keep_rms(module, args, output, i: int = i) -> None:
+                act[i] = rms(output)
+
+            def probe(q: torch.Tensor, k: torch.Tensor, i: int = i, attn=block.attn) -> None:
+                ent[i] = attention_entropy(q[0], k[0], allowed, attn.scale).mean()
+
+            handles.append(block.register_forward_hook(keep_rms))
+            block.attn.probe = probe
+        was_training = objective.training
+        objective.eval()
+        try:
+            with run.precision.autocast():
+                objective(batch.inputs, batch.targets, batch.doc_ids)
+        finally:
+            objective.train(was_training)
+            for handle in handles:
+                handle.remove()
+            for block in model.blocks.values():
+                block.attn.probe = None
+        layers = sorted(act)
+        values = torch.stack([act[i] for i in layers] + [ent[i] for i in layers]).tolist()
+        n = len(layers)
+        out = {f"act_rms/block.{i}": values[j] for j, i in enumerate(layers)}
+        out.update({f"attn_entropy/layer.{i}": values[n + j] for j, i in enumerate(layers)})
+        out["attn_entropy"] = sum(values[n:]) / n
+        return out
