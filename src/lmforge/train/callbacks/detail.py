@@ -14,7 +14,8 @@ step that was taken, one record ``{"step": N, "detail": True, ...}`` (names and 
 * ``act_rms/block.<i>`` and ``attn_entropy/layer.<i>``, ``attn_entropy``: one extra forward, no grad, in
   eval mode and the run's autocast, after the step, of the step's first micro-batch (kept from
   :meth:`on_batches`) through the evaluation objective (the FSDP2 root, so its parameters are gathered).
-  ``act_rms``: over the whole micro-batch; attention entropy: every row of every head of the micro-batch's
+  The forward runs eager (``torch.compiler.set_stance("force_eager")``): blocks compiled in place would
+  otherwise recompile for the hooks on every detail step. ``act_rms``: over the whole micro-batch; attention entropy: every row of every head of the micro-batch's
   first sequence, from q and k after RoPE taken by ``Attention.probe`` (set only during this forward).
 
 Every rank runs this callback (the norms of sharded parameters and the measuring forward under FSDP2 are
@@ -167,8 +168,8 @@ class DetailMetrics(Callback):
             block.attn.probe = probe
         was_training = objective.training
         objective.eval()
-        try:
-            with run.precision.autocast():
+        try:  # eager: compiled blocks (several processes) would recompile for the probe on every detail step
+            with torch.compiler.set_stance("force_eager"), run.precision.autocast():
                 objective(batch.inputs, batch.targets, batch.doc_ids)
         finally:
             objective.train(was_training)
