@@ -59,5 +59,5 @@ def test_stops_after_patience_and_keeps_the_best(corpus_dir, tmp_path):
 
 def test_patience_needs_evaluations(corpus_dir, tmp_path):
     over = tiny_overrides(corpus_dir, tmp_path / "data")
-    with pytest.raises(ConfigError, match="train.early_stop_patience.*train.eval_interval"):
+    with pytest.raises(ConfigError, match=r"train\.early_stop_patience: .*train\.eval_interval above 0"):
         load_config(None, over | {"train.early_stop_patience": 3, "train.eval_interval": 0})
