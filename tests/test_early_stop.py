@@ -4,6 +4,8 @@ without a new best validation loss, keeps the best checkpoint out of rotation an
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -61,3 +63,12 @@ def test_patience_needs_evaluations(corpus_dir, tmp_path):
     over = tiny_overrides(corpus_dir, tmp_path / "data")
     with pytest.raises(ConfigError, match=r"train\.early_stop_patience: .*train\.eval_interval above 0"):
         load_config(None, over | {"train.early_stop_patience": 3, "train.eval_interval": 0})
+    args = ["train", "--train.early_stop_patience=3", "--train.eval_interval=0"]
+    result = subprocess.run(
+        [sys.executable, "-m", "lmforge", *args], cwd=tmp_path, capture_output=True, text=True
+    )
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and "train.early_stop_patience" in lines[0], (
+        result.stderr
+    )
+    assert not (tmp_path / "runs").exists()

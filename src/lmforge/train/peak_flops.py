@@ -39,15 +39,15 @@ def cpu_peak_flops() -> float:
     return measure_cpu_peak_flops()
 
 
-def device_peak(device: torch.device, precision: str) -> Peak | None:
-    """The peak of one ``device`` in ``precision`` (a ``train.precision`` name); None for a CUDA device
-    the hardware table does not know (or other device types)."""
+def device_peak(device: torch.device, number_format: str) -> Peak | None:
+    """The peak of one ``device`` in ``number_format`` (a policy's name: fp32, tf32, bf16, fp16, fp8); None
+    for a CUDA device the hardware table does not know (or other device types)."""
     if device.type == "cpu":
         return Peak(cpu_peak_flops(), "cpu, measured float32 matmul")
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     hw = hardware.from_device_name(name, torch.cuda.get_device_properties(device).total_memory)
-    if hw is None or precision not in hw.peak_flops:
+    if hw is None or number_format not in hw.peak_flops:
         return None
-    return Peak(hw.peak(precision), f"{name} as {hw.name}, {precision} data-sheet dense peak")
+    return Peak(hw.peak(number_format), f"{name} as {hw.name}, {number_format} data-sheet dense peak")
