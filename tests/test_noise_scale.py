@@ -57,6 +57,14 @@ def test_smoothed_ratio_converges_to_b_simple():
     assert gns.value() == pytest.approx(float(gns.trace) / float(gns.grad_sq))
 
 
+def test_smoothed_values_are_debiased():
+    gns = NoiseScale(beta=0.9)
+    for _ in range(3):
+        gns.update(8, 2.5 + 40.0 / 8, 32, 2.5 + 40.0 / 32)  # constant input: the averages give it back
+    assert gns.smoothed() == pytest.approx((40.0, 2.5))
+    assert gns.value() == pytest.approx(16.0)
+
+
 def test_needs_two_batch_sizes():
     with pytest.raises(ValueError, match="B_small < B_big"):
         NoiseScale().update(8, 1.0, 8, 1.0)

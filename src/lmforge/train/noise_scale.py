@@ -32,7 +32,8 @@ def noise_trace(b_small: float, sq_small: Number, b_big: float, sq_big: Number) 
 
 
 def critical_batch(trace: float, grad_sq: float) -> float:
-    """The simple noise scale ``B_simple = S / |G|^2`` (NaN when ``|G|^2`` is not above 0)."""
+    """The simple noise scale ``B_simple = S / |G|^2`` (NaN when ``|G|^2`` is not above 0: with small
+    batches the estimate of ``|G|^2`` can come out negative while noise dominates)."""
     return trace / grad_sq if grad_sq > 0 else float("nan")
 
 
@@ -57,8 +58,14 @@ class NoiseScale:
         self.grad_sq = a * self.grad_sq + (1 - a) * true_grad_sq(b_small, sq_small, b_big, sq_big)
         self.count += 1
 
+    def smoothed(self) -> tuple[float, float]:
+        """The averages ``(S, |G|^2)``, each divided by ``1 - beta^n`` (unbiased for a constant input;
+        synchronises with the device); NaN before the first update."""
+        if not self.count:
+            return float("nan"), float("nan")
+        debias = 1 - self.beta**self.count
+        return float(self.trace) / debias, float(self.grad_sq) / debias
+
     def value(self) -> float:
         """``B_simple`` of the averages (synchronises with the device); NaN before the first update."""
-        if not self.count:
-            return float("nan")
-        return critical_batch(float(self.trace), float(self.grad_sq))
+        return critical_batch(*self.smoothed())

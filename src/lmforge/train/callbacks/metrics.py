@@ -13,7 +13,7 @@ from lmforge.plan.flops import mfu, model_flops_per_token
 from lmforge.train.build import Run
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.metrics import MetricsWriter, ProgressBar
-from lmforge.train.noise_scale import NoiseScale
+from lmforge.train.noise_scale import NoiseScale, critical_batch
 from lmforge.train.peak_flops import Peak, device_peak
 from lmforge.train.step import Action, StepResult
 from lmforge.train.trainer import Trainer
@@ -200,7 +200,9 @@ class StepMetrics(Callback):
             record["mfu"] = mfu(tokens_per_s, self._flops_per_token, self._peak.flops * self._world)
             record["peak_tflops"] = self._peak.flops / 1e12
         if self._gns is not None and self._gns.count:
-            record["gns_critical_batch"] = self._gns.value()
+            trace, grad_sq = self._gns.smoothed()
+            record["gns_critical_batch"] = critical_batch(trace, grad_sq)
+            record["gns_noise_trace"], record["gns_grad_sq"] = trace, grad_sq
         record.update(memory_record(run.device))
         if result.clip.threshold is not None:
             record["clip_threshold"] = float(result.clip.threshold)
