@@ -31,6 +31,13 @@ def eta_seconds(remaining: int, step_s: float, overhead_s: float, done: int) -> 
 
 
 GIB = 2**30
+# step-record keys a rerun or a resume does not reproduce: measured from the clock or the host, and the
+# noise scale (its averages restart with each process)
+MEASURED_KEYS = (
+    "tokens_per_s", "eta_s", "data_wait_share", "mfu", "peak_tflops",
+    "mem_rss_gib", "mem_peak_allocated_gib", "mem_reserved_gib",
+    "gns_critical_batch", "gns_noise_trace", "gns_grad_sq",
+)  # fmt: skip
 
 
 def process_rss_bytes() -> int | None:
