@@ -391,22 +391,6 @@ def cmd_mup_check(args: argparse.Namespace, extra: list[str]) -> int:
 GIB = 2**30
 
 
-def _cpu_peak_flops(n: int = 1024, repeats: int = 5) -> float:
-    """Float32 matmul FLOP/s of this host: the best of ``repeats`` timed ``n x n`` products (~0.1-1 s)."""
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
-    return 2 * n**3 / best
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def _estimate_inputs(args: argparse.Namespace, extra: list[str]):
     """The recipe (a named size under the command-line overrides), the device and the resolved precision."""
     from lmforge.plan import hardware, models
@@ -442,7 +426,9 @@ def _estimate_inputs(args: argparse.Namespace, extra: list[str]):
     cfg = load_config(args.recipe, overrides)
     if args.gpu not in hardware.NAMES:
         raise UserError(f"--gpu: unknown device {args.gpu!r}; use one of {', '.join(hardware.NAMES)}")
-    hw = hardware.get(args.gpu, _cpu_peak_flops() if args.gpu == "cpu" else None)
+    from lmforge.train.peak_flops import cpu_peak_flops
+
+    hw = hardware.get(args.gpu, cpu_peak_flops() if args.gpu == "cpu" else None)
     precision = cfg.train.precision
     if precision == "auto":
         import torch

@@ -299,6 +299,10 @@ class TrainConfig(_Section):
             len(self.profile_steps) != 2 or not 1 <= self.profile_steps[0] <= self.profile_steps[1]
         ):
             raise ValueError("train.profile_steps: give two steps [A, B] with 1 <= A <= B, e.g. [5, 7]")
+        if self.early_stop_patience and not self.eval_interval:
+            raise ValueError(
+                "train.early_stop_patience: needs evaluations to judge; set train.eval_interval above 0"
+            )
         if self.clip_mode == "value" and self.value_clip.limit == 0:
             raise ValueError(
                 "train.value_clip.limit: clip_mode 'value' needs train.value_clip.limit above 0, e.g. 0.01"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from lmforge.config import ModelConfig
+from lmforge.plan.memory import param_tensors
+
 
 def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
     """Training FLOPs per token: ``6 * N + 12 * n_layers * d_model * seq_len``.
@@ -18,3 +21,12 @@ def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int) ->
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: ``tokens_per_s * flops_per_token / peak_flops``."""
     return tokens_per_s * flops_per_tok / peak_flops if peak_flops > 0 else 0.0
+
+
+def model_flops_per_token(cfg: ModelConfig, vocab_size: int, seq_len: int) -> float:
+    """:func:`flops_per_token` of ``Transformer(cfg, vocab_size, seq_len)``: ``N`` is every parameter of
+    ``plan/memory.py::param_tensors`` but the input embeddings (token and position tables; a tied table is
+    the output head and counts)."""
+    tensors = param_tensors(cfg, vocab_size, seq_len)
+    lookups = sum(t.numel for t in tensors if t.name in ("embed.weight", "pos_embed.weight") and not t.linear)
+    return flops_per_token(sum(t.numel for t in tensors) - lookups, cfg.n_layers, cfg.d_model, seq_len)

@@ -75,6 +75,25 @@ GPUS: dict[str, Hardware] = {
 NAMES = (*GPUS, "cpu")
 
 
+def from_device_name(device_name: str, memory_bytes: int | None = None) -> Hardware | None:
+    """The table's entry for a CUDA device as ``torch.cuda.get_device_name()`` names it ("NVIDIA H200",
+    "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"; ``memory_bytes`` picks the A100's size when the
+    name does not say it); None for a device the table does not hold, including the PCIe and NVL
+    boards of the H100 and H200, whose peaks are lower than the SXM figures here (the A100's PCIe board
+    has the SXM4 peaks)."""
+    name = device_name.upper()
+    if "A100" in name:
+        small = "40GB" in name or (memory_bytes is not None and memory_bytes < 60 * 2**30)
+        return GPUS["a100-40gb" if small else "a100-80gb"]
+    if "PCIE" in name or "NVL" in name or "GH200" in name:
+        return None
+    if "H200" in name:
+        return GPUS["h200"]
+    if "H100" in name:
+        return GPUS["h100-80gb"]
+    return None
+
+
 def host_memory_bytes() -> int:
     """This machine's physical RAM: ``SC_PAGE_SIZE * SC_PHYS_PAGES``."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

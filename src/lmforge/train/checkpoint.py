@@ -12,6 +12,9 @@ A checkpoint is a folder ``checkpoints/step_00000120/`` holding
 * ``rng/rank_00003.pt``: each rank's random-generator states;
 * ``config.toml``: the resolved config as a recipe.
 
+Rank 0 keeps the ``train.keep_checkpoints`` newest checkpoints and the one ``RUN/best.json`` names (the
+best validation loss, written by early stopping), whatever its age.
+
 It is written under ``step_00000120.tmp/`` and renamed into place by rank 0 once every rank has written
 its part (DCP writes the metadata last, after gathering all ranks' results): a crash mid-write leaves
 only a ``.tmp`` folder, never taken for a checkpoint and removed on the next start. With
@@ -28,6 +31,7 @@ the block code book maps each dequantised value back to its code, so a resume is
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -163,6 +167,37 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def best_path(run_dir: Path) -> Path:
+    """``RUN/best.json``: the step, validation loss and checkpoint of the best evaluation (early stopping)."""
+    return Path(run_dir) / "best.json"
+
+
+def write_best(run_dir: Path, step: int, val_loss: float) -> Path:
+    """Record ``step``'s checkpoint as the best (atomically); :func:`prune` never removes it."""
+    path = best_path(run_dir)
+    record = {"step": step, "val_loss": val_loss, "checkpoint": f"checkpoints/step_{step:08d}"}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def protected(run_dir: Path) -> set[str]:
+    """Names of checkpoints that rotation keeps whatever their age: the best one of ``RUN/best.json``."""
+    path = best_path(run_dir)
+    if not path.is_file():
+        return set()
+    return {Path(json.loads(path.read_text())["checkpoint"]).name}
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Remove all but the ``keep`` newest complete checkpoints and the :func:`protected` ones."""
+    keep_names = protected(run_dir)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        if old.name not in keep_names:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def remove_partial(run_dir: Path) -> None:
     root = checkpoint_dir(run_dir)
     if root.is_dir():
@@ -213,8 +248,7 @@ class PendingSave:
                 shutil.rmtree(self.final)
             os.replace(self.tmp, self.final)
             _fsync(self.final.parent)
-            for old in list_checkpoints(self.final.parent.parent)[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            prune(self.final.parent.parent, self.keep)
             log.info("checkpoint: saved %s", self.final)
         return self.final
 
@@ -231,7 +265,8 @@ def save_checkpoint(
     """Write ``state`` for ``step`` (every rank calls this); with ``background`` the tensors are written by
     a thread, coordinating over ``group`` (a process group of its own, so that its collectives never
     interleave with training's), and the caller must :meth:`PendingSave.finish` later; else the
-    checkpoint is complete on return. Rank 0 prunes to the ``keep`` newest checkpoints."""
+    checkpoint is complete on return. Rank 0 prunes to the ``keep`` newest checkpoints (:func:`prune`: and the
+    best one)."""
     root = checkpoint_dir(run_dir)
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"

@@ -200,6 +200,9 @@ class GuardObserver:
     def __init__(self, guard: Guard, step: int):
         self.guard, self.step = guard, step
 
+    def after_micro_batch(self, index: int, n_targets: int, step_targets: int) -> None:
+        return None
+
     def after_backward(self) -> None:
         return None
 

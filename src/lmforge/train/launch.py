@@ -15,11 +15,14 @@ from lmforge.train.build import Run, build_run, validate
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.callbacks.detail import DetailMetrics
+from lmforge.train.callbacks.early_stop import EarlyStopping
 from lmforge.train.callbacks.evaluation import Evaluation
 from lmforge.train.callbacks.guard import StabilityGuard
 from lmforge.train.callbacks.metrics import Console, MetricsFile, StepMetrics
+from lmforge.train.callbacks.profile import Profile
 from lmforge.train.callbacks.sample import Sample
 from lmforge.train.callbacks.signals import StopOnSignal
+from lmforge.train.callbacks.wandb_sink import WandbSink, require_wandb
 from lmforge.train.checkpoint import (
     latest_checkpoint,
     load_training_state,
@@ -63,7 +66,9 @@ def default_callbacks(
 ) -> list[Callback]:
     """The callbacks of every training run, in the order they are called (the metrics file and the
     console only on the main process; every rank takes part in the others' collectives)."""
+    t = cfg.train
     sinks = [MetricsFile(run_dir), Console(progress_bar)] if main else []
+    sinks += [WandbSink(run_dir, cfg)] if main and cfg.metrics.wandb else []
     return [
         StopOnSignal(),
         StabilityGuard(cfg.guard),
@@ -71,6 +76,8 @@ def default_callbacks(
         DetailMetrics(),
         Evaluation(),
         Checkpointing(run_dir, config_toml),
+        *([EarlyStopping(run_dir, t.early_stop_patience)] if t.early_stop_patience else []),
+        *([Profile(run_dir, *t.profile_steps)] if t.profile_steps else []),
         Sample(),
         *sinks,
     ]
@@ -92,6 +99,8 @@ def train(
     """
     run_dir = Path(run_dir)
     validate(cfg)
+    if cfg.metrics.wandb:
+        require_wandb()
     ckpt_path = check_run_dir(run_dir, resume)
     state = read_trainer_state(ckpt_path) if ckpt_path is not None else None
     history: list[str] = []

@@ -3,7 +3,9 @@
 For each micro-batch: forward in the precision policy's autocast, take the summed token loss divided by
 the number of target tokens of the *whole* step (over all data-parallel ranks), backward (gradients
 accumulate; DDP synchronises only in the last micro-batch). A pipeline runs forward and backward of a
-micro-batch through its schedule instead. Then bring gradients
+micro-batch through its schedule instead. After each micro-batch the observers hear of it
+(``after_micro_batch``: its index, its target tokens, the step's; the gradient noise scale reads the
+gradient of the first). Then bring gradients
 to their true scale, measure their norm, ask the step's observers whether to go on (the stability
 guard may veto: skip, or roll back), clip (``optim/clip.py``), set the scheduled learning rate and take
 the optimizer step through the policy; gradients are cleared either way.
@@ -44,6 +46,8 @@ SEVERITY = {Action.STEP: 0, Action.SKIP: 1, Action.ROLLBACK: 2}
 
 class StepObserver(Protocol):
     """What a step calls back into (the trainer passes its callbacks)."""
+
+    def after_micro_batch(self, index: int, n_targets: int, step_targets: int) -> None: ...
 
     def after_backward(self) -> None: ...
 
@@ -100,13 +104,16 @@ def train_step(
     none).
     """
     reduce = reduce or StepReduce()
-    n_targets = reduce.total_targets(sum(b.n_targets for b in batches), precision.device)
+    counts = [b.n_targets for b in batches]
+    n_targets = reduce.total_targets(sum(counts), precision.device)
     loss_total = torch.zeros((), device=precision.device)
     for i, batch in enumerate(batches):
         with reduce.micro_batch(objective, last=i == len(batches) - 1):
             loss_total += forward_backward(
                 objective, batch.to(precision.device), n_targets, reduce.dp, precision
             )
+        for obs in observers:  # e.g. the gradient noise scale reads the first micro-batch's gradient
+            obs.after_micro_batch(i, counts[i], n_targets)
     loss_total = reduce.loss(loss_total)
     for obs in observers:
         obs.after_backward()

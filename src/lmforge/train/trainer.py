@@ -52,8 +52,10 @@ class Trainer:
         self.lr_scale = 1.0  # set by callbacks that change the rate (the guard's rollbacks)
         self.resumed = False
         self.stop_requested = False
+        self.end_requested = False  # end now as a finished run (early stopping): on_train_end, a summary
         self.stop_reason = ""  # why the run stopped early (e.g. "SIGTERM"), for the user
         self.step_time_s = 0.0  # wall time of the last attempt's batches and step, callbacks excluded
+        self.data_time_s = 0.0  # of which waiting for the batches (``_next_batches``)
         self.summary: dict = {}  # filled by callbacks at the end of the run
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -63,9 +65,11 @@ class Trainer:
         self._emit("on_train_start")
         try:
             last = time.perf_counter()
-            while self.progress.step < self.total_steps and not self.stop_requested:
+            while self.progress.step < self.total_steps and not (self.stop_requested or self.end_requested):
                 start = time.perf_counter()
-                result = self._attempt(self._next_batches())
+                batches = self._next_batches()
+                self.data_time_s = time.perf_counter() - start
+                result = self._attempt(batches)
                 self.step_time_s = time.perf_counter() - start
                 self._emit("on_step_end", result)
                 now = time.perf_counter()
@@ -102,6 +106,9 @@ class Trainer:
 
     # -- what the step calls back (train/step.py's StepObserver) -------------------------------------
 
+    def after_micro_batch(self, index: int, n_targets: int, step_targets: int) -> None:
+        self._emit("after_micro_batch", index, n_targets, step_targets)
+
     def after_backward(self) -> None:
         self._emit("after_backward")
 
@@ -119,6 +126,12 @@ class Trainer:
     def request_stop(self, reason: str = "") -> None:
         """End the run after the current step, resumably (``on_stop`` instead of ``on_train_end``)."""
         self.stop_requested = True
+        self.stop_reason = self.stop_reason or reason
+
+    def request_end(self, reason: str = "") -> None:
+        """End the run after the current step as a finished one (``on_train_end``, ``summary.json``),
+        e.g. early stopping; ``request_stop`` instead ends it resumably."""
+        self.end_requested = True
         self.stop_reason = self.stop_reason or reason
 
     def _emit(self, hook: str, *args) -> None:

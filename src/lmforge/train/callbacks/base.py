@@ -4,6 +4,8 @@ Hooks, in the order a run meets them (every one a no-op by default):
 
 * ``on_train_start(trainer)``: after the state is built or restored, before the first step;
 * ``on_batches(trainer, batches) -> batches``: the micro-batches about to be trained on;
+* ``after_micro_batch(trainer, index, n_targets, step_targets)``: micro-batch ``index`` (``n_targets``
+  target tokens on this rank; the step has ``step_targets`` over all data-parallel ranks) went backward;
 * ``after_backward(trainer)``: gradients are accumulated, nothing measured yet;
 * ``veto(trainer, loss, grad_norm) -> Action``: before the optimizer step (the stability guard); the
   gradients are unscaled and not yet clipped (the detail metrics read them here and never veto);
@@ -39,6 +41,9 @@ class Callback:
 
     def on_batches(self, trainer: Trainer, batches: list[Batch]) -> list[Batch]:
         return batches
+
+    def after_micro_batch(self, trainer: Trainer, index: int, n_targets: int, step_targets: int) -> None:
+        return None
 
     def after_backward(self, trainer: Trainer) -> None:
         return None

@@ -18,7 +18,11 @@ def validation_loss(trainer: Trainer) -> float:
 
 class Evaluation(Callback):
     """Every ``train.eval_interval`` steps (not at the last, which :meth:`on_train_end` covers): the
-    validation loss, logged and shown to the schedule (``plateau`` reacts to it)."""
+    validation loss, logged and shown to the schedule (``plateau`` reacts to it). A run that ends at a
+    step just evaluated (early stopping) reuses that figure."""
+
+    def __init__(self) -> None:
+        self._last: tuple[int, float] | None = None  # (step, val_loss) of the latest evaluation
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         interval, step = trainer.run.cfg.train.eval_interval, trainer.progress.step
@@ -28,7 +32,10 @@ class Evaluation(Callback):
 
     def on_train_end(self, trainer: Trainer) -> None:
         run = trainer.run
-        val_loss = self._evaluate(trainer)
+        if self._last is not None and self._last[0] == trainer.progress.step:
+            val_loss = self._last[1]
+        else:
+            val_loss = self._evaluate(trainer)
         targets = eval_targets(run.val, run.cfg.data.seq_len, run.cfg.train.eval_tokens)
         uni = unigram_loss(run.data.unigram_counts, targets)
         trainer.summary.update(
@@ -43,5 +50,6 @@ class Evaluation(Callback):
     def _evaluate(self, trainer: Trainer) -> float:
         val_loss = validation_loss(trainer)
         step = trainer.progress.step
+        self._last = (step, val_loss)
         trainer.log({"step": step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)})  # Console shows it
         return val_loss
