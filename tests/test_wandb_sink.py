@@ -46,3 +46,6 @@ def test_offline_run_resumes_its_id(corpus_dir, tmp_path):
     assert (run_dir / "wandb" / "run_id").read_text().strip() == run_id
     runs = list((run_dir / "wandb" / "wandb").glob(f"offline-run-*-{run_id}"))
     assert runs, list((run_dir / "wandb").rglob("*"))
+    logged = b"".join(f.read_bytes() for run in runs for f in run.glob("*.wandb"))
+    for key in (b"tokens_per_s", b"val_loss", b"grad_norm"):  # the records reached W&B's offline store
+        assert key in logged, key
