@@ -29,7 +29,7 @@ from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
 from lmforge.model.loss import NextTokenLoss
 from lmforge.precision import PrecisionPolicy
-from lmforge.train.evaluate import perplexity
+from lmforge.train.evaluate import loss_sum, perplexity
 from lmforge.train.run_loading import load_run
 
 
@@ -91,17 +91,7 @@ def score(
     objective: nn.Module, stream: TokenStream, seq_len: int, batch_size: int, precision: PrecisionPolicy
 ) -> tuple[float, int]:
     """(sum of next-token cross-entropies in nats, targets) over every window of ``stream``."""
-    was_training = objective.training
-    objective.eval()
-    total, count = 0.0, 0
-    for batch in windows(stream, seq_len, batch_size):
-        batch = batch.to(precision.device)
-        with precision.autocast():
-            loss_sum, n = objective(batch.inputs, batch.targets, batch.doc_ids)
-        total += float(loss_sum)
-        count += int(n)
-    objective.train(was_training)
-    return total, count
+    return loss_sum(objective, windows(stream, seq_len, batch_size), precision)
 
 
 def evaluate_files(

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 from torch import nn
 
-from lmforge.data.loader import TokenStream, eval_batches
+from lmforge.data.loader import Batch, TokenStream, eval_batches
 from lmforge.precision import PrecisionPolicy
 
 
@@ -23,17 +24,25 @@ def evaluate(
 ) -> float:
     """Mean next-token cross-entropy (nats) over the first ``max_tokens`` of ``stream``;
     ``objective(inputs, targets, doc_ids) -> (loss_sum, n_targets)`` (``model/loss.py``)."""
+    total, count = loss_sum(objective, eval_batches(stream, seq_len, batch_size, max_tokens), precision)
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def loss_sum(objective: nn.Module, batches: Iterable[Batch], precision: PrecisionPolicy) -> tuple[float, int]:
+    """(sum of next-token cross-entropies in nats, number of targets) of ``objective`` over ``batches``,
+    in eval mode and the precision's autocast."""
     was_training = objective.training
     objective.eval()
     total, count = 0.0, 0
-    for batch in eval_batches(stream, seq_len, batch_size, max_tokens):
+    for batch in batches:
         batch = batch.to(precision.device)
         with precision.autocast():
-            loss_sum, n = objective(batch.inputs, batch.targets, batch.doc_ids)
-        total += float(loss_sum)
+            part, n = objective(batch.inputs, batch.targets, batch.doc_ids)
+        total += float(part)
         count += int(n)
     objective.train(was_training)
-    return total / max(count, 1)
+    return total, count
 
 
 def eval_targets(stream: TokenStream, seq_len: int, max_tokens: int) -> np.ndarray:
