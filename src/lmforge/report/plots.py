@@ -279,5 +279,5 @@ def write_dashboard(runs: list[RunRecords], out: Path, per_panel: bool = True) -
 
 def _save(fig: Figure, path: Path) -> None:
     FigureCanvasAgg(fig)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))  # room for the title above the top row
     fig.savefig(path, format="png", dpi=100)
