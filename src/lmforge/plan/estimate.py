@@ -65,7 +65,7 @@ from lmforge.parallel.pipeline import (
 )
 from lmforge.plan.activations import activation_bytes
 from lmforge.plan.comm import CommVolume, dp_volume, pp_volume, tp_volume
-from lmforge.plan.flops import flops_per_token
+from lmforge.plan.flops import flops_per_token, lookup_params
 from lmforge.plan.hardware import Hardware
 from lmforge.plan.memory import (
     CPU_OVERHEAD,
@@ -394,7 +394,7 @@ def estimate(
     total, rank, mine, states, acts, parts, temps, overhead, at_peak = best
     device_params = sum(math.prod(tp_shape(t, layout.tp)) for t in mine)
 
-    fpt = flops_per_token(n_params - _embedding_params(tensors), cfg.n_layers, cfg.d_model, workload.seq_len)
+    fpt = flops_per_token(n_params - lookup_params(tensors), cfg.n_layers, cfg.d_model, workload.seq_len)
     flops_step = fpt * tokens
     peak = hw.peak(workload.precision)
     recompute = recompute_factor(layout.activation_checkpointing)
@@ -520,11 +520,6 @@ def _device_states(
 def _param_tensors(model_json: str, vocab_size: int, seq_len: int) -> list[ParamTensor]:
     """:func:`param_tensors`, once per model (a search estimates hundreds of layouts of one model)."""
     return param_tensors(ModelConfig.model_validate_json(model_json), vocab_size, seq_len)
-
-
-def _embedding_params(tensors: list[ParamTensor]) -> int:
-    """Input embeddings (no FLOPs: look-ups): token and position tables, unless the head is tied to them."""
-    return sum(t.numel for t in tensors if t.name in ("embed.weight", "pos_embed.weight") and not t.linear)
 
 
 def layout_from_config(cfg: Config, gpus: int | None = None) -> Layout:

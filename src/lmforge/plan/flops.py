@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lmforge.config import ModelConfig
-from lmforge.plan.memory import param_tensors
+from lmforge.plan.memory import ParamTensor, param_tensors
 
 
 def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
@@ -28,5 +28,11 @@ def model_flops_per_token(cfg: ModelConfig, vocab_size: int, seq_len: int) -> fl
     ``plan/memory.py::param_tensors`` but the input embeddings (token and position tables; a tied table is
     the output head and counts)."""
     tensors = param_tensors(cfg, vocab_size, seq_len)
-    lookups = sum(t.numel for t in tensors if t.name in ("embed.weight", "pos_embed.weight") and not t.linear)
-    return flops_per_token(sum(t.numel for t in tensors) - lookups, cfg.n_layers, cfg.d_model, seq_len)
+    n = sum(t.numel for t in tensors) - lookup_params(tensors)
+    return flops_per_token(n, cfg.n_layers, cfg.d_model, seq_len)
+
+
+def lookup_params(tensors: list[ParamTensor]) -> int:
+    """Parameters of the input embeddings (no FLOPs: look-ups): the token and position tables, unless
+    the output head is tied to them (then the table is a linear layer too)."""
+    return sum(t.numel for t in tensors if t.name in ("embed.weight", "pos_embed.weight") and not t.linear)
