@@ -15,29 +15,13 @@ import torch
 
 from lmforge.config import ModelConfig
 from lmforge.data.tokenizer import Tokenizer
-from lmforge.errors import UserError
 from lmforge.hf import gpt2, llama
 from lmforge.hf.files import write_json, write_tokenizer, write_weights
 from lmforge.recipe import load_saved_config
-from lmforge.train.checkpoint import list_checkpoints, load_checkpoint
+from lmforge.train.checkpoint import load_checkpoint
+from lmforge.train.run_loading import pick_checkpoint
 
 MAPS = {"llama": llama, "gpt2": gpt2}
-
-
-def pick_checkpoint(run_dir: Path, step: int | None) -> Path:
-    """The checkpoint of ``step`` (None: the newest) of ``run_dir``."""
-    if not (run_dir / "config.toml").is_file():
-        raise UserError(f"RUN: {run_dir} is not an lmforge run folder (no config.toml); give a run folder")
-    found = list_checkpoints(run_dir)
-    if not found:
-        raise UserError(f"RUN: {run_dir} has no complete checkpoint yet; train longer or pick another run")
-    if step is None:
-        return found[-1]
-    by_step = {int(p.name.removeprefix("step_")): p for p in found}
-    if step not in by_step:
-        have = ", ".join(str(s) for s in sorted(by_step))
-        raise UserError(f"--step: {run_dir} has no checkpoint of step {step}; it has step(s) {have}")
-    return by_step[step]
 
 
 def write_folder(

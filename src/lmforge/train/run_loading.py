@@ -16,26 +16,39 @@ from lmforge.model.transformer import Transformer
 from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_saved_config
 from lmforge.train.build import build_model
-from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
+from lmforge.train.checkpoint import list_checkpoints, load_checkpoint
 from lmforge.train.evaluate import evaluate, perplexity
 
 
 def load_run(run_dir: str | Path, device: torch.device) -> tuple[Config, Tokenizer, Transformer, int]:
     """(config, tokenizer, model with the newest checkpoint's weights, step) of ``run_dir``."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").is_file():
-        raise UserError(
-            f"RUN: {run_dir} is not an lmforge run folder (no config.toml); give a folder under runs/"
-        )
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise UserError(f"RUN: {run_dir} has no complete checkpoint yet; train longer or pick another run")
+    ckpt = pick_checkpoint(run_dir)
     cfg = load_saved_config(ckpt / "config.toml")
     tok = Tokenizer(run_dir / "tokenizer.json")
     state = load_checkpoint(ckpt)
     model = build_model(cfg, tok.vocab_size, device, init=False)
     model.load_state_dict(state["model"])
     return cfg, tok, model, int(state["progress"]["step"])
+
+
+def pick_checkpoint(run_dir: Path, step: int | None = None) -> Path:
+    """The checkpoint of ``step`` (None: the newest) of the run folder ``run_dir``; user errors for a
+    folder that is no run, a run without a complete checkpoint and a step it has none of."""
+    if not (run_dir / "config.toml").is_file():
+        raise UserError(
+            f"RUN: {run_dir} is not an lmforge run folder (no config.toml); give a folder under runs/"
+        )
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise UserError(f"RUN: {run_dir} has no complete checkpoint yet; train longer or pick another run")
+    if step is None:
+        return found[-1]
+    by_step = {int(p.name.removeprefix("step_")): p for p in found}
+    if step not in by_step:
+        have = ", ".join(str(s) for s in sorted(by_step))
+        raise UserError(f"--step: {run_dir} has no checkpoint of step {step}; it has step(s) {have}")
+    return by_step[step]
 
 
 def evaluate_run(run_dir: str | Path, device: torch.device, tokens: int = 0) -> dict:
