@@ -12,6 +12,7 @@ parameters (gathered from every rank), and the bubble measured against the formu
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -156,6 +157,14 @@ def main() -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             f.writelines(json.dumps(line) + "\n" for line in lines)
+    close()
+
+
+def close() -> None:
+    """Every rank past its last message before any tears its process group down, and the pipelines'
+    groups and works collected first (a rank once aborted in teardown while its peer was still writing)."""
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

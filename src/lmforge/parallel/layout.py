@@ -194,7 +194,11 @@ def start_process_group(backend: str, rank: int, world: int) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
-def close_layout(layout: Layout) -> None:
-    """End the process group (after the last collective of the run)."""
+def close_layout(layout: Layout, finished: bool = True) -> None:
+    """End the process group. After a run that ended normally every rank first waits for the others to be
+    past their last message, so none tears its connections down while a peer still uses them; after an
+    error it does not wait (the peers may never arrive)."""
     if layout.distributed and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()

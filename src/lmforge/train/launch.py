@@ -112,9 +112,12 @@ def train(
         history = read_history(run_dir / "config.toml") + [c.line(step) for c in changes]
     run = build_run(cfg)
     try:
-        return _train(run, run_dir, ckpt_path, history, callbacks, progress_bar)
-    finally:
-        close_layout(run.layout)
+        out = _train(run, run_dir, ckpt_path, history, callbacks, progress_bar)
+    except BaseException:
+        close_layout(run.layout, finished=False)
+        raise
+    close_layout(run.layout)
+    return out
 
 
 def _train(
