@@ -255,6 +255,11 @@ class TrainConfig(_Section):
         False, description="write checkpoints in the background while training goes on (DCP async save)"
     )
     log_interval: int = Field(10, ge=1, description="steps between metrics lines")
+    objective: Literal["lm", "sft", "dpo"] = Field(
+        "lm",
+        description="lm: next-token loss on data.sources; sft: response-token loss on [posttrain] records; "
+        "dpo: preference loss on [posttrain] pairs with [dpo]'s settings (set by lmforge sft / dpo)",
+    )
     early_stop_patience: int = Field(
         0,
         ge=0,
@@ -589,6 +594,41 @@ class LRFindConfig(_Section):
         return self
 
 
+class DPOConfig(_Section):
+    beta: float = Field(0.1, gt=0, description="strength of the pull towards the reference model")
+    loss: Literal["sigmoid", "ipo", "hinge"] = Field(
+        "sigmoid", description="sigmoid (the DPO paper's), ipo (squared, target 1/(2 beta)) or hinge"
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, description="assumed share of flipped preference labels (sigmoid and hinge)"
+    )
+    reference: Literal["cached", "model"] = Field(
+        "cached",
+        description="cached: the starting model's log-probabilities of every pair, computed once and kept "
+        "in the run folder; model: a frozen copy of the starting model scores each batch",
+    )
+
+
+class PostTrainConfig(_Section):
+    train_files: list[str] = Field(
+        default_factory=list,
+        description="JSONL records: SFT (instruction/input/output, messages, prompt/completion) or DPO "
+        "pairs (prompt/chosen/rejected, plain or chat)",
+    )
+    val_files: list[str] = Field(default_factory=list, description="held-out records, same formats")
+    packing: Literal["pack", "pad"] = Field(
+        "pack",
+        description="pack: examples back to back in data.seq_len rows with document masks; pad: one "
+        "example a row (DPO always pads)",
+    )
+    over_length: Literal["skip", "truncate"] = Field(
+        "skip",
+        description="an example longer than data.seq_len: skip (counted and reported with file:line) or "
+        "truncate (cut its end to fit)",
+    )
+    system_prompt: str | None = Field(None, description="a system turn put before records that have none")
+
+
 class Config(_Section):
     """A training recipe. Each field is a section (``[model]``, ...); a section's settings that belong to
     one choice (a schedule, an optimizer, a clipping mode) sit in a sub-table named after the choice."""
@@ -624,3 +664,8 @@ class Config(_Section):
     lr_find: LRFindConfig = Field(
         default_factory=LRFindConfig, description="lmforge lr-find: the exponential learning-rate sweep"
     )
+    posttrain: PostTrainConfig = Field(
+        default_factory=PostTrainConfig,
+        description="records of lmforge sft and dpo: files, packing, over-length examples",
+    )
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description="the preference loss of lmforge dpo")
