@@ -647,7 +647,8 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
         "report.json and token shards (tokens/). A run started again continues where it stopped. "
         "Keys can be overridden as --SECTION.KEY=VALUE (e.g. --output.compression=none).",
         epilog="lmforge data inspect OUT --reason RULE [--n 5]: samples of what a rule removed "
-        "(lmforge data inspect --help)",
+        "(lmforge data inspect --help); lmforge data stdlib-pairs --out DIR: the post-training demonstration's "
+        "records (lmforge data stdlib-pairs --help)",
     )
     p.add_argument("--config", required=True, help="pipeline recipe (TOML), e.g. configs/data/web.toml")
     p.add_argument("--out", required=True, help="output folder (new, or the one of a run to continue)")
@@ -679,10 +680,62 @@ def build_inspect_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_stdlib_pairs_parser() -> argparse.ArgumentParser:
+    """``lmforge data stdlib-pairs``: parsed on its own, as ``data inspect``."""
+    from lmforge.posttrain.stdlib_pairs import DEFAULT_MAX_LEN_CHARS, DEFAULT_VAL_FRACTION
+
+    p = argparse.ArgumentParser(
+        prog="lmforge data stdlib-pairs",
+        description="The post-training demonstration's records: questions about the standard library's "
+        "modules, classes, functions and methods answered by their docstrings (SFT and DPO JSONL, whole "
+        "modules held out for validation, stats.json).",
+    )
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument(
+        "--max-len-chars",
+        type=int,
+        default=DEFAULT_MAX_LEN_CHARS,
+        help=f"skip objects whose question + answer is longer (default {DEFAULT_MAX_LEN_CHARS})",
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=DEFAULT_VAL_FRACTION,
+        help=f"share of modules held out, by seeded hash of the name (default {DEFAULT_VAL_FRACTION})",
+    )
+    p.add_argument("--seed", type=int, default=0, help="split, phrasing and rejected answers (default 0)")
+    p.set_defaults(func=cmd_data_stdlib_pairs, command="data stdlib-pairs")
+    return p
+
+
+def cmd_data_stdlib_pairs(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.posttrain.stdlib_pairs import stdlib_pairs
+
+    stats = stdlib_pairs(args.out, args.seed, args.val_fraction, args.max_len_chars)
+    splits, objects = stats["splits"], stats["objects"]
+    print(
+        f"{objects['found']:,} objects in {stats['files']:,} files: {objects['kept']:,} kept, skipped "
+        + ", ".join(f"{r} {n:,}" for r, n in objects["skipped"].items())
+    )
+    for name, split in splits.items():
+        kinds = ", ".join(f"{k} {n:,}" for k, n in split["by_kind"].items())
+        print(
+            f"{name}: {split['sft']:,} SFT records and DPO pairs from {split['modules']:,} modules ({kinds})"
+        )
+    print(f"wrote sft_*.jsonl, dpo_*.jsonl and stats.json to {args.out}")
+    return 0
+
+
 def _is_data_inspect(argv: list[str]) -> bool:
     """``argv`` is ``[-v] data inspect ...``."""
     at = next((i for i, a in enumerate(argv) if a not in ("-v", "--verbose")), len(argv))
     return argv[at : at + 2] == ["data", "inspect"]
+
+
+def _is_data_command(argv: list[str], name: str) -> bool:
+    """``argv`` is ``[-v] data NAME ...``."""
+    at = next((i for i, a in enumerate(argv) if a not in ("-v", "--verbose")), len(argv))
+    return argv[at : at + 2] == ["data", name]
 
 
 def _add_run_commands(sub: argparse._SubParsersAction) -> None:
@@ -836,6 +889,10 @@ def main(argv: list[str] | None = None) -> None:
     if _is_data_inspect(argv):
         at = argv.index("data")
         args, extra = build_inspect_parser().parse_args(argv[at + 2 :]), []
+        args.verbose = at > 0
+    elif _is_data_command(argv, "stdlib-pairs"):
+        at = argv.index("data")
+        args, extra = build_stdlib_pairs_parser().parse_args(argv[at + 2 :]), []
         args.verbose = at > 0
     else:
         parser = build_parser()
