@@ -323,6 +323,8 @@ def test_pair_loader_epochs_ranks_reference_and_exact_resume():
             batch = loader.next_batch()
             marks = _marks(batch)
             assert batch.ref_logps.tolist() == [*marks, *(-m for m in marks)]  # looked up by pair id
+            moved = batch.to(torch.device("cpu"))
+            assert isinstance(moved, PairBatch) and torch.equal(moved.ref_logps, batch.ref_logps)
             seen += marks
     assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:]) == list(range(10))
     assert seen[:10] != seen[10:] and ranks[0].epoch == 2.0  # reshuffled each epoch
