@@ -72,7 +72,9 @@ def apply_ddp(objective: nn.Module, layout: Layout, device: torch.device) -> nn.
 
 
 def sync_context(objective: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-    """DDP synchronises gradients only on the last micro-batch of a step (``no_sync`` before it)."""
-    if isinstance(objective, DistributedDataParallel) and not last:
+    """DDP synchronises gradients only on the last micro-batch of a step (``no_sync`` before it). An
+    objective that wraps a DDP module (``posttrain/dpo.py::DPOObjective``) says so with its own
+    ``no_sync``."""
+    if not last and (isinstance(objective, DistributedDataParallel) or hasattr(objective, "no_sync")):
         return objective.no_sync()
     return contextlib.nullcontext()
