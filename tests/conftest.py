@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,21 @@ def corpus_dir(tmp_path_factory) -> Path:
                 lines.append(json.dumps({"id": f"{name}#{i}", "text": ("def " if i else "") + chunk}))
     (root / "stdlib.jsonl").write_text("\n".join(lines) + "\n")
     return root
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The built-in default run (``lmforge train``, about 13 minutes on 2 cores), trained once per session
+    for the slow tests that need it: ``(run folder, finished process)``."""
+    root = tmp_path_factory.mktemp("default")
+    run = root / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmforge", "train", "--run-dir", str(run)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    return run, proc
 
 
 def tiny_overrides(corpus_dir: Path, cache_dir: Path) -> dict:

@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 
 @pytest.mark.slow
-def test_default_run_beats_the_unigram_baseline(tmp_path):
-    run = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "lmforge", "train", "--run-dir", str(run)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
+def test_default_run_beats_the_unigram_baseline(default_run):
+    run, result = default_run
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     print(json.dumps(summary, indent=1))

@@ -78,23 +78,76 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     else:
         cfg = load_config(args.config, parse_overrides(extra))
     _print(f"run folder: {run_dir}")
-    summary = train(cfg, run_dir, resume=args.resume)
+    return _finish(train(cfg, run_dir, resume=args.resume), run_dir, "train")
+
+
+def _finish(summary: dict, run_dir: Path, command: str) -> int:
+    """Print how a run ended; the exit status (128 + signal number for a run stopped by a signal)."""
     if summary.get("stopped"):
         _print(
             f"stopped at step {summary['step']} ({summary['reason'] or 'requested'}); "
             f"checkpoint: {summary['checkpoint']}\n"
-            f"continue with: lmforge train --resume --run-dir {run_dir}"
+            f"continue with: lmforge {command} --resume --run-dir {run_dir}"
         )
         return 128 + signal.Signals[summary["reason"]].value if summary["reason"] in _SIGNALS else 0
     sample = summary.pop("sample", None)
+    if "unigram_loss" in summary:
+        losses = (
+            f"val_loss {summary['val_loss']:.4f} (ppl {summary['val_ppl']:.2f}), unigram_loss "
+            f"{summary['unigram_loss']:.4f}, ratio {summary['val_loss_over_unigram']:.3f}"
+        )
+    elif "val_loss" in summary:  # post-training: the held-out records
+        extra = {
+            k: v for k, v in summary.items() if k.startswith("val_") and k not in ("val_loss", "val_ppl")
+        }
+        losses = f"held-out loss {summary['val_loss']:.4f}" + "".join(
+            f", {k} {v:.4f}" for k, v in extra.items()
+        )
+    else:
+        losses = "no held-out records"
     _print(
-        f"done: step {summary['step']}, val_loss {summary['val_loss']:.4f} (ppl {summary['val_ppl']:.2f}), "
-        f"unigram_loss {summary['unigram_loss']:.4f}, ratio {summary['val_loss_over_unigram']:.3f}, "
-        f"{summary['tokens_seen']:,} tokens in {summary['wall_time_s']:.0f}s"
+        f"done: step {summary['step']}, {losses}, {summary['tokens_seen']:,} tokens in "
+        f"{summary['wall_time_s']:.0f}s"
     )
     if sample is not None:
         _print("sample:\n" + sample)
     return 0
+
+
+def cmd_posttrain(args: argparse.Namespace, extra: list[str]) -> int:
+    """``lmforge sft`` / ``lmforge dpo``: start a post-training run from --from RUN, or --resume one."""
+    from lmforge.train.finetune import start
+    from lmforge.train.launch import train
+    from lmforge.train.resume import resume_config
+
+    kind = args.command
+    overrides = parse_overrides(extra)
+    if args.resume:
+        if not args.run_dir:
+            raise UserError(f"--run-dir: --resume needs the folder of the {kind} run to continue")
+        if args.from_run:
+            raise UserError(
+                "--from: a resumed run keeps its start; drop --from (or drop --resume for a new run)"
+            )
+        run_dir = Path(args.run_dir)
+        cfg = resume_config(run_dir, args.recipe, overrides)
+        if cfg.train.objective != kind:
+            raise UserError(
+                f"--run-dir: {run_dir} is a train.objective = {cfg.train.objective} run; continue it with "
+                f"lmforge {'train' if cfg.train.objective == 'lm' else cfg.train.objective} --resume"
+            )
+    else:
+        if not args.from_run:
+            raise UserError(f"--from: give the run to start from (lmforge {kind} --from runs/NAME)")
+        run_dir = (
+            Path(args.run_dir) if args.run_dir else Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
+        cfg, ckpt = start(kind, args.from_run, run_dir, args.recipe, overrides, args.step)
+        _print(f"run folder: {run_dir} (started from {args.from_run}: {ckpt.name})")
+        if args.prepare_only:
+            _print(f"prepared; train with: lmforge {kind} --resume --run-dir {run_dir}")
+            return 0
+    return _finish(train(cfg, run_dir, resume=True), run_dir, kind)
 
 
 def _print(text: str) -> None:
@@ -187,23 +240,30 @@ def check_sampling_args(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     from lmforge.model.sampling import generate
+    from lmforge.posttrain.records import Turn
+    from lmforge.posttrain.template import read_template
     from lmforge.train.run_loading import load_run
 
     check_sampling_args(args)
     device = _device(args.device)
     _, tok, model, _ = load_run(args.run, device)
+    template = read_template(Path(args.run))  # a post-training run: the prompt is a user turn
+    if template is not None:
+        prompt, stop, shown = template.prompt_ids([Turn("user", args.prompt)]), template.end_id, ""
+    else:
+        prompt, stop, shown = [tok.eot_id, *tok.encode(args.prompt)], tok.eot_id, args.prompt
     for i in range(args.num_samples):
         ids = generate(
             model,
-            [tok.eot_id, *tok.encode(args.prompt)],
+            prompt,
             args.max_new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
-            stop_token=tok.eot_id,
+            stop_token=stop,
             seed=args.seed + i,
         )
-        print(args.prompt + tok.decode(ids))
+        print(shown + tok.decode([t for t in ids if t != stop]))
         if i + 1 < args.num_samples:
             print("-" * 40)
     return 0
@@ -621,6 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_pipeline_commands(sub)
+    _add_posttrain_commands(sub)
     _add_run_commands(sub)
     _add_probe_commands(sub)
     return parser
@@ -656,6 +717,32 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--executor", choices=["local", "ray"], default=None, help="default: execution.executor")
     p.add_argument("--no-tokenize", action="store_true", help="stop after the documents (no token shards)")
     p.set_defaults(func=cmd_data)
+
+
+def _add_posttrain_commands(sub: argparse._SubParsersAction) -> None:
+    """``sft`` and ``dpo``: post-training runs started from another run."""
+    helps = {
+        "sft": "supervised fine-tuning on instruction / chat / prompt-completion records",
+        "dpo": "direct preference optimisation on prompt / chosen / rejected pairs",
+    }
+    for kind, text in helps.items():
+        p = sub.add_parser(
+            kind,
+            help=text + " (docs/post-training.md)",
+            description=f"{text}, from another run's checkpoint (--from) or resumed (--resume). Keys as for "
+            "train: the recipe, then --SECTION.KEY=VALUE ([posttrain] records, [dpo] loss, train, optim, ...).",
+        )
+        p.add_argument("recipe", nargs="?", metavar="RECIPE", help="TOML recipe (optional)")
+        p.add_argument("--from", dest="from_run", metavar="RUN", help="run folder to start from")
+        p.add_argument("--step", type=int, help="checkpoint step of --from (default: the newest)")
+        p.add_argument("--run-dir", help=f"the new run folder (default: runs/{kind}-<timestamp>)")
+        p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
+        p.add_argument(
+            "--prepare-only",
+            action="store_true",
+            help="write the run folder and its step-0 checkpoint, no steps",
+        )
+        p.set_defaults(func=cmd_posttrain)
 
 
 def build_inspect_parser() -> argparse.ArgumentParser:
@@ -881,7 +968,7 @@ def _add_probe_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_estimate)
 
 
-TAKES_OVERRIDES = {"train", "data", "import", "plot-schedule", "lr-find", "mup-check", "estimate"}
+TAKES_OVERRIDES = {"train", "data", "import", "sft", "dpo", "plot-schedule", "lr-find", "mup-check", "estimate"}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -172,9 +172,25 @@ def build_config(tree: dict[str, Any]) -> Config:
         raise ConfigError(describe_error(exc.errors()[0])) from None
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Defaults <- TOML recipe at ``path`` <- dotted ``overrides``; validated."""
-    return build_config(read_recipe(path, overrides, "the path of a TOML recipe (see configs/)"))
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in top.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> Config:
+    """Defaults <- dotted ``defaults`` (a command's own, e.g. fine-tuning's) <- TOML recipe at ``path`` <-
+    dotted ``overrides``; validated."""
+    tree: dict[str, Any] = {}
+    for key, value in (defaults or {}).items():
+        _set_dotted(tree, key, value)
+    top = read_recipe(path, overrides, "the path of a TOML recipe (see configs/)")
+    return build_config(deep_merge(tree, top) if defaults else top)
 
 
 def read_recipe(path: str | Path | None, overrides: dict[str, Any] | None, what: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from lmforge.config import ModelConfig
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.hf import gpt2, llama
 from lmforge.hf.files import write_json, write_tokenizer, write_weights
+from lmforge.posttrain.template import ChatTemplate, read_template
 from lmforge.recipe import load_saved_config
 from lmforge.train.checkpoint import load_checkpoint
 from lmforge.train.run_loading import pick_checkpoint
@@ -25,9 +26,16 @@ MAPS = {"llama": llama, "gpt2": gpt2}
 
 
 def write_folder(
-    out: Path, model: ModelConfig, state: dict[str, torch.Tensor], tok: Tokenizer, max_len: int
+    out: Path,
+    model: ModelConfig,
+    state: dict[str, torch.Tensor],
+    tok: Tokenizer,
+    max_len: int,
+    chat: ChatTemplate | None = None,
 ) -> Path:
-    """Write the Hugging Face folder of an lmforge model (``state``: its tensors by lmforge name)."""
+    """Write the Hugging Face folder of an lmforge model (``state``: its tensors by lmforge name). A chat
+    run (``chat``: its template) also gets the template as ``chat_template`` and ``<|end|>`` as the token
+    that ends generation."""
     arch = MAPS[model.arch]
     hf_config = arch.config_to_hf(model, tok.vocab_size, max_len, tok.eot_id)  # refusals before any write
     tensors = arch.state_to_hf(state, model)
@@ -36,10 +44,14 @@ def write_folder(
     write_json(out / "config.json", hf_config)
     write_json(
         out / "generation_config.json",
-        {"bos_token_id": tok.eot_id, "eos_token_id": tok.eot_id, "do_sample": False},
+        {
+            "bos_token_id": tok.eot_id,
+            "eos_token_id": chat.end_id if chat is not None else tok.eot_id,
+            "do_sample": False,
+        },
     )
     write_weights(out, tensors)
-    write_tokenizer(out, tok.path, max_len)
+    write_tokenizer(out, tok.path, max_len, chat.jinja() if chat is not None else None)
     return out
 
 
@@ -52,4 +64,4 @@ def export_run(run_dir: str | Path, out: str | Path | None = None, step: int | N
     MAPS[cfg.model.arch].config_to_hf(cfg.model, tok.vocab_size, cfg.data.seq_len, tok.eot_id)  # refuse early
     state = load_checkpoint(ckpt)
     out = Path(out) if out is not None else run_dir / "hf"
-    return write_folder(out, cfg.model, state["model"], tok, cfg.data.seq_len)
+    return write_folder(out, cfg.model, state["model"], tok, cfg.data.seq_len, read_template(run_dir))

@@ -69,10 +69,13 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_tokenizer(folder: Path, tokenizer_json: Path, max_len: int) -> None:
+def write_tokenizer(
+    folder: Path, tokenizer_json: Path, max_len: int, chat_template: str | None = None
+) -> None:
     """``tokenizer.json`` (the run's own) with ``tokenizer_config.json`` and ``special_tokens_map.json``
     naming lmforge's end-of-text token as the BOS and EOS token (no token is added when encoding: the
-    tokenizer has no post-processor, as lmforge encodes)."""
+    tokenizer has no post-processor, as lmforge encodes); a chat run's template (Jinja) as
+    ``chat_template``."""
     shutil.copyfile(tokenizer_json, folder / "tokenizer.json")
     special = {"bos_token": EOT, "eos_token": EOT}
     write_json(
@@ -84,6 +87,7 @@ def write_tokenizer(folder: Path, tokenizer_json: Path, max_len: int) -> None:
             "clean_up_tokenization_spaces": False,
             "add_bos_token": False,
             "add_eos_token": False,
+            **({"chat_template": chat_template} if chat_template is not None else {}),
         },
     )
     write_json(folder / "special_tokens_map.json", special)

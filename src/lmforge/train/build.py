@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -47,8 +48,16 @@ from lmforge.parallel.pipeline import (
 )
 from lmforge.parallel.reduce import StepReduce
 from lmforge.parallel.tensor import check_tensor_parallel
+from lmforge.posttrain.dpo import SequenceLogps
 from lmforge.precision import PrecisionPolicy, check_precision
 from lmforge.train.auto_batch import auto_candidates, probe, resolve_micro_batch
+from lmforge.train.posttrain import (
+    PostTrainData,
+    check_posttrain,
+    dpo_objective,
+    posttrain_loader,
+    prepare_posttrain,
+)
 from lmforge.train.runtime import configure_determinism, pick_device, seed_all
 
 log = logging.getLogger(__name__)
@@ -86,8 +95,11 @@ def validate(cfg: Config) -> torch.device:
         auto_candidates(cfg)
     else:
         accumulation_steps(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
-    input_files(cfg.data)  # missing inputs fail here
-    check_domains(cfg.data)
+    if cfg.train.objective == "lm":
+        input_files(cfg.data)  # missing inputs fail here
+        check_domains(cfg.data)
+    else:
+        check_posttrain(cfg)
     return device
 
 
@@ -135,9 +147,11 @@ def training_objective(
     layout: Layout = SINGLE,
     compute_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """The model and its loss, with the model transformations applied in their fixed order."""
+    """The model and its loss (next-token; DPO: each sequence's log-probability), with the model
+    transformations applied in their fixed order."""
     ctx = ApplyContext(cfg.train, device, layout, compute_dtype)
-    return apply(NextTokenLoss(model, cfg.train.loss_chunk), ctx)
+    loss = SequenceLogps if cfg.train.objective == "dpo" else NextTokenLoss
+    return apply(loss(model, cfg.train.loss_chunk), ctx)
 
 
 @dataclass
@@ -147,7 +161,7 @@ class Run:
     cfg: Config
     device: torch.device
     precision: PrecisionPolicy
-    data: PreparedData
+    data: PreparedData | PostTrainData
     model: Transformer  # the plain model: parameters, state_dict, sampling
     objective: nn.Module  # what a training step calls: model + loss, transformed (compiled, ...)
     eval_objective: nn.Module  # model + loss, eager (evaluation is too rare to pay for a second graph)
@@ -155,7 +169,7 @@ class Run:
     schedule: Schedule
     clipper: Clipper
     loader: TrainLoader
-    val: TokenStream
+    val: TokenStream | None  # the validation split (post-training: None, its held-out records are in data)
     accum: int  # micro-batches per optimizer step and data-parallel rank
     layout: Layout = SINGLE
     reduce: StepReduce = field(default_factory=StepReduce)
@@ -171,10 +185,11 @@ def local_processes() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def build_run(cfg: Config, data: PreparedData | None = None) -> Run:
+def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | None = None) -> Run:
     """Build every part of a run of ``cfg`` (``data``: already prepared data, else prepared here).
     ``train.micro_batch_size = "auto"`` is resolved first (``train/auto_batch.py``); the run's ``cfg``
-    holds the number chosen."""
+    holds the number chosen. A post-training objective (``sft``, ``dpo``: ``train/posttrain.py``) reads its
+    records instead of ``data.sources`` and finds its DPO reference in ``run_dir``."""
     device = validate(cfg)
     layout = init_layout(cfg, device.type)
     if device.type == "cuda" and layout.distributed:
@@ -183,7 +198,10 @@ def build_run(cfg: Config, data: PreparedData | None = None) -> Run:
     cfg, smaller, optimizer_bytes = resolve_micro_batch(cfg, device, local_processes())
     configure_determinism(cfg.train.deterministic)
     precision = PrecisionPolicy.resolve(cfg.train.precision, device, cfg.train.loss_scale, layout.distributed)
-    if data is None:
+    post = cfg.train.objective != "lm"
+    if post:
+        data = prepare_posttrain(cfg, run_dir if layout.is_main else None)
+    elif data is None:
         data = prepare_on_rank0(cfg, layout)
     if layout.degrees["tp"] > 1:  # the tokenizer's own vocabulary, now that it is known
         check_tensor_parallel(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_len, layout.degrees["tp"])
@@ -194,6 +212,13 @@ def build_run(cfg: Config, data: PreparedData | None = None) -> Run:
         n_params = model.num_params(False)
         objective = training_objective(model, cfg, device, layout, precision.compute_dtype)
         eval_objective = objective if layout.kind == "fsdp" else NextTokenLoss(model, cfg.train.loss_chunk)
+        if cfg.train.objective == "dpo":  # the same transformed module, scoring whole sequences
+            objective = eval_objective = dpo_objective(
+                cfg,
+                objective,
+                lambda: build_model(cfg, data.tokenizer.vocab_size, device, init=False),
+                run_dir,
+            )
     if auto and device.type == "cuda" and not layout.distributed:
         cfg = probe(objective, cfg, smaller, data.tokenizer.vocab_size, precision.autocast, optimizer_bytes)
     accum = accumulation_steps(cfg, layout.dp)
@@ -227,8 +252,10 @@ def build_run(cfg: Config, data: PreparedData | None = None) -> Run:
         optimizer=optimizer,
         schedule=Schedule(cfg.schedule, cfg.train.steps),
         clipper=clipper,
-        loader=build_train_loader(cfg, data, accum, layout.dp_rank, layout.dp),
-        val=TokenStream(data.val),
+        loader=posttrain_loader(cfg, data, layout.dp_rank, layout.dp, run_dir)
+        if post
+        else build_train_loader(cfg, data, accum, layout.dp_rank, layout.dp),
+        val=None if post else TokenStream(data.val),
         accum=accum,
         layout=layout,
         reduce=StepReduce(layout),

@@ -110,7 +110,7 @@ def train(
         check_changes(changes, step, cfg.train.steps)
         report_changes(changes, state["config"], cfg, state)
         history = read_history(run_dir / "config.toml") + [c.line(step) for c in changes]
-    run = build_run(cfg)
+    run = build_run(cfg, run_dir=run_dir)
     try:
         out = _train(run, run_dir, ckpt_path, history, callbacks, progress_bar)
     except BaseException:
@@ -129,13 +129,14 @@ def _train(
     progress_bar: bool | None,
 ) -> dict:
     cfg, main = run.cfg, run.layout.is_main
-    if main:
+    if main and cfg.train.objective == "lm":
         preflight(cfg, run.data, run.tokens_per_step)
     config_toml = config_text(cfg, history)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_toml)
-        shutil.copyfile(run.data.tokenizer.path, run_dir / "tokenizer.json")
+        if run.data.tokenizer.path.resolve() != (run_dir / "tokenizer.json").resolve():
+            shutil.copyfile(run.data.tokenizer.path, run_dir / "tokenizer.json")
     defaults = default_callbacks(cfg, run_dir, progress_bar, config_toml, main)
     trainer = Trainer(run, [*defaults, *callbacks])
     if ckpt_path is not None:

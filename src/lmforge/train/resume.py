@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import tomllib
@@ -25,7 +24,7 @@ from typing import Any
 from lmforge.config import Config
 from lmforge.errors import ConfigError, UserError
 from lmforge.optim.schedules import Schedule
-from lmforge.recipe import build_config, migrate_moved, read_recipe, to_toml
+from lmforge.recipe import build_config, deep_merge, migrate_moved, read_recipe, to_toml
 from lmforge.train.callbacks.checkpointing import config_state
 
 log = logging.getLogger(__name__)
@@ -157,13 +156,6 @@ def config_text(cfg: Config, history: list[str]) -> str:
 # -- the resumed run's config ------------------------------------------------------------------------
 
 
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for k, v in top.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def resume_config(run_dir: Path, recipe: str | None, overrides: dict[str, Any]) -> Config:
     """The resumed run's config: ``run_dir/config.toml`` <- ``recipe`` (if given) <- ``overrides``."""
     path = Path(run_dir) / "config.toml"
@@ -178,4 +170,4 @@ def resume_config(run_dir: Path, recipe: str | None, overrides: dict[str, Any]) 
             f"--resume: {path} is not valid TOML ({exc}); restore the run's config.toml"
         ) from None
     top = read_recipe(recipe, overrides, "the path of a TOML recipe (see configs/)")
-    return build_config(_deep_merge(base, top))
+    return build_config(deep_merge(base, top))

@@ -55,8 +55,13 @@ def evaluate_run(run_dir: str | Path, device: torch.device, tokens: int = 0) -> 
     """Validation loss and perplexity of the newest checkpoint of ``run_dir`` over ``tokens`` validation
     tokens (0: the run's ``train.eval_tokens``), in the run's precision, as training evaluates."""
     cfg, _, model, step = load_run(run_dir, device)
-    data = prepare_data(cfg.data)
     precision = PrecisionPolicy.resolve(cfg.train.precision, device)
+    if cfg.train.objective != "lm":  # post-training: the held-out records
+        from lmforge.train.posttrain import evaluate_posttrain
+
+        out = evaluate_posttrain(cfg, model, Path(run_dir), precision)
+        return {"step": step, **out, "val_ppl": perplexity(out["val_loss"])}
+    data = prepare_data(cfg.data)
     loss = evaluate(
         NextTokenLoss(model, cfg.train.loss_chunk),
         TokenStream(data.val),

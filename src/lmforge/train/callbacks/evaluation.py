@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.evaluate import eval_targets, evaluate, perplexity, unigram_loss
+from lmforge.train.posttrain import posttrain_validation
 from lmforge.train.step import Action, StepResult
 from lmforge.train.trainer import Trainer
 
@@ -23,12 +24,14 @@ class Evaluation(Callback):
 
     def __init__(self) -> None:
         self._last: tuple[int, float] | None = None  # (step, val_loss) of the latest evaluation
+        self._extra: dict = {}  # its other figures (DPO's eval_rewards/...)
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         interval, step = trainer.run.cfg.train.eval_interval, trainer.progress.step
         if result.action is Action.STEP and interval and step % interval == 0 and step < trainer.total_steps:
             val_loss = self._evaluate(trainer)
-            trainer.run.schedule.observe(val_loss)
+            if val_loss is not None:
+                trainer.run.schedule.observe(val_loss)
 
     def on_train_end(self, trainer: Trainer) -> None:
         run = trainer.run
@@ -36,6 +39,10 @@ class Evaluation(Callback):
             val_loss = self._last[1]
         else:
             val_loss = self._evaluate(trainer)
+        if run.cfg.train.objective != "lm":  # held-out records: no unigram baseline of a token stream
+            if val_loss is not None:
+                trainer.summary.update({"val_loss": val_loss, **self._extra})
+            return
         targets = eval_targets(run.val, run.cfg.data.seq_len, run.cfg.train.eval_tokens)
         uni = unigram_loss(run.data.unigram_counts, targets)
         trainer.summary.update(
@@ -47,9 +54,18 @@ class Evaluation(Callback):
             }
         )
 
-    def _evaluate(self, trainer: Trainer) -> float:
-        val_loss = validation_loss(trainer)
+    def _evaluate(self, trainer: Trainer) -> float | None:
+        run = trainer.run
+        if run.cfg.train.objective == "lm":
+            val_loss, self._extra = validation_loss(trainer), {}
+        else:
+            val_loss, self._extra = posttrain_validation(run.cfg, run.data, run.eval_objective, run.precision)
+        if val_loss is None:  # no held-out records
+            return None
         step = trainer.progress.step
         self._last = (step, val_loss)
-        trainer.log({"step": step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)})  # Console shows it
+        record = {"step": step, "val_loss": val_loss, **self._extra}
+        if run.cfg.train.objective != "dpo":  # a DPO loss is no per-token likelihood
+            record["val_ppl"] = perplexity(val_loss)
+        trainer.log(record)  # Console shows it
         return val_loss

@@ -202,6 +202,7 @@ class StepMetrics(Callback):
             "tokens_seen": trainer.progress.tokens_seen,
             "epoch": run.loader.epoch,
             **run.loader.report(),
+            **objective_metrics(run),
         }
         if self._peak is not None:
             record["mfu"] = mfu(tokens_per_s, self._flops_per_token, self._peak.flops * self._world)
@@ -227,6 +228,15 @@ class StepMetrics(Callback):
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped = state.get("skipped_steps", 0)
+
+
+def objective_metrics(run: Run) -> dict[str, float]:
+    """The objective's own figures since the last record (DPO: ``rewards/...``, ``logps/...``), means over
+    the pairs of every data-parallel rank."""
+    take = getattr(run.objective, "take_metrics", None)
+    if take is None:
+        return {}
+    return take(run.layout.group("dp") if run.layout.dp > 1 else None)
 
 
 def memory_record(device: torch.device) -> dict:
@@ -305,7 +315,14 @@ class Console(Callback):
             else:
                 log.info("step %d/%d | %s", record["step"], self.total, info)
         elif "val_loss" in record:
-            text = f"step {record['step']}/{self.total} | val_loss {record['val_loss']:.4f} (ppl {record['val_ppl']:.2f})"
+            text = f"step {record['step']}/{self.total} | val_loss {record['val_loss']:.4f}"
+            if "val_ppl" in record:
+                text += f" (ppl {record['val_ppl']:.2f})"
+            if "val_rewards/accuracies" in record:  # DPO's held-out pairs
+                text += (
+                    f" | reward accuracy {record['val_rewards/accuracies']:.3f}, "
+                    f"margin {record['val_rewards/margins']:.3f}"
+                )
             if self.bar is not None:
                 self.bar.print(text)
             else:

@@ -12,6 +12,7 @@ from lmforge.model.sampling import generate
 from lmforge.model.transformer import Transformer
 from lmforge.train.build import Run, build_model
 from lmforge.train.callbacks.base import Callback
+from lmforge.train.posttrain import chat_sample
 from lmforge.train.preflight import default_sample_prompt
 from lmforge.train.trainer import Trainer
 
@@ -52,6 +53,11 @@ class Sample(Callback):
         if t.sample_tokens:
             model = whole_model(trainer.run)
             if model is None:
+                return
+            if t.objective != "lm":
+                trainer.summary["sample"] = chat_sample(
+                    model, trainer.run.data, t.sample_prompt, t.sample_tokens, t.seed
+                )
                 return
             prompt = (
                 t.sample_prompt

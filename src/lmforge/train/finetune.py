@@ -1,0 +1,145 @@
+"""``lmforge sft`` / ``lmforge dpo [--config RECIPE] --from RUN --run-dir OUT``: a post-training run that
+starts from another run's checkpoint.
+
+Starting it (one process, before any training):
+
+1. the keys: lmforge's defaults, then :data:`DEFAULTS` of the command (a short fine-tuning rather than a
+   pretraining), then the recipe, then ``--SECTION.KEY=VALUE`` flags; ``model.*`` and ``data.seq_len``
+   come from the starting run (a flag for them is refused), ``train.objective`` is the command;
+2. the tokenizer: the starting run's, with the chat template's special tokens added, written to
+   ``OUT/tokenizer.json`` with ``OUT/chat_template.json``;
+3. the weights: the starting checkpoint's, the embedding (and an untied head) grown to the new vocabulary
+   with mean rows (``posttrain/vocab.py``);
+4. DPO: the reference, either the starting model's log-probabilities of every training and held-out pair
+   (``dpo.reference = "cached"``: ``OUT/reference_logps.npz``, computed once here) or its weights
+   (``"model"``: ``OUT/reference_model.pt``, a frozen copy that scores each batch);
+5. the state of a run about to take its first step, saved as checkpoint ``step_00000000`` (fresh
+   optimizer, schedule at 0, loader at its start), as ``lmforge import`` does.
+
+Then it trains exactly as ``lmforge train --resume --run-dir OUT`` would: every layout (``torchrun``),
+precision, schedule, clipping, guard and callback applies, and a stopped run resumes with either command.
+Under ``torchrun``, start with ``--prepare-only`` in one process, then launch the resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmforge.config import Config
+from lmforge.errors import UserError
+from lmforge.posttrain.template import SPECIAL_TOKENS, add_chat_tokens, write_template_file
+from lmforge.posttrain.vocab import grow_vocab
+from lmforge.recipe import load_config, load_saved_config
+from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from lmforge.train.resume import config_text
+from lmforge.train.run_loading import pick_checkpoint
+
+log = logging.getLogger(__name__)
+
+# What a fine-tuning run changes from lmforge's (pretraining) defaults; a recipe and flags override them.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "sft": {
+        "train.steps": 300,
+        "optim.lr": 3e-4,
+        "schedule.warmup": 20,
+        "train.eval_interval": 50,
+        "train.checkpoint_interval": 100,
+        "train.eval_tokens": 1 << 30,  # every held-out example
+    },
+    "dpo": {
+        "train.steps": 200,
+        "optim.lr": 5e-5,
+        "optim.weight_decay": 0.0,
+        "schedule.warmup": 10,
+        "train.eval_interval": 50,
+        "train.checkpoint_interval": 100,
+        "train.eval_tokens": 1 << 30,
+    },
+}
+FROM_RUN = ("data.seq_len", "data.tokenizer", "data.vocab_size", "data.prepared", "train.objective")
+
+
+def posttrain_config(
+    kind: str, source: Config, run_dir: Path, recipe: str | None, overrides: dict[str, Any], vocab: int
+) -> Config:
+    """The run's config: defaults <- :data:`DEFAULTS` <- recipe <- flags, with the model, the context
+    length and the tokenizer of the starting run (``source``) and ``train.objective = kind``."""
+    for key in overrides:
+        if key.startswith("model.") or key in FROM_RUN:
+            raise UserError(f"--{key}: comes from the --from run (its model and tokenizer); drop the flag")
+    fixed = {
+        **{f"model.{k}": v for k, v in source.model.model_dump(exclude_none=True).items()},
+        "data.seq_len": source.data.seq_len,
+        "data.tokenizer": str((run_dir / "tokenizer.json").resolve()),
+        "data.vocab_size": vocab,
+        "train.objective": kind,
+    }
+    cfg = load_config(recipe, {**overrides, **fixed}, defaults=DEFAULTS[kind])
+    if not cfg.posttrain.train_files:
+        raise UserError(
+            "posttrain.train_files: no records to train on; give --posttrain.train_files='[\"FILE.jsonl\"]' "
+            "or a recipe with [posttrain] train_files"
+        )
+    return cfg
+
+
+def start(
+    kind: str,
+    from_run: str | Path,
+    run_dir: str | Path,
+    recipe: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    step: int | None = None,
+) -> tuple[Config, Path]:
+    """Make ``run_dir`` a post-training run (``kind``: ``"sft"`` or ``"dpo"``) of ``from_run``'s checkpoint
+    (``step``: default the newest); returns its config and checkpoint ``step_00000000``."""
+    from lmforge.train.build import build_run, validate  # the run's machinery: only once inputs are checked
+    from lmforge.train.callbacks.checkpointing import config_state
+    from lmforge.train.launch import default_callbacks
+    from lmforge.train.posttrain import write_reference
+    from lmforge.train.trainer import Trainer
+
+    from_run, run_dir = Path(from_run), Path(run_dir)
+    if not (from_run / "config.toml").is_file():
+        raise UserError(
+            f"--from: {from_run} is not an lmforge run folder (no config.toml); give a run folder"
+        )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError(
+            f"--from: start the run in one process first (lmforge {kind} --from RUN --run-dir OUT "
+            f"--prepare-only), then launch torchrun ... lmforge {kind} --run-dir OUT --resume"
+        )
+    if latest_checkpoint(run_dir) is not None:
+        raise UserError(
+            f"--run-dir: {run_dir} already holds checkpoints; pass --resume to continue it or choose a new "
+            "--run-dir"
+        )
+    ckpt = pick_checkpoint(from_run, step)
+    source = load_saved_config(ckpt / "config.toml")
+    with tempfile.TemporaryDirectory() as tmp:  # the run folder is written only once the config holds
+        tok = add_chat_tokens(from_run / "tokenizer.json", Path(tmp) / "tokenizer.json")
+        cfg = posttrain_config(kind, source, run_dir, recipe, overrides or {}, tok.vocab_size)
+        validate(cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tok.path, run_dir / "tokenizer.json")
+    write_template_file(run_dir)
+    state = grow_vocab(load_checkpoint(ckpt)["model"], tok.vocab_size)
+    run = build_run(cfg, run_dir=run_dir)
+    with torch.no_grad():
+        run.model.load_state_dict({k: v.to(run.device) for k, v in state.items()})
+    if kind == "dpo":
+        write_reference(run, run_dir)
+    added = ", ".join(SPECIAL_TOKENS)
+    toml = config_text(cfg, [f"# step 0: lmforge {kind} from {ckpt.resolve()} (tokens added: {added})"])
+    (run_dir / "config.toml").write_text(toml)
+    trainer = Trainer(run, default_callbacks(cfg, run_dir, False, toml))
+    saved = trainer.state_dict()
+    saved["config"] = config_state(cfg)
+    return cfg, save_checkpoint(run_dir, 0, saved, toml, cfg.train.keep_checkpoints).final

@@ -1,0 +1,247 @@
+"""What the one build path adds for ``train.objective = "sft"`` and ``"dpo"``: the records of
+``[posttrain]`` read and tokenized with the run's chat template (bad ones counted and reported with
+file:line), the loader, the objective, the held-out evaluation and the DPO reference.
+
+``posttrain/`` holds the pieces (records, template, loaders, losses); this module reads the config and the
+run folder and puts them together, so ``build.py`` only branches once.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lmforge.config import Config
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.errors import ConfigError, DataError
+from lmforge.posttrain.dpo import DPOObjective, SequenceLogps, check_dpo
+from lmforge.posttrain.dpo_data import PairLoader, pair_eval_batches, reference_logps, tokenize_pairs
+from lmforge.posttrain.records import BadRecord, read_examples, read_pairs
+from lmforge.posttrain.sft_data import SFTLoader, sft_eval_batches, tokenize_examples
+from lmforge.posttrain.template import ChatTemplate
+from lmforge.precision import PrecisionPolicy
+
+log = logging.getLogger(__name__)
+
+REFERENCE_LOGPS = "reference_logps.npz"  # dpo.reference = "cached"
+REFERENCE_MODEL = "reference_model.pt"  # dpo.reference = "model"
+BAD_RECORDS = "bad_records.jsonl"
+
+
+@dataclass
+class PostTrainData:
+    """The tokenized records of a post-training run."""
+
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    train: list  # sft: posttrain.sft_data.Tokenized; dpo: posttrain.dpo TokenizedPair
+    val: list
+    bad: list[BadRecord] = field(default_factory=list)
+    val_reference: np.ndarray | None = None  # dpo, cached reference: the held-out pairs' log-probabilities
+    val_prompts: list = field(default_factory=list)  # the held-out records' prompt turns (for samples)
+
+
+def check_posttrain(cfg: Config) -> None:
+    """What a post-training config must hold, checked before any work."""
+    if cfg.train.objective == "lm":
+        return
+    if not cfg.posttrain.train_files:
+        raise ConfigError(
+            "posttrain.train_files: no records to train on; give --posttrain.train_files='[\"FILE.jsonl\"]' "
+            "or a recipe with [posttrain] train_files"
+        )
+    if cfg.train.objective == "dpo":
+        check_dpo(cfg.dpo)
+    if cfg.train.objective == "dpo" and cfg.train.micro_batch_size == "auto":
+        raise ConfigError(
+            "train.micro_batch_size: auto sizes next-token batches, not DPO's pairs; give a number of pairs"
+        )
+    if cfg.train.objective == "dpo" and cfg.parallel.pp > 1:
+        raise ConfigError(
+            "parallel.pp: DPO compares whole sequences' log-probabilities, which one pipeline stage does not "
+            "hold; train DPO with data parallelism or FSDP (set --parallel.pp=1)"
+        )
+
+
+def prepare_posttrain(cfg: Config, run_dir: Path | None = None) -> PostTrainData:
+    """Read and tokenize ``[posttrain]``'s records; report the bad ones (log, ``RUN/bad_records.jsonl``)."""
+    tok = Tokenizer(cfg.data.tokenizer)
+    template = ChatTemplate(tok)
+    pt, seq_len = cfg.posttrain, cfg.data.seq_len
+    data = PostTrainData(tok, template, [], [])
+    for split, files in (("train", pt.train_files), ("val", pt.val_files)):
+        key = f"posttrain.{split}_files"
+        if cfg.train.objective == "sft":
+            examples, bad = read_examples(files, pt.system_prompt, key=key)
+            tokenized, too_long = tokenize_examples(examples, template, seq_len, pt.over_length)
+            prompts = [prompt_turns(e.turns) for e in examples]
+        else:
+            pairs, bad = read_pairs(files, pt.system_prompt, key=key)
+            tokenized, skipped = tokenize_pairs(pairs, template.render, seq_len, pt.over_length)
+            too_long = [BadRecord(*s) for s in skipped]
+            prompts = [p.prompt for p in pairs]
+        setattr(data, split, tokenized)
+        if split == "val":
+            data.val_prompts = prompts
+        data.bad += bad + too_long
+        if split == "train" and not tokenized:
+            first = (bad + too_long)[0] if bad + too_long else None
+            raise DataError(
+                f"{key}: no usable record"
+                + (f" (first problem: {first.source}: {first.reason})" if first else "")
+                + "; fix the records"
+            )
+    report_bad(data.bad, run_dir)
+    return data
+
+
+def prompt_turns(turns) -> tuple:
+    """The turns before the last assistant turn: what a model is asked to answer."""
+    last = max(i for i, t in enumerate(turns) if t.role == "assistant")
+    return tuple(turns[:last])
+
+
+def report_bad(bad: list[BadRecord], run_dir: Path | None) -> None:
+    """One warning with the count and the first few, every one in ``RUN/bad_records.jsonl``."""
+    if not bad:
+        return
+    shown = "; ".join(f"{b.source}: {b.reason}" for b in bad[:3])
+    where = f" (all in {run_dir / BAD_RECORDS})" if run_dir is not None else ""
+    log.warning(
+        "posttrain: %d records skipped%s: %s%s", len(bad), where, shown, " ..." if len(bad) > 3 else ""
+    )
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / BAD_RECORDS, "w") as f:
+            f.writelines(json.dumps({"source": b.source, "reason": b.reason}) + "\n" for b in bad)
+
+
+def posttrain_loader(cfg: Config, data: PostTrainData, rank: int, world: int, run_dir: Path | None):
+    """The training loader of the run's objective (a ``TrainLoader``)."""
+    t = cfg.train
+    pad = data.tokenizer.eot_id
+    if t.objective == "sft":
+        return SFTLoader(
+            data.train, cfg.data.seq_len, t.micro_batch_size, t.seed, cfg.posttrain.packing, rank, world, pad
+        )
+    loader = PairLoader(data.train, cfg.data.seq_len, t.micro_batch_size, t.seed, rank, world, pad)
+    cached = load_reference(cfg, data, run_dir)
+    if cached is not None:
+        loader.set_reference(cached)
+    return loader
+
+
+def load_reference(cfg: Config, data: PostTrainData, run_dir: Path | None) -> np.ndarray | None:
+    """With ``dpo.reference = "cached"`` and the run folder's ``reference_logps.npz`` written: the training
+    pairs' reference log-probabilities (the held-out pairs' go to ``data.val_reference``)."""
+    path = run_dir / REFERENCE_LOGPS if run_dir is not None else None
+    if cfg.dpo.reference != "cached" or path is None or not path.is_file():
+        return None
+    cached = np.load(path)
+    for split, pairs in (("train", data.train), ("val", data.val)):
+        if len(cached[split]) != len(pairs):
+            raise DataError(
+                f"posttrain.{split}_files: {len(pairs)} pairs now, but {path} was computed for another set; "
+                "keep the records of the run or start a new --run-dir"
+            )
+    data.val_reference = cached["val"]
+    return cached["train"]
+
+
+def dpo_objective(
+    cfg: Config, policy: torch.nn.Module, new_model: Callable[[], torch.nn.Module], run_dir: Path | None
+) -> DPOObjective:
+    """The DPO objective over ``policy`` (the transformed :class:`SequenceLogps`); with
+    ``dpo.reference = "model"`` a frozen whole copy of the starting weights (``new_model()`` filled from
+    ``RUN/reference_model.pt``) scores each batch."""
+    reference = None
+    if cfg.dpo.reference == "model" and run_dir is not None and (run_dir / REFERENCE_MODEL).is_file():
+        frozen = new_model()
+        frozen.load_state_dict(torch.load(run_dir / REFERENCE_MODEL, map_location="cpu", weights_only=True))
+        reference = SequenceLogps(frozen, cfg.train.loss_chunk)
+    return DPOObjective.from_config(policy, cfg.dpo, reference)
+
+
+def write_reference(run, run_dir: Path) -> None:
+    """At the start of a DPO run: the starting model's log-probabilities of every pair (cached) or its
+    weights (model), into the run folder."""
+    if run.cfg.dpo.reference == "model":
+        torch.save(
+            {k: v.detach().cpu() for k, v in run.model.state_dict().items()}, run_dir / REFERENCE_MODEL
+        )
+        return
+    scorer = SequenceLogps(run.model, run.cfg.train.loss_chunk)
+    seq_len, bs = run.cfg.data.seq_len, run.cfg.train.micro_batch_size
+    arrays = {
+        split: reference_logps(scorer, getattr(run.data, split), seq_len, bs, run.precision)
+        for split in ("train", "val")
+    }
+    np.savez(run_dir / REFERENCE_LOGPS, **arrays)
+    run.loader.set_reference(arrays["train"])
+    run.data.val_reference = arrays["val"]
+
+
+def posttrain_validation(
+    cfg: Config, data: PostTrainData, objective, precision: PrecisionPolicy
+) -> tuple[float | None, dict]:
+    """``(validation loss, extra record entries)`` on the held-out records: SFT's mean response-token loss
+    (``objective``: model + next-token loss); DPO's loss and its ``val_rewards/...`` metrics
+    (``objective``: the DPO objective). ``None`` without held-out records."""
+    from lmforge.train.evaluate import loss_sum
+
+    if not data.val:
+        return None, {}
+    bs = cfg.train.micro_batch_size
+    if cfg.train.objective == "sft":
+        batches = sft_eval_batches(data.val, cfg.data.seq_len, bs, cfg.posttrain.packing)
+        total, count = loss_sum(objective, batches, precision)
+        return total / max(count, 1), {}
+    batches = pair_eval_batches(
+        data.val, cfg.data.seq_len, bs, data.val_reference, pad_id=data.tokenizer.eot_id
+    )
+    metrics = objective.evaluate(batches, precision)
+    return metrics["val_loss"], {k: v for k, v in metrics.items() if k != "val_loss"}
+
+
+def evaluate_posttrain(
+    cfg: Config, model: torch.nn.Module, run_dir: Path, precision: PrecisionPolicy
+) -> dict:
+    """``lmforge eval`` of a post-training run: its held-out records scored as training scores them."""
+    from lmforge.model.loss import NextTokenLoss
+
+    data = prepare_posttrain(cfg, None)
+    if cfg.train.objective == "sft":
+        objective = NextTokenLoss(model, cfg.train.loss_chunk)
+    else:
+        load_reference(cfg, data, run_dir)
+        if cfg.dpo.reference == "cached" and data.val_reference is None:
+            raise DataError(f"--run: {run_dir / REFERENCE_LOGPS} is missing; the DPO run cannot be scored")
+        objective = dpo_objective(
+            cfg, SequenceLogps(model, cfg.train.loss_chunk), lambda: copy.deepcopy(model), run_dir
+        )
+    loss, extra = posttrain_validation(cfg, data, objective, precision)
+    if loss is None:
+        raise DataError("posttrain.val_files: the run has no held-out records to score; give --data FILES")
+    return {"val_loss": loss, **extra}
+
+
+def chat_sample(model: torch.nn.Module, data: PostTrainData, prompt: str | None, n: int, seed: int) -> str:
+    """``prompt`` (default: the first held-out record's prompt) as a user turn through the chat template,
+    answered by ``model`` with up to ``n`` tokens (stopping at the template's end token)."""
+    from lmforge.model.sampling import generate
+    from lmforge.posttrain.records import Turn
+
+    if prompt is not None or not data.val:
+        turns = [Turn("user", prompt or "")]
+    else:
+        turns = list(data.val_prompts[0])
+    ids = generate(model, data.template.prompt_ids(turns), n, stop_token=data.template.end_id, seed=seed)
+    question = turns[-1].content
+    return f"{question}\n--> {data.tokenizer.decode([i for i in ids if i != data.template.end_id])}"

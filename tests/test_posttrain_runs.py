@@ -1,0 +1,199 @@
+"""``lmforge sft`` / ``lmforge dpo`` end to end on a tiny pretrained run: the run folder they start, the
+grown vocabulary, exact resume, bad records reported, the DPO reference, eval and generate of a chat run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmforge.cli import main
+from lmforge.posttrain.records import Turn
+from lmforge.posttrain.template import SPECIAL_TOKENS, read_template
+from lmforge.train.callbacks.stop import StopAfter
+from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
+from lmforge.train.finetune import start
+from lmforge.train.launch import train
+from tests.conftest import cli_args, tiny_overrides
+
+FUNCS = ["read", "write", "open", "close", "seek", "tell", "flush", "parse", "join", "split", "copy", "sort"]
+
+
+def _records(path: Path, n: int, offset: int = 0, bad: bool = False) -> Path:
+    lines = []
+    for i in range(n):
+        name = FUNCS[(i + offset) % len(FUNCS)]
+        lines.append(
+            json.dumps(
+                {"instruction": f"What does `{name}` do?", "input": "", "output": f"It will {name} it."}
+            )
+        )
+    if bad:
+        lines.insert(1, json.dumps({"instruction": "no output here"}))
+        lines.insert(3, "{not json")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _pairs(path: Path, n: int, offset: int = 0) -> Path:
+    lines = []
+    for i in range(n):
+        name, other = FUNCS[(i + offset) % len(FUNCS)], FUNCS[(i + offset + 5) % len(FUNCS)]
+        lines.append(
+            json.dumps(
+                {
+                    "prompt": f"What does `{name}` do?",
+                    "chosen": f"It will {name} it.",
+                    "rejected": f"It will {other} it.",
+                }
+            )
+        )
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def pretrained(corpus_dir, tmp_path_factory) -> Path:
+    """A tiny pretrained run (20 steps of the tiny recipe)."""
+    root = tmp_path_factory.mktemp("pre")
+    from lmforge.recipe import load_config
+
+    cfg = load_config(
+        None, {**tiny_overrides(corpus_dir, root / "data"), "train.sample_tokens": 0, "data.seq_len": 64}
+    )
+    train(cfg, root / "run", progress_bar=False)
+    return root / "run"
+
+
+def _sft_overrides(tmp_path: Path, steps: int = 12, **more) -> dict:
+    return {
+        "posttrain.train_files": [str(_records(tmp_path / "train.jsonl", 24, bad=True))],
+        "posttrain.val_files": [str(_records(tmp_path / "val.jsonl", 6, offset=3))],
+        "train.steps": steps,
+        "train.micro_batch_size": 4,
+        "train.precision": "fp32",
+        "train.compile": False,
+        "train.eval_interval": 6,
+        "train.checkpoint_interval": 6,
+        "train.log_interval": 2,
+        "train.sample_tokens": 6,
+        "schedule.warmup": 2,
+        **more,
+    }
+
+
+def test_sft_starts_from_the_run_with_the_chat_tokens_and_mean_rows(pretrained, tmp_path):
+    cfg, ckpt = start("sft", pretrained, tmp_path / "sft", overrides=_sft_overrides(tmp_path))
+    assert ckpt == latest_checkpoint(tmp_path / "sft") and ckpt.name == "step_00000000"
+    before = load_checkpoint(latest_checkpoint(pretrained))["model"]
+    after = load_checkpoint(ckpt)["model"]
+    old = before["embed.weight"].shape[0]
+    assert after["embed.weight"].shape[0] == old + len(SPECIAL_TOKENS) == cfg.data.vocab_size
+    assert torch.equal(after["embed.weight"][:old], before["embed.weight"])
+    assert torch.allclose(
+        after["embed.weight"][old:], before["embed.weight"].mean(0).expand(len(SPECIAL_TOKENS), -1)
+    )
+    for k in before:
+        if k not in ("embed.weight", "lm_head.weight"):
+            assert torch.equal(before[k], after[k]), k
+    assert read_template(tmp_path / "sft") is not None
+    assert (
+        cfg.model == load_checkpoint(latest_checkpoint(pretrained))["config"]["model"]
+        or cfg.train.objective == "sft"
+    )
+    bad = [json.loads(x) for x in (tmp_path / "sft" / "bad_records.jsonl").read_text().splitlines()]
+    assert [b["source"].rsplit(":", 1)[1] for b in bad] == ["2", "4"]  # file:line of each bad record
+
+
+def test_sft_trains_lowers_heldout_loss_and_resumes_exactly(pretrained, tmp_path):
+    over = _sft_overrides(tmp_path)
+    cfg, _ = start("sft", pretrained, tmp_path / "a", overrides=over)
+    first = None
+    straight = train(cfg, tmp_path / "a", resume=True, progress_bar=False)
+    cfg_b, _ = start("sft", pretrained, tmp_path / "b", overrides=over)
+    train(cfg_b, tmp_path / "b", resume=True, progress_bar=False, callbacks=[StopAfter(6)])
+    resumed = train(cfg_b, tmp_path / "b", resume=True, progress_bar=False)
+    a = load_checkpoint(latest_checkpoint(tmp_path / "a"))["model"]
+    b = load_checkpoint(latest_checkpoint(tmp_path / "b"))["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["val_loss"] == straight["val_loss"]
+    lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    evals = [x["val_loss"] for x in lines if "val_loss" in x]
+    first = evals[0]
+    assert straight["val_loss"] < first  # response loss on held-out records falls
+    assert "-->" in straight["sample"]
+
+
+def test_dpo_cached_reference_and_trl_metrics(pretrained, tmp_path):
+    sft_over = _sft_overrides(tmp_path, steps=6)
+    cfg, _ = start("sft", pretrained, tmp_path / "sft", overrides=sft_over)
+    train(cfg, tmp_path / "sft", resume=True, progress_bar=False)
+    over = {
+        **{k: v for k, v in sft_over.items() if not k.startswith("posttrain.")},
+        "posttrain.train_files": [str(_pairs(tmp_path / "p.jsonl", 16))],
+        "posttrain.val_files": [str(_pairs(tmp_path / "pv.jsonl", 4, offset=2))],
+        "train.steps": 8,
+        "optim.lr": 1e-3,
+    }
+    cfg, _ = start("dpo", tmp_path / "sft", tmp_path / "dpo", overrides=over)
+    cached = np.load(tmp_path / "dpo" / "reference_logps.npz")
+    assert cached["train"].shape == (16, 2) and cached["val"].shape == (4, 2)
+    summary = train(cfg, tmp_path / "dpo", resume=True, progress_bar=False)
+    lines = [json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    step_lines = [x for x in lines if "loss" in x]
+    for name in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+    ):
+        assert name in step_lines[-1], name
+    # step 0 is the reference itself: every reward is zero there (policy == reference)
+    assert abs(step_lines[0]["rewards/chosen"]) < 1e-4 or step_lines[0]["step"] > 1
+    assert "val_rewards/accuracies" in summary and 0.0 <= summary["val_rewards/accuracies"] <= 1.0
+
+
+def _exit(argv: list[str]) -> int:
+    """The CLI's exit status for ``argv``."""
+    with pytest.raises(SystemExit) as out:
+        main(argv)
+    return out.value.code or 0
+
+
+def test_cli_refuses_model_flags_and_missing_from(pretrained, tmp_path, capsys, cli_logging):
+    assert _exit(["sft", "--run-dir", str(tmp_path / "x")]) == 2
+    assert "--from" in capsys.readouterr().err
+    assert (
+        _exit(["sft", "--from", str(pretrained), "--run-dir", str(tmp_path / "y"), "--model.n_layers=4"]) == 2
+    )
+    assert "--model.n_layers" in capsys.readouterr().err
+    assert _exit(["dpo", "--from", str(tmp_path / "nothing"), "--run-dir", str(tmp_path / "z")]) == 2
+    assert "--from" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()  # nothing written
+
+
+def test_cli_sft_then_eval_generate_and_export_use_the_template(pretrained, tmp_path, capsys, cli_logging):
+    over = _sft_overrides(tmp_path, steps=4)
+    run = tmp_path / "s"
+    assert _exit(["sft", "--from", str(pretrained), "--run-dir", str(run), *cli_args(over)]) == 0
+    assert "done: step 4, held-out loss" in capsys.readouterr().out
+    summary = json.loads((run / "summary.json").read_text())
+    assert _exit(["eval", str(run)]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert scored["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-6)  # eval scores as training did
+    assert _exit(["generate", str(run), "--prompt", "What does `read` do?", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.strip() != ""
+    assert _exit(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    messages = [{"role": "user", "content": "What does `read` do?"}]
+    want = read_template(run).prompt_ids([Turn("user", "What does `read` do?")])
+    assert (
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        == want
+    )
