@@ -1,0 +1,141 @@
+"""The post-training demonstration of docs/post-training.md, end to end on the built-in corpus.
+
+From a pretrained run (the built-in default, ``lmforge train``):
+
+1. ``lmforge data stdlib-pairs``: SFT records (a question about a standard-library function, class or
+   module, answered by its docstring) and DPO pairs (the right docstring chosen, another object's
+   rejected), whole modules held out for evaluation;
+2. ``lmforge sft --from RUN``: held-out response loss before (the step-0 checkpoint: the pretrained weights
+   with the chat tokens added) and after;
+3. ``lmforge dpo --from SFT_RUN``: held-out reward accuracy and margin (``eval_rewards/...``);
+4. five held-out questions answered greedily before SFT, after SFT and after DPO.
+
+Usage: ``python benchmarks/post_training.py RUN --out DIR [--sft-steps N] [--dpo-steps N]``; prints the
+report and writes ``DIR/report.json``. Every step runs the real commands in subprocesses, as a user would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lmforge.posttrain.records import Turn, read_examples
+from lmforge.posttrain.template import read_template
+from lmforge.precision import PrecisionPolicy
+from lmforge.recipe import load_saved_config
+from lmforge.train.checkpoint import load_checkpoint
+from lmforge.train.posttrain import evaluate_posttrain
+from lmforge.train.run_loading import pick_checkpoint
+
+
+def lmforge(*args: str) -> float:
+    """Run ``lmforge ARGS``; its wall time in seconds (a failure stops the demonstration)."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "lmforge", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"lmforge {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def load_at(run: Path, step: int | None):
+    """(config, model) of ``run``'s checkpoint ``step`` (newest when None), on the CPU."""
+    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.train.build import build_model
+
+    ckpt = pick_checkpoint(run, step)
+    cfg = load_saved_config(ckpt / "config.toml")
+    model = build_model(cfg, Tokenizer(run / "tokenizer.json").vocab_size, torch.device("cpu"), init=False)
+    model.load_state_dict(load_checkpoint(ckpt)["model"])
+    return cfg, model.eval()
+
+
+def held_out(run: Path, step: int | None) -> dict:
+    """The held-out figures of ``run`` at checkpoint ``step``, scored as training scores them."""
+    cfg, model = load_at(run, step)
+    return evaluate_posttrain(cfg, model, run, PrecisionPolicy.resolve("fp32", torch.device("cpu")))
+
+
+def answers(run: Path, step: int | None, questions: list[str], n: int) -> list[str]:
+    """Greedy answers (up to ``n`` tokens) of ``run``'s model to ``questions`` through its chat template."""
+    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.model.sampling import generate
+
+    _, model = load_at(run, step)
+    template, tok = read_template(run), Tokenizer(run / "tokenizer.json")
+    out = []
+    for q in questions:
+        ids = generate(
+            model, template.prompt_ids([Turn("user", q)]), n, temperature=0.0, stop_token=template.end_id
+        )
+        out.append(tok.decode([i for i in ids if i != template.end_id]).strip())
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path, help="the pretrained run folder")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for the pairs, the runs and the report"
+    )
+    parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--dpo-steps", type=int, default=200)
+    parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--answer-tokens", type=int, default=48)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    out, pairs = args.out, args.out / "pairs"
+    sft_run, dpo_run = out / "sft", out / "dpo"
+    times = {"pairs_s": lmforge("data", "stdlib-pairs", "--out", str(pairs))}
+    stats = json.loads((pairs / "stats.json").read_text())
+    files = lambda kind, split: f'["{(pairs / f"{kind}_{split}.jsonl").resolve()}"]'  # noqa: E731
+    times["sft_s"] = lmforge(
+        "sft", "--from", str(args.run), "--run-dir", str(sft_run),
+        f"--posttrain.train_files={files('sft', 'train')}", f"--posttrain.val_files={files('sft', 'val')}",
+        f"--train.steps={args.sft_steps}",
+    )  # fmt: skip
+    times["dpo_s"] = lmforge(
+        "dpo", "--from", str(sft_run), "--run-dir", str(dpo_run),
+        f"--posttrain.train_files={files('dpo', 'train')}", f"--posttrain.val_files={files('dpo', 'val')}",
+        f"--train.steps={args.dpo_steps}",
+    )  # fmt: skip
+    before, after = held_out(sft_run, 0), held_out(sft_run, None)
+    dpo_before, dpo_after = held_out(dpo_run, 0), held_out(dpo_run, None)
+    val, _ = read_examples([pairs / "sft_val.jsonl"])
+    chosen = val[:: max(1, len(val) // args.samples)][: args.samples]
+    questions = [e.turns[-2].content for e in chosen]
+    samples = {
+        "question": questions,
+        "reference": [e.turns[-1].content for e in chosen],
+        "before_sft": answers(sft_run, 0, questions, args.answer_tokens),
+        "after_sft": answers(sft_run, None, questions, args.answer_tokens),
+        "after_dpo": answers(dpo_run, None, questions, args.answer_tokens),
+    }
+    report = {
+        "pairs": stats,
+        "sft_heldout_loss_before": before["val_loss"],
+        "sft_heldout_loss_after": after["val_loss"],
+        "dpo_heldout_before": dpo_before,
+        "dpo_heldout_after": dpo_after,
+        "times_s": times,
+        "threads": torch.get_num_threads(),
+        "samples": samples,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    print(f"SFT held-out response loss: {before['val_loss']:.4f} before -> {after['val_loss']:.4f} after")
+    acc, margin = dpo_after["val_rewards/accuracies"], dpo_after["val_rewards/margins"]
+    print(f"DPO held-out reward accuracy {acc:.3f}, margin {margin:.3f} (loss {dpo_after['val_loss']:.4f})")
+    print("times: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    for i, q in enumerate(questions):
+        print(f"\nQ: {q}\n  reference: {samples['reference'][i]}")
+        for key in ("before_sft", "after_sft", "after_dpo"):
+            print(f"  {key}: {samples[key][i]}")
+
+
+if __name__ == "__main__":
+    main()
