@@ -968,7 +968,17 @@ def _add_probe_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_estimate)
 
 
-TAKES_OVERRIDES = {"train", "data", "import", "sft", "dpo", "plot-schedule", "lr-find", "mup-check", "estimate"}
+TAKES_OVERRIDES = {
+    "train",
+    "data",
+    "import",
+    "sft",
+    "dpo",
+    "plot-schedule",
+    "lr-find",
+    "mup-check",
+    "estimate",
+}
 
 
 def main(argv: list[str] | None = None) -> None:
