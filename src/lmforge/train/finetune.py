@@ -18,7 +18,9 @@ Starting it (one process, before any training):
 
 Then it trains exactly as ``lmforge train --resume --run-dir OUT`` would: every layout (``torchrun``),
 precision, schedule, clipping, guard and callback applies, and a stopped run resumes with either command.
-Under ``torchrun``, start with ``--prepare-only`` in one process, then launch the resume.
+Under ``torchrun``, start with ``--prepare-only`` in one process (the ``parallel.*`` keys are kept in the
+run's config; step 0 is written by that one process in a layout-free checkpoint), then launch
+``torchrun ... -m lmforge sft --resume --run-dir OUT``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 
 import torch
 
-from lmforge.config import Config
+from lmforge.config import Config, ParallelConfig
 from lmforge.errors import UserError
 from lmforge.posttrain.template import SPECIAL_TOKENS, add_chat_tokens, write_template_file
 from lmforge.posttrain.vocab import grow_vocab
@@ -126,12 +128,13 @@ def start(
     with tempfile.TemporaryDirectory() as tmp:  # the run folder is written only once the config holds
         tok = add_chat_tokens(from_run / "tokenizer.json", Path(tmp) / "tokenizer.json")
         cfg = posttrain_config(kind, source, run_dir, recipe, overrides or {}, tok.vocab_size)
-        validate(cfg)
+        here = cfg.model_copy(update={"parallel": ParallelConfig()})  # step 0 is written by one process
+        validate(here)
         run_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(tok.path, run_dir / "tokenizer.json")
     write_template_file(run_dir)
     state = grow_vocab(load_checkpoint(ckpt)["model"], tok.vocab_size)
-    run = build_run(cfg, run_dir=run_dir)
+    run = build_run(here, run_dir=run_dir)
     with torch.no_grad():
         run.model.load_state_dict({k: v.to(run.device) for k, v in state.items()})
     if kind == "dpo":
