@@ -24,7 +24,9 @@ from lmforge.posttrain.dpo_data import (
     PairBatch,
     PairLoader,
     pair_eval_batches,
+    pair_row,
     reference_logps,
+    row_width,
     stack_pairs,
     tokenize_pairs,
 )
@@ -358,3 +360,21 @@ def test_reference_logps_split_over_ranks_sum_to_the_whole():
     one = stack_pairs(pairs[2:3], SEQ)
     with torch.no_grad():
         np.testing.assert_allclose(policy(one.inputs, one.targets).numpy(), whole[2], rtol=1e-6)
+
+
+def test_rows_are_padded_to_the_longest_pair_and_score_as_full_rows():
+    """A batch of short pairs is padded to a multiple of 64 above its longest sequence (not seq_len), and
+    the log-probabilities equal those of the same rows padded to seq_len (padding follows the sequence:
+    causal attention never sees it)."""
+    assert [row_width(n, 256) for n in (1, 64, 65, 200, 300)] == [64, 64, 128, 256, 256]
+    torch.manual_seed(0)
+    model = model_of(ModelConfig(n_layers=2, d_model=32, n_heads=4), VOCAB, 200)
+    pairs, _ = tokenize_pairs(toy_pairs(4), render, 200, "skip")
+    short = stack_pairs(pairs, 200)
+    longest = max(max(len(p.chosen_ids), len(p.rejected_ids)) - 1 for p in pairs)
+    assert short.inputs.shape[1] == row_width(longest, 200) < 200
+    full = [pair_row(p.chosen_ids, p.chosen_mask, 200) for p in pairs]
+    full += [pair_row(p.rejected_ids, p.rejected_mask, 200) for p in pairs]
+    x, y, d = (torch.from_numpy(np.stack(c)) for c in zip(*full, strict=True))
+    scorer = SequenceLogps(model, chunk=16)
+    torch.testing.assert_close(scorer(short.inputs, short.targets, short.doc_ids), scorer(x, y, d))

@@ -126,6 +126,15 @@ def pair_row(ids: np.ndarray, mask: np.ndarray, seq_len: int, pad_id: int = 0) -
     return inputs, targets, docs
 
 
+PAD_MULTIPLE = 64
+
+
+def row_width(longest: int, seq_len: int) -> int:
+    """``min(seq_len, PAD_MULTIPLE * ceil(longest / PAD_MULTIPLE))``: the padded length of a batch whose
+    longest sequence has ``longest`` input tokens."""
+    return min(seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+
+
 def stack_pairs(
     pairs: Sequence[TokenizedPair],
     seq_len: int,
@@ -133,9 +142,12 @@ def stack_pairs(
     ref: np.ndarray | None = None,
 ) -> PairBatch:
     """The batch of ``pairs`` (chosen rows, then rejected rows); ``ref``: their reference log-probs,
-    ``(k, 2)`` as (chosen, rejected)."""
-    rows = [pair_row(p.chosen_ids, p.chosen_mask, seq_len, pad_id) for p in pairs]
-    rows += [pair_row(p.rejected_ids, p.rejected_mask, seq_len, pad_id) for p in pairs]
+    ``(k, 2)`` as (chosen, rejected). Rows are padded to :func:`row_width` of the longest sequence, not to
+    ``seq_len``: short pairs cost no compute on padding, and compile sees a handful of shapes."""
+    longest = max(max(len(p.chosen_ids), len(p.rejected_ids)) - 1 for p in pairs)
+    width = row_width(longest, seq_len)
+    rows = [pair_row(p.chosen_ids, p.chosen_mask, width, pad_id) for p in pairs]
+    rows += [pair_row(p.rejected_ids, p.rejected_mask, width, pad_id) for p in pairs]
     cols = [torch.from_numpy(np.stack(col)) for col in zip(*rows, strict=True)]
     ref_t = None
     if ref is not None:
