@@ -721,6 +721,8 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
 
 def _add_posttrain_commands(sub: argparse._SubParsersAction) -> None:
     """``sft`` and ``dpo``: post-training runs started from another run."""
+    from lmforge.config import POSTTRAIN_DEFAULTS
+
     helps = {
         "sft": "supervised fine-tuning on instruction / chat / prompt-completion records",
         "dpo": "direct preference optimisation on prompt / chosen / rejected pairs",
@@ -731,6 +733,9 @@ def _add_posttrain_commands(sub: argparse._SubParsersAction) -> None:
             help=text + " (docs/post-training.md)",
             description=f"{text}, from another run's checkpoint (--from) or resumed (--resume). Keys as for "
             "train: the recipe, then --SECTION.KEY=VALUE ([posttrain] records, [dpo] loss, train, optim, ...).",
+            epilog=f"{kind}'s own defaults (under the recipe and flags): "
+            + ", ".join(f"{k}={v}" for k, v in POSTTRAIN_DEFAULTS[kind].items())
+            + "; model.* and data.seq_len come from --from",
         )
         p.add_argument("recipe", nargs="?", metavar="RECIPE", help="TOML recipe (optional)")
         p.add_argument("--from", dest="from_run", metavar="RUN", help="run folder to start from")

@@ -7,7 +7,7 @@ description. Reading recipes, command-line overrides, error wording and the gene
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -669,3 +669,25 @@ class Config(_Section):
         description="records of lmforge sft and dpo: files, packing, over-length examples",
     )
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="the preference loss of lmforge dpo")
+
+
+# What a fine-tuning run changes from lmforge's (pretraining) defaults; a recipe and flags override them.
+POSTTRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sft": {
+        "train.steps": 300,
+        "optim.lr": 3e-4,
+        "schedule.warmup": 20,
+        "train.eval_interval": 50,
+        "train.checkpoint_interval": 100,
+        "train.eval_tokens": 1 << 30,  # every held-out example
+    },
+    "dpo": {
+        "train.steps": 200,
+        "optim.lr": 5e-5,
+        "optim.weight_decay": 0.0,
+        "schedule.warmup": 10,
+        "train.eval_interval": 50,
+        "train.checkpoint_interval": 100,
+        "train.eval_tokens": 1 << 30,
+    },
+}

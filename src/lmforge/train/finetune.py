@@ -1,10 +1,10 @@
-"""``lmforge sft`` / ``lmforge dpo [--config RECIPE] --from RUN --run-dir OUT``: a post-training run that
+"""``lmforge sft`` / ``lmforge dpo [RECIPE] --from RUN --run-dir OUT``: a post-training run that
 starts from another run's checkpoint.
 
 Starting it (one process, before any training):
 
-1. the keys: lmforge's defaults, then :data:`DEFAULTS` of the command (a short fine-tuning rather than a
-   pretraining), then the recipe, then ``--SECTION.KEY=VALUE`` flags; ``model.*`` and ``data.seq_len``
+1. the keys: lmforge's defaults, then the command's ``config.POSTTRAIN_DEFAULTS`` (a short fine-tuning
+   rather than a pretraining), then the recipe, then ``--SECTION.KEY=VALUE`` flags; ``model.*`` and ``data.seq_len``
    come from the starting run (a flag for them is refused), ``train.objective`` is the command;
 2. the tokenizer: the starting run's, with the chat template's special tokens added, written to
    ``OUT/tokenizer.json`` with ``OUT/chat_template.json``;
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from lmforge.config import Config, ParallelConfig
+from lmforge.config import POSTTRAIN_DEFAULTS, Config, ParallelConfig
 from lmforge.errors import UserError
 from lmforge.posttrain.template import SPECIAL_TOKENS, add_chat_tokens, write_template_file
 from lmforge.posttrain.vocab import grow_vocab
@@ -45,33 +45,13 @@ from lmforge.train.run_loading import pick_checkpoint
 
 log = logging.getLogger(__name__)
 
-# What a fine-tuning run changes from lmforge's (pretraining) defaults; a recipe and flags override them.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "sft": {
-        "train.steps": 300,
-        "optim.lr": 3e-4,
-        "schedule.warmup": 20,
-        "train.eval_interval": 50,
-        "train.checkpoint_interval": 100,
-        "train.eval_tokens": 1 << 30,  # every held-out example
-    },
-    "dpo": {
-        "train.steps": 200,
-        "optim.lr": 5e-5,
-        "optim.weight_decay": 0.0,
-        "schedule.warmup": 10,
-        "train.eval_interval": 50,
-        "train.checkpoint_interval": 100,
-        "train.eval_tokens": 1 << 30,
-    },
-}
 FROM_RUN = ("data.seq_len", "data.tokenizer", "data.vocab_size", "data.prepared", "train.objective")
 
 
 def posttrain_config(
     kind: str, source: Config, run_dir: Path, recipe: str | None, overrides: dict[str, Any], vocab: int
 ) -> Config:
-    """The run's config: defaults <- :data:`DEFAULTS` <- recipe <- flags, with the model, the context
+    """The run's config: defaults <- ``POSTTRAIN_DEFAULTS[kind]`` <- recipe <- flags, with the model, the context
     length and the tokenizer of the starting run (``source``) and ``train.objective = kind``."""
     for key in overrides:
         if key.startswith("model.") or key in FROM_RUN:
@@ -83,7 +63,7 @@ def posttrain_config(
         "data.vocab_size": vocab,
         "train.objective": kind,
     }
-    cfg = load_config(recipe, {**overrides, **fixed}, defaults=DEFAULTS[kind])
+    cfg = load_config(recipe, {**overrides, **fixed}, defaults=POSTTRAIN_DEFAULTS[kind])
     if not cfg.posttrain.train_files:
         raise UserError(
             "posttrain.train_files: no records to train on; give --posttrain.train_files='[\"FILE.jsonl\"]' "
