@@ -81,6 +81,7 @@ def _sft_overrides(tmp_path: Path, steps: int = 12, **more) -> dict:
         "train.log_interval": 2,
         "train.sample_tokens": 6,
         "schedule.warmup": 2,
+        "metrics.detail_interval": 4,  # the detail records' measuring forward runs on SFT and DPO batches
         **more,
     }
 

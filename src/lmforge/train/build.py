@@ -19,6 +19,7 @@ data (tokenizer, shards) while the others wait, then they read its cache.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from dataclasses import dataclass, field
@@ -176,8 +177,10 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens of one optimizer step over all data-parallel ranks."""
-        return self.accum * self.cfg.train.micro_batch_size * self.cfg.data.seq_len * self.layout.dp
+        """Tokens of one optimizer step over all data-parallel ranks: positions of its rows (DPO: two rows
+        a pair, counted at ``data.seq_len`` although a batch is padded only to its longest pair)."""
+        rows = self.cfg.train.micro_batch_size * (2 if self.cfg.train.objective == "dpo" else 1)
+        return self.accum * rows * self.cfg.data.seq_len * self.layout.dp
 
 
 def local_processes() -> int:
@@ -212,13 +215,14 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
         n_params = model.num_params(False)
         objective = training_objective(model, cfg, device, layout, precision.compute_dtype)
         eval_objective = objective if layout.kind == "fsdp" else NextTokenLoss(model, cfg.train.loss_chunk)
-        if cfg.train.objective == "dpo":  # the same transformed module, scoring whole sequences
-            objective = eval_objective = dpo_objective(
-                cfg,
-                objective,
-                lambda: build_model(cfg, data.tokenizer.vocab_size, device, init=False),
-                run_dir,
-            )
+        if cfg.train.objective == "dpo":  # scoring whole sequences; evaluation eager as above
+            fresh = lambda: build_model(cfg, data.tokenizer.vocab_size, device, init=False)  # noqa: E731
+            objective = dpo_objective(cfg, objective, fresh, run_dir)
+            if layout.kind != "fsdp":  # the same settings and reference, the eager policy
+                eval_objective = copy.copy(objective)
+                eval_objective.policy = SequenceLogps(model, cfg.train.loss_chunk)
+            else:
+                eval_objective = objective
     if auto and device.type == "cuda" and not layout.distributed:
         cfg = probe(objective, cfg, smaller, data.tokenizer.vocab_size, precision.autocast, optimizer_bytes)
     accum = accumulation_steps(cfg, layout.dp)

@@ -145,6 +145,7 @@ class DetailMetrics(Callback):
     def _forward(self, trainer: Trainer, batch: Batch) -> dict[str, float]:
         run = trainer.run
         model, objective = run.model, run.eval_objective
+        objective = getattr(objective, "policy", objective)  # DPO: the module scoring the sequences
         batch = batch.to(run.precision.device)
         first_docs = batch.doc_ids[:1] if batch.doc_ids is not None and model.cfg.doc_mask else None
         t = batch.inputs.shape[1]
