@@ -7,7 +7,9 @@ From a pretrained run (the built-in default, ``lmforge train``):
    rejected), whole modules held out for evaluation;
 2. ``lmforge sft --from RUN``: held-out response loss before (the step-0 checkpoint: the pretrained weights
    with the chat tokens added) and after;
-3. ``lmforge dpo --from SFT_RUN``: held-out reward accuracy and margin (``eval_rewards/...``);
+3. ``lmforge dpo --from SFT_RUN`` on ``--dpo-pairs`` training pairs drawn from all of them: held-out reward
+   accuracy and margin (``val_rewards/...``) before (step 0: the reference itself, accuracy 0, margin 0)
+   and after;
 4. five held-out questions answered greedily before SFT, after SFT and after DPO.
 
 Usage: ``python benchmarks/post_training.py RUN --out DIR [--sft-steps N] [--dpo-steps N]``; prints the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 import time
@@ -77,6 +80,14 @@ def answers(run: Path, step: int | None, questions: list[str], n: int) -> list[s
     return out
 
 
+def sample_lines(src: Path, dst: Path, n: int, seed: int = 0) -> Path:
+    """``n`` lines of ``src`` drawn without replacement (seeded), in their file order, written to ``dst``."""
+    lines = src.read_text().splitlines(keepends=True)
+    keep = sorted(random.Random(seed).sample(range(len(lines)), min(n, len(lines))))
+    dst.write_text("".join(lines[i] for i in keep))
+    return dst
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="the pretrained run folder")
@@ -85,6 +96,13 @@ def main() -> None:
     )
     parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--dpo-steps", type=int, default=200)
+    parser.add_argument(
+        "--dpo-pairs",
+        type=int,
+        default=1600,
+        help="training pairs drawn for DPO (default: one epoch of 200 steps x 8 pairs; the reference scores "
+        "only these)",
+    )
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--answer-tokens", type=int, default=48)
     args = parser.parse_args()
@@ -99,9 +117,10 @@ def main() -> None:
         f"--posttrain.train_files={files('sft', 'train')}", f"--posttrain.val_files={files('sft', 'val')}",
         f"--train.steps={args.sft_steps}",
     )  # fmt: skip
+    subset = sample_lines(pairs / "dpo_train.jsonl", pairs / "dpo_train_subset.jsonl", args.dpo_pairs)
     times["dpo_s"] = lmforge(
         "dpo", "--from", str(sft_run), "--run-dir", str(dpo_run),
-        f"--posttrain.train_files={files('dpo', 'train')}", f"--posttrain.val_files={files('dpo', 'val')}",
+        f'--posttrain.train_files=["{subset.resolve()}"]', f"--posttrain.val_files={files('dpo', 'val')}",
         f"--train.steps={args.dpo_steps}",
     )  # fmt: skip
     before, after = held_out(sft_run, 0), held_out(sft_run, None)
