@@ -198,3 +198,24 @@ def test_cli_sft_then_eval_generate_and_export_use_the_template(pretrained, tmp_
         tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         == want
     )
+
+
+def test_dpo_frozen_reference_model(pretrained, tmp_path):
+    """``dpo.reference = "model"``: the starting weights are kept and a frozen copy scores each batch; at the
+    first step the policy is the reference, so the training pairs' rewards start at zero."""
+    over = {
+        **{k: v for k, v in _sft_overrides(tmp_path, steps=3).items() if not k.startswith("posttrain.")},
+        "posttrain.train_files": [str(_pairs(tmp_path / "p.jsonl", 8))],
+        "posttrain.val_files": [str(_pairs(tmp_path / "pv.jsonl", 4, offset=2))],
+        "dpo.reference": "model",
+        "train.log_interval": 1,
+    }
+    cfg, _ = start("dpo", pretrained, tmp_path / "dpo", overrides=over)
+    assert (tmp_path / "dpo" / "reference_model.pt").is_file()
+    assert not (tmp_path / "dpo" / "reference_logps.npz").exists()
+    summary = train(cfg, tmp_path / "dpo", resume=True, progress_bar=False)
+    first = next(json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines())
+    assert (
+        first["step"] == 1 and abs(first["rewards/margins"]) < 1e-5 and abs(first["loss"] - 0.693147) < 1e-4
+    )
+    assert "val_rewards/margins" in summary
