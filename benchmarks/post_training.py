@@ -103,6 +103,9 @@ def main() -> None:
         help="training pairs drawn for DPO (default: one epoch of 200 steps x 8 pairs; the reference scores "
         "only these)",
     )
+    parser.add_argument(
+        "--val-records", type=int, default=0, help="held-out records drawn for evaluation (default: all)"
+    )
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--answer-tokens", type=int, default=48)
     args = parser.parse_args()
@@ -111,27 +114,34 @@ def main() -> None:
     sft_run, dpo_run = out / "sft", out / "dpo"
     times = {"pairs_s": lmforge("data", "stdlib-pairs", "--out", str(pairs))}
     stats = json.loads((pairs / "stats.json").read_text())
+    for kind in ("sft", "dpo"):  # the same held-out records for both (the files are line-aligned)
+        if args.val_records:
+            sample_lines(pairs / f"{kind}_val.jsonl", pairs / f"{kind}_val.jsonl", args.val_records)
     files = lambda kind, split: f'["{(pairs / f"{kind}_{split}.jsonl").resolve()}"]'  # noqa: E731
-    times["sft_s"] = lmforge(
-        "sft", "--from", str(args.run), "--run-dir", str(sft_run),
-        f"--posttrain.train_files={files('sft', 'train')}", f"--posttrain.val_files={files('sft', 'val')}",
-        f"--train.steps={args.sft_steps}",
-    )  # fmt: skip
-    subset = sample_lines(pairs / "dpo_train.jsonl", pairs / "dpo_train_subset.jsonl", args.dpo_pairs)
-    times["dpo_s"] = lmforge(
-        "dpo", "--from", str(sft_run), "--run-dir", str(dpo_run),
-        f'--posttrain.train_files=["{subset.resolve()}"]', f"--posttrain.val_files={files('dpo', 'val')}",
-        f"--train.steps={args.dpo_steps}",
-    )  # fmt: skip
-    before, after = held_out(sft_run, 0), held_out(sft_run, None)
-    dpo_before, dpo_after = held_out(dpo_run, 0), held_out(dpo_run, None)
     val, _ = read_examples([pairs / "sft_val.jsonl"])
     chosen = val[:: max(1, len(val) // args.samples)][: args.samples]
     questions = [e.turns[-2].content for e in chosen]
+    # each run is prepared first (--prepare-only) and scored at step 0, before checkpoint rotation drops it
+    times["sft_s"] = lmforge(
+        "sft", "--from", str(args.run), "--run-dir", str(sft_run), "--prepare-only",
+        f"--posttrain.train_files={files('sft', 'train')}", f"--posttrain.val_files={files('sft', 'val')}",
+        f"--train.steps={args.sft_steps}",
+    )  # fmt: skip
+    before, before_answers = held_out(sft_run, 0), answers(sft_run, 0, questions, args.answer_tokens)
+    times["sft_s"] += lmforge("sft", "--resume", "--run-dir", str(sft_run))
+    subset = sample_lines(pairs / "dpo_train.jsonl", pairs / "dpo_train_subset.jsonl", args.dpo_pairs)
+    times["dpo_s"] = lmforge(
+        "dpo", "--from", str(sft_run), "--run-dir", str(dpo_run), "--prepare-only",
+        f'--posttrain.train_files=["{subset.resolve()}"]', f"--posttrain.val_files={files('dpo', 'val')}",
+        f"--train.steps={args.dpo_steps}",
+    )  # fmt: skip
+    dpo_before = held_out(dpo_run, 0)
+    times["dpo_s"] += lmforge("dpo", "--resume", "--run-dir", str(dpo_run))
+    after, dpo_after = held_out(sft_run, None), held_out(dpo_run, None)
     samples = {
         "question": questions,
         "reference": [e.turns[-1].content for e in chosen],
-        "before_sft": answers(sft_run, 0, questions, args.answer_tokens),
+        "before_sft": before_answers,
         "after_sft": answers(sft_run, None, questions, args.answer_tokens),
         "after_dpo": answers(dpo_run, None, questions, args.answer_tokens),
     }
