@@ -103,6 +103,7 @@ def main() -> None:
         help="training pairs drawn for DPO (default: one epoch of 200 steps x 8 pairs; the reference scores "
         "only these)",
     )
+    parser.add_argument("--dpo-lr", type=float, default=None, help="optim.lr of the DPO run (default: dpo's)")
     parser.add_argument(
         "--val-records", type=int, default=0, help="held-out records drawn for evaluation (default: all)"
     )
@@ -133,7 +134,7 @@ def main() -> None:
     times["dpo_s"] = lmforge(
         "dpo", "--from", str(sft_run), "--run-dir", str(dpo_run), "--prepare-only",
         f'--posttrain.train_files=["{subset.resolve()}"]', f"--posttrain.val_files={files('dpo', 'val')}",
-        f"--train.steps={args.dpo_steps}",
+        f"--train.steps={args.dpo_steps}", *([f"--optim.lr={args.dpo_lr}"] if args.dpo_lr else []),
     )  # fmt: skip
     dpo_before = held_out(dpo_run, 0)
     times["dpo_s"] += lmforge("dpo", "--resume", "--run-dir", str(dpo_run))
