@@ -13,6 +13,7 @@ import torch
 from lmforge.cli import main
 from lmforge.posttrain.records import Turn
 from lmforge.posttrain.template import SPECIAL_TOKENS, read_template
+from lmforge.recipe import load_saved_config
 from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
 from lmforge.train.finetune import start
@@ -101,10 +102,9 @@ def test_sft_starts_from_the_run_with_the_chat_tokens_and_mean_rows(pretrained, 
         if k not in ("embed.weight", "lm_head.weight"):
             assert torch.equal(before[k], after[k]), k
     assert read_template(tmp_path / "sft") is not None
-    assert (
-        cfg.model == load_checkpoint(latest_checkpoint(pretrained))["config"]["model"]
-        or cfg.train.objective == "sft"
-    )
+    source = load_saved_config(pretrained / "config.toml")
+    assert cfg.model == source.model and cfg.data.seq_len == source.data.seq_len
+    assert cfg.train.objective == "sft" and cfg.train.steps == 12  # the flag over sft's own default (300)
     bad = [json.loads(x) for x in (tmp_path / "sft" / "bad_records.jsonl").read_text().splitlines()]
     assert [b["source"].rsplit(":", 1)[1] for b in bad] == ["2", "4"]  # file:line of each bad record
 
@@ -112,7 +112,6 @@ def test_sft_starts_from_the_run_with_the_chat_tokens_and_mean_rows(pretrained, 
 def test_sft_trains_lowers_heldout_loss_and_resumes_exactly(pretrained, tmp_path):
     over = _sft_overrides(tmp_path)
     cfg, _ = start("sft", pretrained, tmp_path / "a", overrides=over)
-    first = None
     straight = train(cfg, tmp_path / "a", resume=True, progress_bar=False)
     cfg_b, _ = start("sft", pretrained, tmp_path / "b", overrides=over)
     train(cfg_b, tmp_path / "b", resume=True, progress_bar=False, callbacks=[StopAfter(6)])
