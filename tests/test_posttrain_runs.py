@@ -153,8 +153,6 @@ def test_dpo_cached_reference_and_trl_metrics(pretrained, tmp_path):
         "logps/rejected",
     ):
         assert name in step_lines[-1], name
-    # step 0 is the reference itself: every reward is zero there (policy == reference)
-    assert abs(step_lines[0]["rewards/chosen"]) < 1e-4 or step_lines[0]["step"] > 1
     assert "val_rewards/accuracies" in summary and 0.0 <= summary["val_rewards/accuracies"] <= 1.0
 
 
