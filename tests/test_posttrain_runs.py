@@ -172,7 +172,10 @@ def test_cli_refuses_model_flags_and_missing_from(pretrained, tmp_path, capsys, 
     assert "--model.n_layers" in capsys.readouterr().err
     assert _exit(["dpo", "--from", str(tmp_path / "nothing"), "--run-dir", str(tmp_path / "z")]) == 2
     assert "--from" in capsys.readouterr().err
-    assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()  # nothing written
+    missing = '--posttrain.train_files=["' + str(tmp_path / "none.jsonl") + '"]'
+    assert _exit(["sft", "--from", str(pretrained), "--run-dir", str(tmp_path / "w"), missing]) == 2
+    assert "posttrain.train_files" in capsys.readouterr().err
+    assert not any((tmp_path / d).exists() for d in "yzw")  # nothing written
 
 
 def test_cli_sft_then_eval_generate_and_export_use_the_template(pretrained, tmp_path, capsys, cli_logging):

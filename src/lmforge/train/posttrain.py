@@ -57,6 +57,10 @@ def check_posttrain(cfg: Config) -> None:
             "posttrain.train_files: no records to train on; give --posttrain.train_files='[\"FILE.jsonl\"]' "
             "or a recipe with [posttrain] train_files"
         )
+    for key in ("train_files", "val_files"):
+        for path in getattr(cfg.posttrain, key):
+            if not Path(path).is_file():
+                raise ConfigError(f"posttrain.{key}: {path} is not a file; give JSONL record files")
     if cfg.train.objective == "dpo":
         check_dpo(cfg.dpo)
     if cfg.train.objective == "dpo" and cfg.train.micro_batch_size == "auto":
