@@ -14,18 +14,44 @@ config reference. There are two kinds:
 
 Documents are :class:`~lmforge.corpus.document.Doc`; corpus order is the order of :attr:`Doc.key`:
 deterministic, so "keep the first of a cluster" means the same document on every run and every executor.
+
+**Strictness.** A stage that removes documents by a threshold declares how its thresholds move from
+lenient to strict as :class:`Knob` entries in ``strictness``; ``lmforge data sweep`` runs a recipe at
+levels 0..100 (:mod:`lmforge.corpus.strictness`): at level 0 no stage with ``filters = True`` runs, at
+level ``L > 0`` each knob's parameter is ``lenient + (strict - lenient) * L / 100``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
 from lmforge.corpus.document import Doc, Drop, Measure
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One threshold of a stage and how it moves with strictness.
+
+    ``value(L) = lenient + (strict - lenient) * L / 100`` for a level ``L`` in (0, 100], rounded for
+    ``integer`` parameters. ``lenient`` removes (almost) nothing, ``strict`` is the strictest value a
+    published recipe uses (the stage's docstring says which); the stage's default lies between.
+    """
+
+    param: str
+    lenient: float
+    strict: float
+    integer: bool = False
+
+    def value(self, level: float) -> float | int:
+        """The parameter's value at strictness ``level`` (0..100)."""
+        v = self.lenient + (self.strict - self.lenient) * level / 100.0
+        return round(v) if self.integer else v
 
 
 class StageParams(BaseModel):
@@ -39,6 +65,11 @@ class _Stage(ABC):
 
     name: ClassVar[str]
     Params: ClassVar[type[StageParams]] = StageParams
+    filters: ClassVar[bool] = False
+    """True for a stage whose purpose is removing documents (quality, language, duplicates): it is left
+    out at strictness level 0. Stages that change text (extract, normalize, pii) keep ``False``."""
+    strictness: ClassVar[tuple[Knob, ...]] = ()
+    """The thresholds ``lmforge data sweep`` moves from lenient to strict (empty: fixed at every level)."""
 
     def __init__(self, params: StageParams | None = None):
         self.params = params if params is not None else self.Params()
