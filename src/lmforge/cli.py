@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from lmforge.errors import Interrupted, UserError
+from lmforge.errors import ConfigError, Interrupted, UserError
 from lmforge.recipe import load_config, parse_overrides, reference_text
 
 log = logging.getLogger("lmforge")
@@ -709,7 +709,8 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
         "Keys can be overridden as --SECTION.KEY=VALUE (e.g. --output.compression=none).",
         epilog="lmforge data inspect OUT --reason RULE [--n 5]: samples of what a rule removed "
         "(lmforge data inspect --help); lmforge data stdlib-pairs --out DIR: the post-training demonstration's "
-        "records (lmforge data stdlib-pairs --help)",
+        "records (lmforge data stdlib-pairs --help); lmforge data sweep --config RECIPE --out OUT: the "
+        "cleaning trade-off from lenient to strict (lmforge data sweep --help)",
     )
     p.add_argument("--config", required=True, help="pipeline recipe (TOML), e.g. configs/data/web.toml")
     p.add_argument("--out", required=True, help="output folder (new, or the one of a run to continue)")
@@ -815,6 +816,51 @@ def cmd_data_stdlib_pairs(args: argparse.Namespace, extra: list[str]) -> int:
             f"{name}: {split['sft']:,} SFT records and DPO pairs from {split['modules']:,} modules ({kinds})"
         )
     print(f"wrote sft_*.jsonl, dpo_*.jsonl and stats.json to {args.out}")
+    return 0
+
+
+def build_sweep_parser() -> argparse.ArgumentParser:
+    """``lmforge data sweep``: parsed on its own, as ``data inspect``."""
+    p = argparse.ArgumentParser(
+        prog="lmforge data sweep",
+        description="The cleaning trade-off: run a recipe's filtering stages from lenient (level 0: no "
+        "filtering) to strict (100: the strictest documented thresholds) and measure, per level, the size "
+        "kept, the mean quality score under a fixed reference and the diversity of the kept text. Writes "
+        "OUT/level-*/ (each a lmforge data run), OUT/sweep.json and OUT/sweep.png (docs/data.md).",
+    )
+    p.add_argument("--config", required=True, help="pipeline recipe (TOML), e.g. configs/data/web-model.toml")
+    p.add_argument("--out", required=True, help="output folder (new, or a sweep to continue)")
+    p.add_argument(
+        "--levels", default="0,20,40,60,80,100", help="strictness levels 0..100 (default 0,20,...,100)"
+    )
+    p.add_argument("--reference-classifier", metavar="MODEL", help="score quality with this classifier model")
+    p.add_argument(
+        "--reference-run", metavar="RUN", help="score quality by perplexity under this run's model"
+    )
+    p.add_argument("--tokenizer", help="tokenizer.json counting tokens (default: see docs/data.md)")
+    p.add_argument(
+        "--ngram", type=int, default=2, help="word n-gram size of the diversity measure (default 2)"
+    )
+    p.add_argument("--workers", type=int, default=None, help="parallel workers (default: every core)")
+    p.add_argument("--seed", type=int, default=0, help="order of the fixed-size diversity sample (default 0)")
+    p.set_defaults(func=cmd_data_sweep, command="data sweep")
+    return p
+
+
+def cmd_data_sweep(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.corpus.config import load_pipeline_config
+    from lmforge.corpus.sweep import parse_levels, pick_reference, run_sweep, sweep_table
+
+    cfg = load_pipeline_config(args.config)
+    levels = parse_levels(args.levels)
+    if args.tokenizer and not Path(args.tokenizer).is_file():
+        raise ConfigError(
+            f"--tokenizer: {args.tokenizer} does not exist; give a tokenizer.json or leave it out"
+        )
+    ref = pick_reference(cfg, args.reference_classifier, args.reference_run)
+    result = run_sweep(cfg, args.out, levels, ref, args.tokenizer, args.ngram, args.workers, seed=args.seed)
+    print(sweep_table(result))
+    print(f"wrote {args.out}/sweep.json and {args.out}/sweep.png")
     return 0
 
 
@@ -995,6 +1041,10 @@ def main(argv: list[str] | None = None) -> None:
     elif _is_data_command(argv, "stdlib-pairs"):
         at = argv.index("data")
         args, extra = build_stdlib_pairs_parser().parse_args(argv[at + 2 :]), []
+        args.verbose = at > 0
+    elif _is_data_command(argv, "sweep"):
+        at = argv.index("data")
+        args, extra = build_sweep_parser().parse_args(argv[at + 2 :]), []
         args.verbose = at > 0
     else:
         parser = build_parser()

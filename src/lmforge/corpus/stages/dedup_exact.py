@@ -61,6 +61,7 @@ def _key(key: tuple[int, int, int]) -> str:
 class ExactDedup(CorpusStage):
     name: ClassVar[str] = "dedup_exact"
     Params: ClassVar[type[StageParams]] = ExactDedupParams
+    filters: ClassVar[bool] = True  # no threshold: the same at every strictness level above 0
 
     def __init__(self, params: StageParams | None = None):
         super().__init__(params)

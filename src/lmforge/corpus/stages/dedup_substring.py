@@ -47,7 +47,7 @@ from pydantic import Field
 
 from lmforge.corpus.document import Doc, Drop
 from lmforge.corpus.stages import docindex
-from lmforge.corpus.stages.base import CorpusStage, StageParams
+from lmforge.corpus.stages.base import CorpusStage, Knob, StageParams
 from lmforge.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -161,6 +161,10 @@ class SubstringDedup(CorpusStage):
 
     name: ClassVar[str] = "dedup_substring"
     Params: ClassVar[type[StageParams]] = Params
+    filters: ClassVar[bool] = True
+    # lenient: only repeats of 10,000+ bytes go; strict: the default 100 bytes (about Lee et al. 2022's
+    # 50 tokens)
+    strictness: ClassVar[tuple[Knob, ...]] = (Knob("min_length", 10_000, 100, integer=True),)
 
     DB = "dedup_substring.sqlite"
     STARTS = "dedup_substring.starts.u8"

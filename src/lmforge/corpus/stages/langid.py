@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import Field
 
 from lmforge.corpus.document import Doc, Drop
-from lmforge.corpus.stages.base import DocStage, StageParams
+from lmforge.corpus.stages.base import DocStage, Knob, StageParams
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class LangId(DocStage):
 
     name = "langid"
     Params = LangIdParams
+    filters = True
+    strictness = (Knob("min_score", 0.0, 0.65),)  # strict end: FineWeb's threshold
 
     def __init__(self, params: LangIdParams | None = None):
         super().__init__(params)

@@ -12,7 +12,7 @@ from typing import ClassVar
 from pydantic import Field, model_validator
 
 from lmforge.corpus.document import Doc, Drop
-from lmforge.corpus.stages.base import DocStage, StageParams
+from lmforge.corpus.stages.base import DocStage, Knob, StageParams
 
 
 class LengthParams(StageParams):
@@ -40,6 +40,8 @@ class LengthParams(StageParams):
 class LengthFilter(DocStage):
     name: ClassVar[str] = "length"
     Params: ClassVar[type[StageParams]] = LengthParams
+    filters: ClassVar[bool] = True
+    strictness: ClassVar[tuple[Knob, ...]] = (Knob("min_words", 0, 50, integer=True),)  # strict: Gopher
 
     def process(self, doc: Doc) -> Doc | Drop:
         p = self.params

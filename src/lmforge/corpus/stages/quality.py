@@ -31,7 +31,7 @@ import numpy as np
 from pydantic import Field
 
 from lmforge.corpus.document import Doc, Drop
-from lmforge.corpus.stages.base import DocStage, StageParams
+from lmforge.corpus.stages.base import DocStage, Knob, StageParams
 
 # ---------------------------------------------------------------------------------------------------
 # Shared text statistics
@@ -115,6 +115,19 @@ class GopherQuality(DocStage):
 
     name = "gopher_quality"
     Params = GopherQualityParams
+    filters = True
+    # strict end: the paper's values (its only published setting); lenient: bounds nothing reaches
+    strictness = (
+        Knob("min_words", 0, 50, integer=True),
+        Knob("min_mean_word_length", 0.0, 3.0),
+        Knob("max_mean_word_length", 100.0, 10.0),
+        Knob("max_hash_ratio", 1.0, 0.1),
+        Knob("max_ellipsis_ratio", 1.0, 0.1),
+        Knob("max_bullet_lines", 1.0, 0.9),
+        Knob("max_ellipsis_lines", 1.0, 0.3),
+        Knob("min_alpha_words", 0.0, 0.8),
+        Knob("min_stop_words", 0, 2, integer=True),
+    )
 
     def __init__(self, params: GopherQualityParams | None = None):
         super().__init__(params)
@@ -276,6 +289,14 @@ class GopherRepetition(DocStage):
 
     name = "gopher_repetition"
     Params = GopherRepetitionParams
+    filters = True
+    # strict end: the paper's table; the n-gram tables stay as configured at every level
+    strictness = (
+        Knob("max_dup_line_frac", 1.0, 0.30),
+        Knob("max_dup_para_frac", 1.0, 0.30),
+        Knob("max_dup_line_char_frac", 1.0, 0.20),
+        Knob("max_dup_para_char_frac", 1.0, 0.20),
+    )
 
     def process(self, doc: Doc) -> Doc | Drop:
         p: GopherRepetitionParams = self.params
@@ -387,6 +408,12 @@ class C4Filter(DocStage):
 
     name = "c4"
     Params = C4Params
+    filters = True
+    # strict end: C4's released filter; the on/off line rules stay as configured at every level
+    strictness = (
+        Knob("min_words_per_line", 0, 5, integer=True),
+        Knob("min_sentences", 0, 3, integer=True),
+    )
 
     def __init__(self, params: C4Params | None = None):
         super().__init__(params)
@@ -487,6 +514,13 @@ class FineWebFilter(DocStage):
 
     name = "fineweb"
     Params = FineWebParams
+    filters = True
+    # strict end: the thresholds that built FineWeb
+    strictness = (
+        Knob("min_line_punct_ratio", 0.0, 0.12),
+        Knob("max_short_line_ratio", 1.0, 0.67),
+        Knob("max_char_dup_ratio", 1.0, 0.01),
+    )
 
     def __init__(self, params: FineWebParams | None = None):
         super().__init__(params)
@@ -562,6 +596,14 @@ class CodeQuality(DocStage):
 
     name = "code_quality"
     Params = CodeQualityParams
+    filters = True
+    # strict end: Codex / StarCoder's values
+    strictness = (
+        Knob("max_line_length", 100_000, 1000, integer=True),
+        Knob("max_mean_line_length", 10_000.0, 100.0),
+        Knob("min_alnum_fraction", 0.0, 0.25),
+        Knob("max_encoded_fraction", 1.0, 0.5),
+    )
 
     def __init__(self, params: CodeQualityParams | None = None):
         super().__init__(params)

@@ -1,0 +1,332 @@
+"""``lmforge data sweep``: the cleaning trade-off measured, from lenient to strict.
+
+The recipe runs through the real pipeline (:func:`lmforge.corpus.pipeline.run_pipeline`, resumable,
+parallel) once per strictness level (:mod:`lmforge.corpus.strictness`) into ``OUT/level-LLL``; then the
+kept documents of every level are measured with the same fixed references:
+
+* **size**: documents, UTF-8 bytes, words and tokens kept (tokens by one reference tokenizer for all
+  levels: ``--tokenizer``, else the reference run's, else a byte-level BPE trained on level 0's kept
+  text and saved as ``OUT/tokenizer.json``);
+* **quality**: the mean score of the kept documents under one reference scorer: a quality classifier
+  (probability of the good class, higher is better) or a language model run (per-document perplexity,
+  lower is better); the recipe's first ``classifier`` / ``perplexity`` stage is the default reference;
+* **diversity**: distinct word n-grams per token, the same on a fixed-size sample (the first ``K`` words
+  of the kept documents in a seeded order, ``K`` the smallest level's word count, so that a smaller
+  corpus does not look more diverse only because it is smaller) and the entropy of the word
+  distribution (:func:`vocab_entropy`).
+
+Writes ``OUT/sweep.json`` and ``OUT/sweep.png`` (the three curves against the level).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import random
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lmforge.corpus.config import PipelineConfig
+from lmforge.corpus.strictness import check_level, config_at, knob_table
+from lmforge.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEVELS = (0.0, 20.0, 40.0, 60.0, 80.0, 100.0)
+_WORD = re.compile(r"\w+")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the measures (pure functions)
+
+
+def words_of(text: str) -> list[str]:
+    """Lower-cased word tokens: runs of Unicode letters, digits and underscores (``\\w+``)."""
+    return _WORD.findall(text.lower())
+
+
+def distinct_ngrams(words: Sequence[str], n: int) -> int:
+    """Number of distinct word n-grams in ``words`` (one sequence; n-grams do not cross its ends)."""
+    return len({tuple(words[i : i + n]) for i in range(len(words) - n + 1)})
+
+
+def distinct_ngrams_in(docs: Iterable[Sequence[str]], n: int, limit: int | None = None) -> tuple[int, int]:
+    """``(distinct n-grams, words read)`` over documents, n-grams within a document, reading at most
+    ``limit`` words (the last document read is cut there)."""
+    seen: set[int] = set()
+    total = 0
+    for words in docs:
+        if limit is not None and total + len(words) > limit:
+            words = words[: limit - total]
+        total += len(words)
+        seen.update(hash(tuple(words[i : i + n])) for i in range(len(words) - n + 1))
+        if limit is not None and total >= limit:
+            break
+    return len(seen), total
+
+
+def vocab_entropy(counts: Counter[str]) -> float:
+    """Shannon entropy in bits of the word distribution: ``H = -sum_w p(w) log2 p(w)``, ``p(w) = c(w) / N``."""
+    total = sum(counts.values())
+    if total == 0:
+        return 0.0
+    return -sum(c / total * math.log2(c / total) for c in counts.values())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the references
+
+
+@dataclass
+class Reference:
+    """A fixed scorer of documents: ``score(texts)`` gives one number per text."""
+
+    kind: str  # "classifier" or "perplexity"
+    path: str
+    score: Callable[[list[str]], np.ndarray]
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.kind == "classifier"
+
+    @property
+    def label(self) -> str:
+        return "classifier P(good)" if self.kind == "classifier" else "reference-model perplexity"
+
+
+def pick_reference(cfg: PipelineConfig, classifier: str | None, run: str | None) -> tuple[str, str]:
+    """``(kind, path)`` of the reference scorer: the flags, else the recipe's first model stage."""
+    if classifier and run:
+        raise ConfigError("--reference-classifier and --reference-run: give one reference, not both")
+    if classifier:
+        return "classifier", classifier
+    if run:
+        return "perplexity", run
+    for spec in cfg.stages:
+        if spec.name == "classifier" and spec.params.get("model"):
+            return "classifier", str(spec.params["model"])
+        if spec.name == "perplexity" and spec.params.get("run"):
+            return "perplexity", str(spec.params["run"])
+    raise ConfigError(
+        "--reference-classifier: the recipe has no classifier or perplexity stage to score quality with; "
+        "give a model (lmforge data train-classifier) or --reference-run RUN"
+    )
+
+
+def load_reference(kind: str, path: str) -> Reference:
+    """The scorer behind ``(kind, path)``; a missing file or run is a one-line ConfigError."""
+    if kind == "classifier":
+        from lmforge.corpus.quality_model import QualityModel
+
+        if not Path(path).exists():
+            raise ConfigError(
+                f"--reference-classifier: {path} does not exist; train one with lmforge data train-classifier"
+            )
+        model = QualityModel.load(path)
+        return Reference(kind, path, model.score)
+    from lmforge.corpus.lm_scorer import LMScorer
+
+    if not Path(path).is_dir():
+        raise ConfigError(f"--reference-run: {path} is not a run folder; give the folder of a trained run")
+    scorer = LMScorer(path)
+    return Reference(kind, path, scorer.score)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the sweep
+
+
+def level_dir(out: Path, level: float) -> Path:
+    """``OUT/level-LLL`` (``level-012.5`` for a fractional level)."""
+    return out / (f"level-{int(level):03d}" if level == int(level) else f"level-{level:05.1f}")
+
+
+def parse_levels(text: str) -> list[float]:
+    """``"0,25,50"`` -> sorted distinct levels, each checked to lie in 0..100."""
+    try:
+        levels = sorted({float(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--levels: {text!r} is not a comma-separated list of numbers (0..100)") from None
+    if not levels:
+        raise ConfigError("--levels: give at least one level (0..100), e.g. 0,50,100")
+    return [check_level(x) for x in levels]
+
+
+def _kept_texts(out: Path) -> list[tuple[str, str]]:
+    from lmforge.corpus.pipeline import iter_kept
+
+    return [(d.id, d.text) for d in iter_kept(out)]
+
+
+def _reference_tokenizer(out: Path, tokenizer: str | None, ref: Reference, texts: list[str], vocab: int):
+    from lmforge.data.tokenizer import Tokenizer, train_tokenizer
+
+    if tokenizer:
+        return Tokenizer(tokenizer), tokenizer
+    if ref.kind == "perplexity" and (Path(ref.path) / "tokenizer.json").is_file():
+        path = Path(ref.path) / "tokenizer.json"
+        return Tokenizer(path), str(path)
+    path = out / "tokenizer.json"
+    if path.is_file():
+        return Tokenizer(path), str(path)
+    return train_tokenizer(texts, vocab, path), str(path)
+
+
+def _scores(ref: Reference, texts: list[str], cache: dict[str, float]) -> list[float]:
+    """Reference scores of ``texts``, each distinct text scored once across levels."""
+    keys = [hashlib.sha1(t.encode("utf-8", "surrogatepass")).hexdigest() for t in texts]
+    todo = sorted({k for k in keys if k not in cache})
+    if todo:
+        text_of = dict(zip(keys, texts, strict=True))
+        batch = [text_of[k] for k in todo]
+        for k, s in zip(todo, ref.score(batch).tolist(), strict=True):
+            cache[k] = float(s)
+    return [cache[k] for k in keys]
+
+
+def run_sweep(
+    cfg: PipelineConfig,
+    out: str | Path,
+    levels: Sequence[float] = DEFAULT_LEVELS,
+    reference: tuple[str, str] | None = None,
+    tokenizer: str | None = None,
+    ngram: int = 2,
+    workers: int | None = None,
+    executor: str | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run ``cfg`` at every level into ``OUT/level-*``, measure the kept documents, write
+    ``OUT/sweep.json`` and ``OUT/sweep.png``; returns the JSON's content."""
+    from lmforge.corpus.pipeline import run_pipeline
+
+    out = Path(out)
+    levels = [check_level(x) for x in levels]
+    if ngram < 1:
+        raise ConfigError(f"--ngram: {ngram} is below 1")
+    kind, path = reference if reference is not None else pick_reference(cfg, None, None)
+    ref = load_reference(kind, path)  # before any work: a bad reference stops the sweep at once
+    configs = {lv: config_at(cfg, lv) for lv in levels}
+    out.mkdir(parents=True, exist_ok=True)
+    reports: dict[float, dict[str, Any]] = {}
+    for lv in levels:
+        log.info("sweep: level %g -> %s", lv, level_dir(out, lv))
+        reports[lv] = run_pipeline(configs[lv], level_dir(out, lv), executor=executor, workers=workers)
+
+    kept = {lv: _kept_texts(level_dir(out, lv)) for lv in levels}
+    base = kept[min(levels)]
+    tok, tok_path = _reference_tokenizer(out, tokenizer, ref, [t for _, t in base], cfg.tokenize.vocab_size)
+    words = {lv: [words_of(t) for _, t in kept[lv]] for lv in levels}
+    k_words = max(1, min(sum(len(w) for w in words[lv]) for lv in levels))
+    cache: dict[str, float] = {}
+    rows = []
+    for lv in levels:
+        texts = [t for _, t in kept[lv]]
+        tokens = sum(len(ids) for ids in tok.encode_batch(texts)) if texts else 0
+        scores = _scores(ref, texts, cache) if texts else []
+        finite = [s for s in scores if math.isfinite(s)]
+        order = list(range(len(texts)))
+        random.Random(seed).shuffle(order)
+        distinct_all, n_words = distinct_ngrams_in(words[lv], ngram)
+        distinct_k, read_k = distinct_ngrams_in((words[lv][i] for i in order), ngram, k_words)
+        report = reports[lv]
+        rows.append(
+            {
+                "level": lv,
+                "documents": len(texts),
+                "documents_input": report["documents"]["input"],
+                "bytes": sum(len(t.encode("utf-8", "surrogatepass")) for t in texts),
+                "words": n_words,
+                "tokens": tokens,
+                "quality_mean": float(np.mean(finite)) if finite else None,
+                "quality_median": float(np.median(finite)) if finite else None,
+                "distinct_ngrams_per_token": distinct_all / tokens if tokens else None,
+                "distinct_ngrams_at_k": distinct_k / read_k if read_k else None,
+                "vocab_entropy_bits": vocab_entropy(Counter(w for ws in words[lv] for w in ws)),
+                "removed": report["removed"],
+            }
+        )
+    result = {
+        "levels": list(levels),
+        "reference": {"kind": ref.kind, "path": ref.path, "higher_is_better": ref.higher_is_better},
+        "tokenizer": tok_path,
+        "ngram": ngram,
+        "k_words": k_words,
+        "seed": seed,
+        "knobs": knob_table(cfg, list(levels)),
+        "rows": rows,
+    }
+    tmp = out / "sweep.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(out / "sweep.json")
+    sweep_chart(result, ref.label, out / "sweep.png")
+    return result
+
+
+def sweep_chart(result: dict[str, Any], quality_label: str, path: Path) -> Any:
+    """Three panels against the strictness level: size kept (% of level 0's input), mean quality,
+    diversity. Returns the figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = result["rows"]
+    x = [r["level"] for r in rows]
+    fig = Figure(figsize=(13, 3.8))
+    ax1, ax2, ax3 = fig.subplots(1, 3)
+    docs0 = max(r["documents_input"] for r in rows) or 1
+    tokens0 = max(r["tokens"] for r in rows) or 1
+    ax1.plot(x, [100 * r["documents"] / docs0 for r in rows], "o-", label="documents (% of input)")
+    ax1.plot(x, [100 * r["tokens"] / tokens0 for r in rows], "s-", label="tokens (% of most kept)")
+    ax1.set_title("size kept")
+    ax1.set_ylim(0, 105)
+    ax1.legend(fontsize=8)
+    q = [r["quality_mean"] for r in rows]
+    ax2.plot(x, [v if v is not None else float("nan") for v in q], "o-", color="tab:green")
+    ax2.set_title(f"mean quality: {quality_label}", fontsize=10)
+    n = result["ngram"]
+    ax3.plot(
+        x,
+        [r["distinct_ngrams_at_k"] or float("nan") for r in rows],
+        "o-",
+        label=f"distinct {n}-grams / word, first {result['k_words']:,} words",
+    )
+    ax3.plot(
+        x,
+        [r["distinct_ngrams_per_token"] or float("nan") for r in rows],
+        "s--",
+        label=f"distinct {n}-grams / token, all kept",
+    )
+    ax3.set_title("diversity")
+    ax3.legend(fontsize=7, loc="lower left")
+    ax4 = ax3.twinx()
+    ax4.plot(x, [r["vocab_entropy_bits"] for r in rows], "^:", color="tab:red")
+    ax4.set_ylabel("word entropy (bits)", color="tab:red")
+    for ax in (ax1, ax2, ax3):
+        ax.set_xlabel("strictness level (0: no filtering, 100: strictest documented)")
+        ax.grid(alpha=0.3)
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+    return fig
+
+
+def sweep_table(result: dict[str, Any]) -> str:
+    """The sweep as a plain-text table, one line per level."""
+    n = result["ngram"]
+    head = f"{'level':>6} {'docs':>8} {'tokens':>11} {'quality':>9} {f'd{n}/tok':>8} {f'd{n}@K':>7} {'H(bits)':>8}"
+    lines = [head]
+    for r in result["rows"]:
+        q = "-" if r["quality_mean"] is None else f"{r['quality_mean']:.4g}"
+        d = "-" if r["distinct_ngrams_per_token"] is None else f"{r['distinct_ngrams_per_token']:.4f}"
+        dk = "-" if r["distinct_ngrams_at_k"] is None else f"{r['distinct_ngrams_at_k']:.4f}"
+        lines.append(
+            f"{r['level']:>6g} {r['documents']:>8,} {r['tokens']:>11,} {q:>9} {d:>8} {dk:>7} {r['vocab_entropy_bits']:>8.3f}"
+        )
+    return "\n".join(lines)
