@@ -150,10 +150,10 @@ def test_recipes_validate(recipe):
 
 
 def test_docs_reference_is_current():
-    docs = (ROOT / "docs" / "data.md").read_text()
+    docs = (ROOT / "docs" / "data-config.md").read_text()
     want = reference_markdown()
     assert set(registry.available()) == set(registry.STAGES)
-    assert docs == want, "regenerate docs/data.md (command at its top)"
+    assert docs == want, "regenerate docs/data-config.md (command at its top)"
 
 
 # ---------------------------------------------------------------------------------------------------------

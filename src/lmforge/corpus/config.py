@@ -216,7 +216,7 @@ def load_pipeline_config(path: str | Path, overrides: dict[str, Any] | None = No
 
 
 def reference_markdown() -> str:
-    """The pipeline configuration reference as Markdown (``docs/data.md`` is this text)."""
+    """The pipeline configuration reference as Markdown (``docs/data-config.md`` is this text)."""
     out = [
         "# Data pipeline configuration reference",
         "",
@@ -224,7 +224,7 @@ def reference_markdown() -> str:
         "stage with its parameters. The rules' sources, what a removal records, and the extraction",
         "measured on real pages are in [data-stages.md](data-stages.md). This file is generated from",
         "`lmforge/corpus/config.py` and the stage modules:",
-        "`python -c \"from lmforge.corpus.config import reference_markdown as r; print(r(), end='')\" > docs/data.md`.",
+        "`python -c \"from lmforge.corpus.config import reference_markdown as r; print(r(), end='')\" > docs/data-config.md`.",
         "",
         "## Sources (`[[sources]]`, one table per input)",
         "",
@@ -262,7 +262,18 @@ def reference_markdown() -> str:
             out += [_row(k, f) for k, f in fields.items()]
         else:
             out.append("No parameters.")
+        out += _strictness_lines(cls)
     return "\n".join(out) + "\n"
+
+
+def _strictness_lines(cls: Any) -> list[str]:
+    """How ``lmforge data sweep`` moves the stage from lenient to strict (docs/data.md)."""
+    if not cls.filters:
+        return ["", "Strictness: not a filter; it runs at every level of `lmforge data sweep`, 0 included."]
+    if not cls.strictness:
+        return ["", "Strictness: left out at level 0; no threshold moves, the same at every level above 0."]
+    knobs = ", ".join(f"`{k.param}` {k.lenient:g} → {k.strict:g}" for k in cls.strictness)
+    return ["", f"Strictness (lenient → strict, level 0: left out): {knobs}."]
 
 
 def _row(key: str, field: Any) -> str:
