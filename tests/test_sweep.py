@@ -11,10 +11,11 @@ import pytest
 from lmforge.cli import main
 from lmforge.corpus.quality_model import train_quality_model
 
-WORDS = (
+STORY = (
     "the river carried a stone past the old mill and the children of the town watched it with wonder "
     "because nobody had seen the water so high in that season of the year when snow melts slowly"
-).split()
+)
+WORDS = STORY.split()
 
 
 def _prose(rng: random.Random, sentences: int) -> str:
