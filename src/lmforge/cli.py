@@ -848,8 +848,8 @@ def build_sweep_parser() -> argparse.ArgumentParser:
 
 
 def cmd_data_sweep(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.cleaning_sweep import parse_levels, pick_reference, run_sweep, sweep_table
     from lmforge.corpus.config import load_pipeline_config
-    from lmforge.corpus.sweep import parse_levels, pick_reference, run_sweep, sweep_table
 
     cfg = load_pipeline_config(args.config)
     levels = parse_levels(args.levels)

@@ -16,6 +16,9 @@ kept documents of every level are measured with the same fixed references:
   distribution (:func:`vocab_entropy`).
 
 Writes ``OUT/sweep.json`` and ``OUT/sweep.png`` (the three curves against the level).
+
+This module sits above ``corpus/`` (whose pipeline it runs) and ``data/`` (whose tokenizer counts the
+tokens), so it lives outside both: ``corpus/`` never imports ``data/`` or ``train/``.
 """
 
 from __future__ import annotations
