@@ -17,7 +17,17 @@ and C4 blocks cannot run and are reported as skipped.
 Part 2, MinHash signatures and bucketing: ``benchmarks/minhash.py`` (see its docstring), run in the
 same process after the filters (``--no-minhash`` skips it).
 
-    python benchmarks/data_pipeline.py [--docs 1000] [--rounds 3] [--no-minhash]
+Part 3, the model-based stages on the same prose documents, one process: ``blocklist`` (the built-in
+list), ``classifier`` (a model trained here on half of the documents against the same documents with
+their words shuffled: a real model, trained in a second; what it learns does not matter for speed) and
+``perplexity`` (the scoring pass, ``signatures`` in the groups the pipeline hands it, with the run given
+by ``--reference-run``; without one, a 4-layer model is trained here for 30 steps on the built-in
+corpus: the time per document depends on the model's size, not on its training). Each is timed on one
+core (torch at one thread; the classifier's sparse products use one) and ``perplexity`` also with every core; each figure is printed
+with its ratio to ``gopher_quality`` on the same documents in the same run (``--no-model-stages``
+skips part 3; ``--only-model-stages`` runs it alone, without datatrove).
+
+    python benchmarks/data_pipeline.py [--docs 1000] [--rounds 3] [--no-minhash] [--reference-run RUN]
 
 The last line printed is one JSON object.
 """
@@ -29,14 +39,20 @@ import copy
 import importlib.metadata
 import itertools
 import json
+import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from minhash import bench_minhash
 
 from lmforge.corpus.document import Doc
+from lmforge.corpus.executors import default_workers
 from lmforge.corpus.pystdlib import read_pystdlib
 from lmforge.corpus.stages.base import DocStage, run_doc_stages
 from lmforge.corpus.stages.quality import (
@@ -165,13 +181,105 @@ def bench_filters(n_docs: int, rounds: int) -> dict[str, Any]:
     return result
 
 
+def _shuffled(text: str, rng: random.Random) -> str:
+    words = text.split()
+    rng.shuffle(words)
+    return " ".join(words)
+
+
+def _reference_run(work: Path) -> Path:
+    """A run of the default model trained here for 30 steps (only its size matters for timing)."""
+    run = work / "reference"
+    if not (run / "summary.json").exists():
+        cmd = [sys.executable, "-m", "lmforge", "train", "--run-dir", str(run), "--train.steps=30"]
+        cmd += [
+            "--train.eval_interval=30",
+            "--train.checkpoint_interval=30",
+            f"--data.cache_dir={work / 'data'}",
+        ]
+        subprocess.run(cmd, check=True, capture_output=True)
+    return run
+
+
+def _median_time(fn: Callable[[], object], rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_model_stages(n_docs: int, rounds: int, reference: Path | None) -> dict[str, Any]:
+    """Documents per second of blocklist, classifier and perplexity, and of gopher_quality, same docs."""
+    import torch
+
+    from lmforge.corpus.config import StageSpec
+    from lmforge.corpus.quality_model import train_quality_model
+
+    texts = prose_documents(n_docs)
+    docs = [Doc(i, t, "prose") for i, t in texts]
+    rng = random.Random(0)
+    half = [t for _, t in texts[::2]]
+    work = Path(tempfile.mkdtemp(prefix="lmforge-bench-"))
+    model, _ = train_quality_model(half, [_shuffled(t, rng) for t in half], seed=0)
+    model.save(work / "quality.npz")
+    run = reference or _reference_run(work)
+    stages = {
+        "gopher_quality": StageSpec(name="gopher_quality").build(),
+        "blocklist": StageSpec(name="blocklist").build(),
+        "classifier": StageSpec(name="classifier", params={"model": str(work / "quality.npz")}).build(),
+    }
+    torch.set_num_threads(1)
+    rows: dict[str, Any] = {}
+    for name, stage in stages.items():
+        run_lmforge([stage], docs[:20])  # warm-up: regex compilation, vectorizers
+        t = _median_time(lambda stage=stage: run_lmforge([stage], docs), rounds)
+        rows[name] = {"docs_per_s_per_core": round(len(docs) / t, 1)}
+    cores = default_workers()
+    for threads in sorted({1, cores}):
+        torch.set_num_threads(threads)
+        ppl = StageSpec(name="perplexity", params={"run": str(run), "threads": threads}).build()
+        group = max(1, ppl.signature_batch)
+        ppl.signatures(docs[:group])  # warm-up: loads the model
+
+        def score(ppl=ppl, group=group) -> None:
+            for i in range(0, len(docs), group):
+                ppl.signatures(docs[i : i + group])
+
+        t = _median_time(score, rounds)
+        rows[f"perplexity_{threads}_threads"] = {
+            "docs_per_s": round(len(docs) / t, 1),
+            "docs_per_s_per_core": round(len(docs) / t / threads, 1),
+        }
+    base = rows["gopher_quality"]["docs_per_s_per_core"]
+    for row in rows.values():
+        row["vs_gopher_quality"] = round(row["docs_per_s_per_core"] / base, 4)
+    return {"docs": len(docs), "reference_run": str(run), "cores": cores, "stages": rows}
+
+
+def print_model_stages(figures: dict[str, Any]) -> None:
+    print(f"model-based stages, {figures['docs']} prose documents, one process ({figures['reference_run']})")
+    print(f"{'stage':<22} {'docs/s per core':>16} {'vs gopher_quality':>18}")
+    for name, row in figures["stages"].items():
+        print(f"{name:<22} {row['docs_per_s_per_core']:>16} {row['vs_gopher_quality']:>18}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--docs", type=int, default=1000, help="prose documents from the built-in corpus")
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (median reported)")
     parser.add_argument("--no-minhash", action="store_true", help="time the quality filters only")
+    parser.add_argument("--no-model-stages", action="store_true", help="skip part 3")
+    parser.add_argument("--only-model-stages", action="store_true", help="run part 3 alone")
+    parser.add_argument("--reference-run", type=Path, help="perplexity's run (default: a 30-step one)")
     args = parser.parse_args()
 
+    if args.only_model_stages:
+        figures = {"model_stages": bench_model_stages(args.docs, args.rounds, args.reference_run)}
+        print_model_stages(figures["model_stages"])
+        print(json.dumps(figures))
+        return
     figures = bench_filters(args.docs, args.rounds)
     figures["datatrove_version"] = importlib.metadata.version("datatrove")
     print(f"{figures['docs']} prose documents, {figures['chars']:,} characters, one process, one core")
@@ -188,6 +296,10 @@ def main() -> None:
     if not args.no_minhash:
         print()
         figures["minhash"] = bench_minhash(args.rounds, copies=1)
+    if not args.no_model_stages:
+        print()
+        figures["model_stages"] = bench_model_stages(args.docs, args.rounds, args.reference_run)
+        print_model_stages(figures["model_stages"])
     print(json.dumps(figures))
 
 
