@@ -23,9 +23,9 @@ their words shuffled: a real model, trained in a second; what it learns does not
 ``perplexity`` (the scoring pass, ``signatures`` in the groups the pipeline hands it, with the run given
 by ``--reference-run``; without one, a 4-layer model is trained here for 30 steps on the built-in
 corpus: the time per document depends on the model's size, not on its training). Each is timed on one
-core (torch at one thread; the classifier's sparse products use one) and ``perplexity`` also with every core; each figure is printed
-with its ratio to ``gopher_quality`` on the same documents in the same run (``--no-model-stages``
-skips part 3; ``--only-model-stages`` runs it alone, without datatrove).
+core (torch at one thread; the classifier's sparse products use one) and ``perplexity`` also with every
+core; each figure is printed with its ratio to ``gopher_quality`` on the same documents in the same run
+(``--no-model-stages`` skips part 3; ``--only-model-stages`` runs it alone, without datatrove).
 
     python benchmarks/data_pipeline.py [--docs 1000] [--rounds 3] [--no-minhash] [--reference-run RUN]
 
