@@ -709,7 +709,8 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
         "Keys can be overridden as --SECTION.KEY=VALUE (e.g. --output.compression=none).",
         epilog="lmforge data inspect OUT --reason RULE [--n 5]: samples of what a rule removed "
         "(lmforge data inspect --help); lmforge data stdlib-pairs --out DIR: the post-training demonstration's "
-        "records (lmforge data stdlib-pairs --help)",
+        "records (lmforge data stdlib-pairs --help); lmforge data train-classifier --positive FILES --negative "
+        "FILES --out MODEL: the classifier stage's model (lmforge data train-classifier --help)",
     )
     p.add_argument("--config", required=True, help="pipeline recipe (TOML), e.g. configs/data/web.toml")
     p.add_argument("--out", required=True, help="output folder (new, or the one of a run to continue)")
@@ -815,6 +816,31 @@ def cmd_data_stdlib_pairs(args: argparse.Namespace, extra: list[str]) -> int:
             f"{name}: {split['sft']:,} SFT records and DPO pairs from {split['modules']:,} modules ({kinds})"
         )
     print(f"wrote sft_*.jsonl, dpo_*.jsonl and stats.json to {args.out}")
+    return 0
+
+
+def build_train_classifier_parser() -> argparse.ArgumentParser:
+    """``lmforge data train-classifier``: parsed on its own, as ``data inspect``."""
+    from lmforge.corpus.train_classifier import add_arguments
+
+    p = argparse.ArgumentParser(
+        prog="lmforge data train-classifier",
+        description="Train the classifier stage's model: logistic regression on hashed word and character "
+        "n-grams, P(positive) per document. Prints held-out accuracy; writes MODEL and its .report.json.",
+    )
+    add_arguments(p)
+    p.set_defaults(func=cmd_data_train_classifier, command="data train-classifier")
+    return p
+
+
+def cmd_data_train_classifier(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.corpus.train_classifier import summary, train_classifier
+
+    report = train_classifier(
+        args.positive, args.negative, args.out, text_field=args.text_field, max_docs=args.max_docs,
+        held_out=args.held_out, c=args.c, seed=args.seed,
+    )  # fmt: skip
+    print("\n".join(summary(report)))
     return 0
 
 
@@ -995,6 +1021,10 @@ def main(argv: list[str] | None = None) -> None:
     elif _is_data_command(argv, "stdlib-pairs"):
         at = argv.index("data")
         args, extra = build_stdlib_pairs_parser().parse_args(argv[at + 2 :]), []
+        args.verbose = at > 0
+    elif _is_data_command(argv, "train-classifier"):
+        at = argv.index("data")
+        args, extra = build_train_classifier_parser().parse_args(argv[at + 2 :]), []
         args.verbose = at > 0
     else:
         parser = build_parser()
