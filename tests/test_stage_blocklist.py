@@ -33,6 +33,9 @@ def test_whole_words_any_case_not_substrings(tmp_path):
         out = _run(stage, text)
         assert isinstance(out, Drop) and out.reason == "blocklist.listed_word", text
         assert out.value == "grape" and out.threshold == 0
+    # entries with other characters than letters and digits go through the regex, same rules
+    starred = _stage(tmp_path, "Gr*pe\n")
+    assert isinstance(_run(starred, "a GR*PE."), Drop) and isinstance(_run(starred, "agr*pe grape"), Doc)
 
 
 def test_phrases_match_across_whitespace_and_line_breaks(tmp_path):

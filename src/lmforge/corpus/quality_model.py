@@ -17,6 +17,7 @@ settings and computes the formula above itself, so loading a model file cannot r
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -42,7 +43,7 @@ class FeatureSpec:
     word_ngrams: tuple[int, int] = (1, 2)
     char_ngrams: tuple[int, int] = (3, 5)
     hash_bits: int = 18
-    max_chars: int = 20_000
+    max_chars: int = 10_000
 
     @property
     def n_features(self) -> int:
@@ -62,13 +63,20 @@ class FeatureSpec:
         )
 
 
-def featurize(texts: list[str], spec: FeatureSpec) -> sparse.csr_matrix:
-    """The ``len(texts) x spec.n_features`` feature matrix: [word block | char block], each row L2 per block."""
+@functools.lru_cache(maxsize=4)
+def _vectorizers(spec: FeatureSpec) -> tuple[Any, Any]:
+    """The word and character ``HashingVectorizer`` of ``spec`` (stateless, so built once and shared)."""
     from sklearn.feature_extraction.text import HashingVectorizer
 
     common = dict(n_features=1 << spec.hash_bits, alternate_sign=False, norm="l2", lowercase=True)
     words = HashingVectorizer(analyzer="word", ngram_range=spec.word_ngrams, **common)
     chars = HashingVectorizer(analyzer="char_wb", ngram_range=spec.char_ngrams, **common)
+    return words, chars
+
+
+def featurize(texts: list[str], spec: FeatureSpec) -> sparse.csr_matrix:
+    """The ``len(texts) x spec.n_features`` feature matrix: [word block | char block], each row L2 per block."""
+    words, chars = _vectorizers(spec)
     cut = [t[: spec.max_chars] for t in texts]
     return sparse.hstack([words.transform(cut), chars.transform(cut)], format="csr", dtype=np.float64)
 

@@ -16,13 +16,15 @@ matched entry, as listed; ``threshold`` ``max_matches``).
 **Strictness.** ``max_matches`` moves from 10 (lenient: only pages with more than ten matches go) to
 0 (strict: C4's rule, any match).
 
-Speed: words made only of word characters are looked up in a set over the page's ``\\w+`` tokens
-(linear in the page, whatever the list's length); phrases and entries with other characters go through
-one compiled regex alternation.
+Speed: the page is lower-cased and cut into ``\\w+`` tokens once; a page whose token set meets neither
+the single-word entries nor the first words of the phrases is kept at once (linear in the page,
+whatever the list's length). Otherwise the words found and the phrases (and entries with other
+characters) are located by compiled regex alternations.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +39,12 @@ from lmforge.errors import ConfigError
 
 _TOKEN = re.compile(r"\w+")
 _WORD = re.compile(r"\w+\Z")
+
+
+@functools.lru_cache(maxsize=1024)
+def _alternation(words: frozenset[str]) -> re.Pattern[str]:
+    """A regex finding any of ``words`` (made of word characters) as whole words."""
+    return re.compile(r"(?<!\w)(?:" + "|".join(map(re.escape, sorted(words))) + r")(?!\w)")
 
 
 class BlocklistParams(StageParams):
@@ -97,26 +105,40 @@ class Blocklist(DocStage):
         self._listed = listed
         self._phrases = (
             re.compile(
-                r"(?<!\w)(?:" + "|".join(r"\s+".join(map(re.escape, k.split())) for k in others) + r")(?!\w)",
-                re.IGNORECASE,
+                r"(?<!\w)(?:" + "|".join(r"\s+".join(map(re.escape, k.split())) for k in others) + r")(?!\w)"
             )
             if others
             else None
         )
+        # a phrase can only match where its first word is a token (unless that word has other characters)
+        firsts = [k.split()[0] for k in others]
+        self._phrase_firsts = frozenset(firsts) if all(_WORD.match(f) for f in firsts) else None
 
     def matches(self, text: str) -> list[tuple[int, str]]:
-        """``(offset, entry as listed)`` of every match in ``text``, in text order, without overlaps."""
+        """``(offset, entry as listed)`` of every match in ``text``, in text order, without overlaps.
+
+        Matching is on ``text.lower()`` (offsets are into it). Most pages hold no listed word: the set of
+        their tokens is checked first, and positions are looked for only when it meets the list.
+        """
+        lower = text.lower()
+        tokens = set(_TOKEN.findall(lower))
+        phrases = self._phrases is not None and (
+            self._phrase_firsts is None or not self._phrase_firsts.isdisjoint(tokens)
+        )
+        hits = self._words.keys() & tokens
+        if not phrases and not hits:
+            return []
         found: list[tuple[int, str]] = []
         spans: list[tuple[int, int]] = []
-        if self._phrases is not None:
-            for m in self._phrases.finditer(text):
+        if phrases:
+            for m in self._phrases.finditer(lower):
                 key = normalise(m.group())
                 found.append((m.start(), self._listed.get(key, key)))
                 spans.append(m.span())
-        for m in _TOKEN.finditer(text):
-            entry = self._words.get(m.group().lower())
-            if entry is not None and not any(a <= m.start() < b for a, b in spans):
-                found.append((m.start(), entry))
+        if hits:
+            for m in _alternation(frozenset(hits)).finditer(lower):
+                if not any(a <= m.start() < b for a, b in spans):
+                    found.append((m.start(), self._words[m.group()]))
         found.sort()
         return found
 
