@@ -710,7 +710,9 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
         epilog="lmforge data inspect OUT --reason RULE [--n 5]: samples of what a rule removed "
         "(lmforge data inspect --help); lmforge data stdlib-pairs --out DIR: the post-training demonstration's "
         "records (lmforge data stdlib-pairs --help); lmforge data sweep --config RECIPE --out OUT: the "
-        "cleaning trade-off from lenient to strict (lmforge data sweep --help)",
+        "cleaning trade-off from lenient to strict (lmforge data sweep --help); lmforge data train-classifier "
+        "--positive FILES --negative FILES --out MODEL: the classifier stage's model "
+        "(lmforge data train-classifier --help)",
     )
     p.add_argument("--config", required=True, help="pipeline recipe (TOML), e.g. configs/data/web.toml")
     p.add_argument("--out", required=True, help="output folder (new, or the one of a run to continue)")
@@ -861,6 +863,31 @@ def cmd_data_sweep(args: argparse.Namespace, extra: list[str]) -> int:
     result = run_sweep(cfg, args.out, levels, ref, args.tokenizer, args.ngram, args.workers, seed=args.seed)
     print(sweep_table(result))
     print(f"wrote {args.out}/sweep.json and {args.out}/sweep.png")
+    return 0
+
+
+def build_train_classifier_parser() -> argparse.ArgumentParser:
+    """``lmforge data train-classifier``: parsed on its own, as ``data inspect``."""
+    from lmforge.corpus.train_classifier import add_arguments
+
+    p = argparse.ArgumentParser(
+        prog="lmforge data train-classifier",
+        description="Train the classifier stage's model: logistic regression on hashed word and character "
+        "n-grams, P(positive) per document. Prints held-out accuracy; writes MODEL and its .report.json.",
+    )
+    add_arguments(p)
+    p.set_defaults(func=cmd_data_train_classifier, command="data train-classifier")
+    return p
+
+
+def cmd_data_train_classifier(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.corpus.train_classifier import summary, train_classifier
+
+    report = train_classifier(
+        args.positive, args.negative, args.out, text_field=args.text_field, max_docs=args.max_docs,
+        held_out=args.held_out, c=args.c, seed=args.seed,
+    )  # fmt: skip
+    print("\n".join(summary(report)))
     return 0
 
 
@@ -1045,6 +1072,10 @@ def main(argv: list[str] | None = None) -> None:
     elif _is_data_command(argv, "sweep"):
         at = argv.index("data")
         args, extra = build_sweep_parser().parse_args(argv[at + 2 :]), []
+        args.verbose = at > 0
+    elif _is_data_command(argv, "train-classifier"):
+        at = argv.index("data")
+        args, extra = build_train_classifier_parser().parse_args(argv[at + 2 :]), []
         args.verbose = at > 0
     else:
         parser = build_parser()

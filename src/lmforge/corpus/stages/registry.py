@@ -24,6 +24,8 @@ STAGES: dict[str, str] = {
     "code_quality": "lmforge.corpus.stages.quality:CodeQuality",
     "pii": "lmforge.corpus.stages.pii:PiiRedact",
     "length": "lmforge.corpus.stages.length:LengthFilter",
+    "classifier": "lmforge.corpus.stages.classifier:Classifier",
+    "blocklist": "lmforge.corpus.stages.blocklist:Blocklist",
     "dedup_exact": "lmforge.corpus.stages.dedup_exact:ExactDedup",
     "dedup_minhash": "lmforge.corpus.stages.dedup_minhash:MinHashDedup",
     "dedup_substring": "lmforge.corpus.stages.dedup_substring:SubstringDedup",
