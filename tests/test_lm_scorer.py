@@ -43,7 +43,12 @@ def train_tiny(root: Path) -> Path:
         "train.sample_tokens": 0,
         "optim.lr": 1e-2,
     }
-    train(load_config(None, over), root / "run", progress_bar=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: a second thread only waits on a shared machine
+    try:
+        train(load_config(None, over), root / "run", progress_bar=False)
+    finally:
+        torch.set_num_threads(threads)
     return root / "run"
 
 
