@@ -31,6 +31,24 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+WORKERS_ENV = "LMFORGE_DATA_WORKERS"  # set in each local worker process: how many share the machine
+
+
+def threads_per_worker() -> int:
+    """Threads a stage of this process may run (torch's intra-op pool): the usable cores divided among the
+    local executor's worker processes; else ``OMP_NUM_THREADS`` where set (Ray sets it per task); else
+    every usable core (one process)."""
+    if os.environ.get(WORKERS_ENV):
+        return max(1, default_workers() // int(os.environ[WORKERS_ENV]))
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return default_workers()
+
+
+def _worker_start(workers: int) -> None:
+    os.environ[WORKERS_ENV] = str(workers)
+
+
 class Executor(abc.ABC):
     """Runs a batch of tasks to completion (a failing task stops the batch with its exception)."""
 
@@ -66,7 +84,9 @@ class LocalExecutor(Executor):
     def run(self, fn: Task, args: Sequence[tuple[Any, ...]]) -> None:
         if self._pool is None:
             ctx = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx)
+            self._pool = ProcessPoolExecutor(
+                self.workers, mp_context=ctx, initializer=_worker_start, initargs=(self.workers,)
+            )
         futures = [self._pool.submit(fn, *a) for a in args]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         for f in pending:

@@ -471,30 +471,38 @@ def run_task(out: str, k: int, shard: int) -> None:
         sig_slot = ctx.stages.corpus[k]
 
     text = ctx.cfg.output.removed_text
+    # since the first document waiting for its signature, in order: removal lines and (input, output,
+    # waits) documents; written once the group of ``signature_batch`` waiting documents is complete
+    held: list[str | tuple[Doc, Doc, bool]] = []
+    waiting = 0
     for doc in _pass_input(ctx, k, shard, stats, removed):
         out_doc = _run_segment(ctx.stages.segments[k], doc, stats)
         if isinstance(out_doc, tuple):
             label, drop, seen = out_doc
             stats.removed(label, doc, drop)
-            removed.write(_removed_record(seen, drop, text))
+            line = _removed_record(seen, drop, text)
+            if held:
+                held.append(line)
+            else:
+                removed.write(line)
             continue
         if last:
             stats.kept(out_doc)
             kept.write(_kept_record(out_doc))
             continue
-        if sig_slot.applies(out_doc):
+        waits = sig_slot.applies(out_doc)
+        if waits or held:
+            held.append((doc, out_doc, waits))
+        else:
+            pickle.dump(out_doc, docs_fh, protocol=5)
+        if waits:
             stats.given(sig_slot.label)
-            try:
-                sig = sig_slot.stage.signature(out_doc)  # type: ignore[union-attr]
-            except Exception as exc:
-                stats.error(sig_slot, out_doc, exc)
-                drop = Drop(f"{sig_slot.spec.name}.error")
-                stats.passed(sig_slot.label, _nbytes(out_doc.text), None)
-                stats.removed(sig_slot.label, doc, drop)
-                removed.write(_removed_record(out_doc, drop, text))
-                continue
-            pickle.dump((out_doc.id, out_doc.domain, out_doc.key, sig), sigs_fh, protocol=5)
-        pickle.dump(out_doc, docs_fh, protocol=5)
+            waiting += 1
+            if waiting >= max(1, sig_slot.stage.signature_batch):  # type: ignore[union-attr]
+                _write_held(held, sig_slot, stats, removed, docs_fh, sigs_fh, text)
+                waiting = 0
+    if held:
+        _write_held(held, sig_slot, stats, removed, docs_fh, sigs_fh, text)
 
     if last:
         kept.commit()
@@ -506,6 +514,66 @@ def run_task(out: str, k: int, shard: int) -> None:
         os.replace(sigs_tmp, base.with_suffix(".sig"))
         removed.commit()
     _atomic_json(marker, stats.to_json())
+
+
+class _Failed:
+    """A document's signature that raised."""
+
+    def __init__(self, exc: Exception):
+        self.exc = exc
+
+
+def _signatures(slot: Slot, docs: list[Doc]) -> list[Any]:
+    """The stage's signatures of ``docs`` (a group at once, as :meth:`CorpusStage.signatures`); if the
+    group raises, each document alone, a failing one as :class:`_Failed`."""
+    stage: CorpusStage = slot.stage  # type: ignore[assignment]
+    if len(docs) > 1:
+        try:
+            sigs = stage.signatures(docs)
+            if len(sigs) == len(docs):
+                return sigs
+        except Exception:
+            log.debug(
+                "stage %s: a group of %d signatures failed; one document at a time", slot.label, len(docs)
+            )
+    out: list[Any] = []
+    for doc in docs:
+        try:
+            out.append(stage.signature(doc))
+        except Exception as exc:
+            out.append(_Failed(exc))
+    return out
+
+
+def _write_held(
+    held: list,
+    slot: Slot,
+    stats: ShardStats,
+    removed: _TextSink,
+    docs_fh: IO[bytes],
+    sigs_fh: IO[bytes],
+    text: bool,
+) -> None:
+    """Write ``held`` in order, with the signatures of its waiting documents; a failed signature removes
+    its document (``<stage>.error``, counted as :func:`_safe` counts)."""
+    sigs = iter(_signatures(slot, [item[1] for item in held if not isinstance(item, str) and item[2]]))
+    for item in held:
+        if isinstance(item, str):
+            removed.write(item)
+            continue
+        doc, out_doc, waits = item
+        if waits:
+            sig = next(sigs)
+            if isinstance(sig, _Failed):
+                stats.error(slot, out_doc, sig.exc)
+                drop = Drop(f"{slot.spec.name}.error")
+                stats.passed(slot.label, _nbytes(out_doc.text), None)
+                stats.removed(slot.label, doc, drop)
+                removed.write(_removed_record(out_doc, drop, text))
+                continue
+            pickle.dump((out_doc.id, out_doc.domain, out_doc.key, sig), sigs_fh, protocol=5)
+        pickle.dump(out_doc, docs_fh, protocol=5)
+    held.clear()
 
 
 def _pass_input(ctx: Context, k: int, shard: int, stats: ShardStats, removed: _TextSink) -> Iterator[Doc]:

@@ -20,10 +20,13 @@ from lmforge.train.checkpoint import list_checkpoints, load_checkpoint
 from lmforge.train.evaluate import evaluate, perplexity
 
 
-def load_run(run_dir: str | Path, device: torch.device) -> tuple[Config, Tokenizer, Transformer, int]:
-    """(config, tokenizer, model with the newest checkpoint's weights, step) of ``run_dir``."""
+def load_run(
+    run_dir: str | Path, device: torch.device, step: int | None = None
+) -> tuple[Config, Tokenizer, Transformer, int]:
+    """(config, tokenizer, model with the weights of checkpoint ``step`` (None: the newest), step) of
+    ``run_dir``."""
     run_dir = Path(run_dir)
-    ckpt = pick_checkpoint(run_dir)
+    ckpt = pick_checkpoint(run_dir, step)
     cfg = load_saved_config(ckpt / "config.toml")
     tok = Tokenizer(run_dir / "tokenizer.json")
     state = load_checkpoint(ckpt)

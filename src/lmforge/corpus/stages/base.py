@@ -100,6 +100,16 @@ class CorpusStage(_Stage):
     def signature(self, doc: Doc) -> Any:
         """A picklable summary of ``doc`` (a hash, a MinHash vector, ...); runs in parallel."""
 
+    signature_batch: int = 1
+    """How many documents the pipeline hands :meth:`signatures` at once (1: :meth:`signature` per document)."""
+
+    def signatures(self, docs: list[Doc]) -> list[Any]:
+        """The signatures of several documents, in order: ``[signature(d) for d in docs]`` up to floating-point
+        rounding. A stage whose work batches across documents (a model's forward pass) overrides it and sets
+        ``signature_batch``; if it raises, the pipeline calls :meth:`signature` on each document of the group,
+        so only a document that fails on its own is removed."""
+        return [self.signature(d) for d in docs]
+
     @abstractmethod
     def plan(self, signatures: Iterable[tuple[Doc | None, Any]], workdir: Path) -> dict[str, Any]:
         """Decide over all ``(doc_ref, signature)`` pairs in corpus order; write decisions under ``workdir``.

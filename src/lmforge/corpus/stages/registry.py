@@ -29,6 +29,7 @@ STAGES: dict[str, str] = {
     "dedup_exact": "lmforge.corpus.stages.dedup_exact:ExactDedup",
     "dedup_minhash": "lmforge.corpus.stages.dedup_minhash:MinHashDedup",
     "dedup_substring": "lmforge.corpus.stages.dedup_substring:SubstringDedup",
+    "perplexity": "lmforge.corpus.stages.perplexity:Perplexity",
 }
 
 StageClass = type[DocStage] | type[CorpusStage]
