@@ -119,8 +119,8 @@ def _cli(capsys, *argv: str) -> tuple[int, str]:
 @pytest.mark.parametrize(
     ("stage", "says"),
     [
-        ('run = "{tmp}/nowhere"', "stages[0].run: perplexity: {tmp}/nowhere is not an lmforge run folder"),
-        ('run = "{run}"\nstep = 7', "stages[0].step: perplexity: {run} has no checkpoint of step 7"),
+        ('run = "{tmp}/nowhere"', "perplexity.run: {tmp}/nowhere is not an lmforge run folder"),
+        ('run = "{run}"\nstep = 7', "perplexity.step: {run} has no checkpoint of step 7"),
     ],
 )
 def test_a_bad_run_folder_stops_lmforge_data_before_out(run, tmp_path, capsys, stage, says):

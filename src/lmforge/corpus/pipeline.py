@@ -674,6 +674,9 @@ def run_pipeline(
     from lmforge.corpus.executors import make_executor
 
     out = Path(out)
+    Stages(
+        cfg
+    )  # every stage built once first: a missing model or list file stops the run before OUT is written
     plan = prepare_out(cfg, out)
     ctx = load_context(out)
     n = len(plan["shards"])

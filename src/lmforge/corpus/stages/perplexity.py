@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from lmforge.corpus.document import Doc, Drop
 from lmforge.corpus.executors import threads_per_worker
-from lmforge.corpus.lm_scorer import LMScorer, checkpoint_of
+from lmforge.corpus.lm_scorer import LMScorer
 from lmforge.corpus.stages.base import CorpusStage, Knob, StageParams
 from lmforge.errors import ConfigError
 
@@ -68,25 +68,6 @@ class PerplexityParams(StageParams):
     threads: int | None = Field(
         None, ge=1, description="torch threads per worker process (None: usable cores / worker processes)"
     )
-
-    @field_validator("run")
-    @classmethod
-    def _run(cls, value: str) -> str:
-        try:
-            checkpoint_of(value)
-        except ConfigError as exc:
-            raise ValueError(str(exc).removeprefix("run: ")) from None
-        return value
-
-    @field_validator("step")
-    @classmethod
-    def _step(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and "run" in info.data:
-            try:
-                checkpoint_of(info.data["run"], value)
-            except ConfigError as exc:
-                raise ValueError(str(exc).removeprefix("step: ")) from None
-        return value
 
     @model_validator(mode="after")
     def _ranges(self) -> PerplexityParams:
