@@ -95,3 +95,17 @@ def test_diversity_and_entropy_measures():
     assert vocab_entropy(Counter({"a": 1})) == 0.0
     p = [0.75, 0.25]
     assert vocab_entropy(Counter({"x": 3, "y": 1})) == pytest.approx(-sum(q * math.log2(q) for q in p))
+
+
+def test_tables_move_entry_by_entry_and_on_off_rules_switch_at_50():
+    rep = _recipe({"name": "gopher_repetition"}).stages[0]
+    assert spec_at(rep, 50).params["top_ngram_char_frac"] == {
+        2: pytest.approx(0.6),
+        3: pytest.approx(0.59),
+        4: pytest.approx(0.58),
+    }
+    assert spec_at(rep, 100).params["dup_ngram_char_frac"][10] == pytest.approx(0.10)
+    c4 = _recipe({"name": "c4", "filter_no_terminal_punct": False}).stages[0]
+    assert spec_at(c4, 49).params["filter_curly_bracket"] is False
+    assert spec_at(c4, 50).params["filter_curly_bracket"] is True
+    assert spec_at(c4, 100).params["filter_no_terminal_punct"] is False  # the recipe turned it off

@@ -312,8 +312,9 @@ def sweep_chart(result: dict[str, Any], quality_label: str, path: Path) -> Any:
     ax4.plot(x, [r["vocab_entropy_bits"] for r in rows], "^:", color="tab:red")
     ax4.set_ylabel("word entropy (bits)", color="tab:red")
     for ax in (ax1, ax2, ax3):
-        ax.set_xlabel("strictness level (0: no filtering, 100: strictest documented)")
+        ax.set_xlabel("strictness level")
         ax.grid(alpha=0.3)
+    fig.suptitle("strictness 0: no filtering, 100: the strictest documented thresholds", fontsize=9)
     FigureCanvasAgg(fig)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=100)

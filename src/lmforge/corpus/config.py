@@ -266,13 +266,21 @@ def reference_markdown() -> str:
     return "\n".join(out) + "\n"
 
 
+def _knob_range(knob: Any) -> str:
+    if isinstance(knob.strict, bool):
+        return "off → on (from level 50)"
+    if isinstance(knob.strict, dict):
+        return f"{knob.lenient:g} → " + "{" + ", ".join(f"{n}: {v:g}" for n, v in knob.strict.items()) + "}"
+    return f"{knob.lenient:g} → {knob.strict:g}"
+
+
 def _strictness_lines(cls: Any) -> list[str]:
     """How ``lmforge data sweep`` moves the stage from lenient to strict (docs/data.md)."""
     if not cls.filters:
         return ["", "Strictness: not a filter; it runs at every level of `lmforge data sweep`, 0 included."]
     if not cls.strictness:
         return ["", "Strictness: left out at level 0; no threshold moves, the same at every level above 0."]
-    knobs = ", ".join(f"`{k.param}` {k.lenient:g} → {k.strict:g}" for k in cls.strictness)
+    knobs = ", ".join(f"`{k.param}` {_knob_range(k)}" for k in cls.strictness)
     return ["", f"Strictness (lenient → strict, level 0: left out): {knobs}."]
 
 

@@ -3,8 +3,9 @@
 Each stage declares its knobs (:class:`~lmforge.corpus.stages.base.Knob`: a parameter, its lenient and
 its strict value). At level 0 no stage with ``filters = True`` runs (stages that only change text, such
 as ``extract``, ``normalize`` and ``pii``, still do). At a level ``L`` in (0, 100] every knob's parameter
-is set to ``lenient + (strict - lenient) * L / 100``; a parameter the recipe sets to ``None`` (rule off)
-stays off, and parameters without a knob keep the recipe's value. Level 100 is the strictest documented
+is set to ``lenient + (strict - lenient) * L / 100`` (a table entry by entry; an on/off rule is on from
+level 50); a parameter the recipe sets to ``None`` or ``false`` (rule off) stays off, and parameters
+without a knob keep the recipe's value. Level 100 is the strictest documented
 setting of every stage (for most, the published values that are also their defaults).
 """
 
@@ -35,7 +36,7 @@ def spec_at(spec: StageSpec, level: float) -> StageSpec | None:
     params: dict[str, Any] = dict(spec.params)
     for knob in cls.strictness:
         configured = params.get(knob.param, defaults.get(knob.param, 0))
-        if configured is None:  # the recipe turned this rule off: strictness does not turn it on
+        if configured is None or configured is False:  # a rule turned off stays off at every level
             continue
         params[knob.param] = knob.value(level)
     cls.Params.model_validate(params)  # a knob outside a parameter's range is a bug in the stage

@@ -40,16 +40,22 @@ class Knob:
 
     ``value(L) = lenient + (strict - lenient) * L / 100`` for a level ``L`` in (0, 100], rounded for
     ``integer`` parameters. ``lenient`` removes (almost) nothing, ``strict`` is the strictest value a
-    published recipe uses (the stage's docstring says which); the stage's default lies between.
+    published recipe uses (the stage's docstring says which). A table of thresholds (``strict`` a dict,
+    such as Gopher's n-gram fractions) moves entry by entry from ``lenient``; an on/off rule (both ends
+    booleans) takes its strict setting from level 50 on.
     """
 
     param: str
-    lenient: float
-    strict: float
+    lenient: float | bool
+    strict: float | bool | dict[int, float]
     integer: bool = False
 
-    def value(self, level: float) -> float | int:
+    def value(self, level: float) -> float | int | bool | dict[int, float]:
         """The parameter's value at strictness ``level`` (0..100)."""
+        if isinstance(self.strict, bool):
+            return self.strict if level >= 50 else bool(self.lenient)
+        if isinstance(self.strict, dict):
+            return {n: self.lenient + (v - self.lenient) * level / 100.0 for n, v in self.strict.items()}
         v = self.lenient + (self.strict - self.lenient) * level / 100.0
         return round(v) if self.integer else v
 

@@ -290,12 +290,14 @@ class GopherRepetition(DocStage):
     name = "gopher_repetition"
     Params = GopherRepetitionParams
     filters = True
-    # strict end: the paper's table; the n-gram tables stay as configured at every level
+    # strict end: the paper's table (the n-gram tables entry by entry from 1.0)
     strictness = (
         Knob("max_dup_line_frac", 1.0, 0.30),
         Knob("max_dup_para_frac", 1.0, 0.30),
         Knob("max_dup_line_char_frac", 1.0, 0.20),
         Knob("max_dup_para_char_frac", 1.0, 0.20),
+        Knob("top_ngram_char_frac", 1.0, {2: 0.20, 3: 0.18, 4: 0.16}),
+        Knob("dup_ngram_char_frac", 1.0, {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10}),
     )
 
     def process(self, doc: Doc) -> Doc | Drop:
@@ -409,10 +411,16 @@ class C4Filter(DocStage):
     name = "c4"
     Params = C4Params
     filters = True
-    # strict end: C4's released filter; the on/off line rules stay as configured at every level
+    # strict end: C4's released filter; its on/off rules are on from level 50 (a rule the recipe turns
+    # off stays off)
     strictness = (
         Knob("min_words_per_line", 0, 5, integer=True),
         Knob("min_sentences", 0, 3, integer=True),
+        Knob("filter_no_terminal_punct", False, True),
+        Knob("filter_ellipsis_lines", False, True),
+        Knob("filter_javascript", False, True),
+        Knob("filter_lorem_ipsum", False, True),
+        Knob("filter_curly_bracket", False, True),
     )
 
     def __init__(self, params: C4Params | None = None):
