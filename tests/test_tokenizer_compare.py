@@ -215,3 +215,8 @@ def test_compare_end_to_end_with_two_training_steps(corpus_dir, tmp_path, capsys
     assert configs[0] == configs[1]
     held = sum(1 for _ in (out / "work" / "held-out" / "code.jsonl").open())
     assert held == result["documents"]["held_out"] > 0
+    # training's own split (data.val_fraction over the written ids) is the comparison's held-out split
+    metas = [json.loads(p.read_text()) for p in (out / "work" / "cache").glob("*/meta.json")]
+    assert len(metas) == 2
+    for meta in metas:
+        assert meta["documents"] == {"code.train": result["documents"]["train"], "code.val": held}

@@ -167,8 +167,9 @@ def tokenizer_compare_chart(result: dict[str, Any], path: Path) -> Figure:
         ax.set_xticks(range(len(groups)), [f"{d}\n{v}" for d, v in groups], fontsize=8)
         ax.set_ylabel(label, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
+        ax.margins(y=0.2)  # room for the legend above the bars
         if i == 0:
-            ax.legend(fontsize=8, ncol=len(kinds))
+            ax.legend(fontsize=8, ncol=len(kinds), loc="upper right")
             ax.set_title("tokenizers on the held-out documents (domain / vocabulary size)", fontsize=10)
     _save(fig, path)
     return fig

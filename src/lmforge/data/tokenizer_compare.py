@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 DEFAULT_SOURCES = ("builtin:pystdlib",)
 DEFAULT_VOCAB_SIZES = (4096, 16384)
 HELD_OUT_FRACTION = 0.1
+WORDPIECE_BPB_NOTE = (
+    "wordpiece: its tokens leave out whitespace (round-trip 0), so its model never predicts spaces, "
+    "newlines or indentation that the others must; its bits per byte is not a like-for-like figure"
+)
 ALL = "all"  # the row over every domain
 BPB_NOTE = (
     "bits per byte = held-out token NLL (nats) / (ln 2 x UTF-8 bytes of the text): it compares across "
@@ -344,4 +348,6 @@ def format_table(result: dict) -> str:
     lines.append("round-trip: " + result["notes"]["round_trip"])
     if model:
         lines.append(BPB_NOTE)
+        if any(r["kind"] == "wordpiece" for r in result["results"]):
+            lines.append(WORDPIECE_BPB_NOTE)
     return "\n".join(lines)

@@ -2,8 +2,10 @@
 
 * ``bpe``: lmforge's own byte-level BPE (:func:`lmforge.data.tokenizer.train_tokenizer`): 256 byte symbols,
   so every string has a tokenization and there is no unknown token by construction.
-* ``unigram``: SentencePiece's unigram language model (Metaspace pre-tokenizer: spaces become ``▁``, pieces
-  never cross a space; no normalizer) with SentencePiece byte fallback: the 256 pieces ``<0x00>`` ..
+* ``unigram``: SentencePiece's unigram language model on the same pre-tokens as byte-level BPE (GPT-2's
+  split: a word with its leading space, runs of digits, of punctuation, of whitespace), spaces written as
+  ``▁`` (Metaspace, nothing prepended), no normalizer; with SentencePiece byte fallback: the 256 pieces
+  ``<0x00>`` ..
   ``<0xFF>`` are added after training and a character outside the learned pieces is written as its UTF-8
   bytes instead of ``<unk>`` (``tokenizers`` supports ``byte_fallback`` on its ``Unigram`` model). The
   trainer insists on a piece for every character it sees, so characters outside the most frequent
@@ -25,14 +27,17 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from lmforge.data.tokenizer import EOT, Tokenizer, train_tokenizer
 
 KINDS = ("bpe", "unigram", "wordpiece")
 UNIGRAM_UNK = "<unk>"
 WORDPIECE_UNK = "[UNK]"
+# GPT-2's pre-tokenization (what byte-level BPE's ByteLevel pre-tokenizer splits by): a word with its
+# leading space, digit runs, punctuation runs, whitespace runs (so an indentation is one unit)
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 BYTE_PIECES = tuple(f"<0x{b:02X}>" for b in range(256))
 # smallest vocabulary each kind is trained at: BPE 256 bytes + EOT + 1 merge; unigram EOT + <unk> + 256
 # byte pieces + 126 learned pieces; WordPiece: room for a character alphabet of about a hundred symbols
@@ -80,7 +85,12 @@ def _train_unigram(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     learned = vocab_size - len(BYTE_PIECES)  # the pieces the trainer picks, its two specials included
     texts = frequent_chars_only(list(texts), (learned - 2) // 2)  # at least half for longer pieces
     tok = HFTokenizer(models.Unigram())
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(GPT2_PATTERN), behavior="isolated"),
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False),
+        ]
+    )
     trainer = trainers.UnigramTrainer(
         vocab_size=learned,
         special_tokens=[EOT, UNIGRAM_UNK],
@@ -97,7 +107,7 @@ def _train_unigram(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     model["byte_fallback"] = True
     tok = HFTokenizer.from_str(json.dumps(spec))
     tok.decoder = decoders.Sequence(
-        [decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="never", split=True)]
+        [decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="never", split=False)]
     )
     return tok
 
