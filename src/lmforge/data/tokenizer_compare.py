@@ -13,6 +13,7 @@ tokenizers (loss per token does not: a token covers a different amount of text u
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import logging
@@ -37,14 +38,14 @@ log = logging.getLogger(__name__)
 DEFAULT_SOURCES = ("builtin:pystdlib",)
 DEFAULT_VOCAB_SIZES = (4096, 16384)
 HELD_OUT_FRACTION = 0.1
-WORDPIECE_BPB_NOTE = (
-    "wordpiece: its tokens leave out whitespace (round-trip 0), so its model never predicts spaces, "
-    "newlines or indentation that the others must; its bits per byte is not a like-for-like figure"
-)
 ALL = "all"  # the row over every domain
 BPB_NOTE = (
     "bits per byte = held-out token NLL (nats) / (ln 2 x UTF-8 bytes of the text): it compares across "
     "tokenizers; loss per token does not (a token covers a different amount of text under each tokenizer)"
+)
+WORDPIECE_BPB_NOTE = (
+    "wordpiece: its tokens leave out whitespace (round-trip 0), so its model never predicts spaces, "
+    "newlines or indentation that the others must; its bits per byte is not a like-for-like figure"
 )
 
 
@@ -155,8 +156,7 @@ def load_documents(s: CompareSettings) -> tuple[list[Doc], list[Doc]]:
 
 
 def _rank(doc_id: str, seed: int) -> bytes:
-    import hashlib
-
+    """The sampling order of ``--max-docs``: BLAKE2b-64 of ``"sample/<seed>/<id>"``."""
     return hashlib.blake2b(f"sample/{seed}/{doc_id}".encode(), digest_size=8).digest()
 
 
