@@ -138,3 +138,38 @@ def memory_chart(
     ax.grid(alpha=0.3, axis="y")
     _save(fig, path)
     return fig
+
+
+def tokenizer_compare_chart(result: dict[str, Any], path: Path) -> Figure:
+    """``lmforge tokenizers compare``: one panel per metric (fertility, bytes per token and, when a model
+    was trained, held-out bits per byte); bars per tokenizer kind, grouped by (domain, vocabulary size)."""
+    rows = result["results"]
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    sizes = list(dict.fromkeys(r["vocab_size"] for r in rows))
+    domains = result["domains"]
+    groups = [(d, v) for d in domains for v in sizes]
+    panels = [("fertility", "tokens per word (fertility)"), ("bytes_per_token", "UTF-8 bytes per token")]
+    model = all("model" in r for r in rows) and rows
+    if model:
+        panels.append(("bpb", f"held-out bits per byte after {rows[0]['model']['steps']} steps"))
+    fig = Figure(figsize=(max(7.0, 1.1 * len(groups) + 2), 3.0 * len(panels)))
+    width = 0.8 / len(kinds)
+    for i, (key, label) in enumerate(panels):
+        ax = fig.add_subplot(len(panels), 1, i + 1)
+        for k, kind in enumerate(kinds):
+            values = []
+            for d, v in groups:
+                row = next(r for r in rows if r["kind"] == kind and r["vocab_size"] == v)
+                source = row["model"]["domains"] if key == "bpb" else row["domains"]
+                values.append(source.get(d, {}).get(key, float("nan")))
+            xs = [g + (k - (len(kinds) - 1) / 2) * width for g in range(len(groups))]
+            ax.bar(xs, values, width, label=kind)
+        ax.set_xticks(range(len(groups)), [f"{d}\n{v}" for d, v in groups], fontsize=8)
+        ax.set_ylabel(label, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.margins(y=0.2)  # room for the legend above the bars
+        if i == 0:
+            ax.legend(fontsize=8, ncol=len(kinds), loc="upper right")
+            ax.set_title("tokenizers on the held-out documents (domain / vocabulary size)", fontsize=10)
+    _save(fig, path)
+    return fig
