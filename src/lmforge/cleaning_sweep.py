@@ -124,8 +124,9 @@ def pick_reference(cfg: PipelineConfig, classifier: str | None, run: str | None)
     )
 
 
-def load_reference(kind: str, path: str) -> Reference:
-    """The scorer behind ``(kind, path)``; a missing file or run is a one-line ConfigError."""
+def load_reference(kind: str, path: str, max_tokens: int = 512) -> Reference:
+    """The scorer behind ``(kind, path)``; a missing file or run is a one-line ConfigError. A run scores
+    the first ``max_tokens`` tokens of each document."""
     if kind == "classifier":
         from lmforge.corpus.quality_model import QualityModel
 
@@ -139,7 +140,7 @@ def load_reference(kind: str, path: str) -> Reference:
 
     if not Path(path).is_dir():
         raise ConfigError(f"--reference-run: {path} is not a run folder; give the folder of a trained run")
-    scorer = LMScorer(path)
+    scorer = LMScorer(path, max_tokens=max_tokens)
     return Reference(kind, path, scorer.score)
 
 
@@ -205,6 +206,7 @@ def run_sweep(
     workers: int | None = None,
     executor: str | None = None,
     seed: int = 0,
+    reference_tokens: int = 512,
 ) -> dict[str, Any]:
     """Run ``cfg`` at every level into ``OUT/level-*``, measure the kept documents, write
     ``OUT/sweep.json`` and ``OUT/sweep.png``; returns the JSON's content."""
@@ -215,7 +217,11 @@ def run_sweep(
     if ngram < 1:
         raise ConfigError(f"--ngram: {ngram} is below 1")
     kind, path = reference if reference is not None else pick_reference(cfg, None, None)
-    ref = load_reference(kind, path)  # before any work: a bad reference stops the sweep at once
+    if reference_tokens < 1:
+        raise ConfigError(f"--reference-tokens: {reference_tokens} is below 1")
+    ref = load_reference(
+        kind, path, reference_tokens
+    )  # before any work: a bad reference stops the sweep at once
     configs = {lv: config_at(cfg, lv) for lv in levels}
     out.mkdir(parents=True, exist_ok=True)
     reports: dict[float, dict[str, Any]] = {}
@@ -259,6 +265,7 @@ def run_sweep(
     result = {
         "levels": list(levels),
         "reference": {"kind": ref.kind, "path": ref.path, "higher_is_better": ref.higher_is_better},
+        "reference_tokens": reference_tokens if ref.kind == "perplexity" else None,
         "tokenizer": tok_path,
         "ngram": ngram,
         "k_words": k_words,

@@ -891,6 +891,12 @@ def build_sweep_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--reference-run", metavar="RUN", help="score quality by perplexity under this run's model"
     )
+    p.add_argument(
+        "--reference-tokens",
+        type=int,
+        default=512,
+        help="--reference-run scores each document's first N tokens (default 512)",
+    )
     p.add_argument("--tokenizer", help="tokenizer.json counting tokens (default: see docs/data.md)")
     p.add_argument(
         "--ngram", type=int, default=2, help="word n-gram size of the diversity measure (default 2)"
@@ -912,7 +918,10 @@ def cmd_data_sweep(args: argparse.Namespace, extra: list[str]) -> int:
             f"--tokenizer: {args.tokenizer} does not exist; give a tokenizer.json or leave it out"
         )
     ref = pick_reference(cfg, args.reference_classifier, args.reference_run)
-    result = run_sweep(cfg, args.out, levels, ref, args.tokenizer, args.ngram, args.workers, seed=args.seed)
+    result = run_sweep(
+        cfg, args.out, levels, ref, args.tokenizer, args.ngram, args.workers,
+        seed=args.seed, reference_tokens=args.reference_tokens,
+    )  # fmt: skip
     print(sweep_table(result))
     print(f"wrote {args.out}/sweep.json and {args.out}/sweep.png")
     return 0
