@@ -84,12 +84,11 @@ def test_percentile_bounds_ignore_documents_without_tokens():
 def test_parameters_are_checked(run, tmp_path):
     with pytest.raises(ValidationError, match="min_percentile must not exceed"):
         PerplexityParams(run=str(run), min_percentile=60, max_percentile=50)
-    with pytest.raises(ValidationError, match="is not an lmforge run folder"):
-        PerplexityParams(run=str(tmp_path))
-    with pytest.raises(ValidationError, match="no checkpoint of step 7"):
-        PerplexityParams(run=str(run), step=7)
+    # the run is checked when the stage is built (a recipe may name a run still to be trained)
     with pytest.raises(ConfigError, match=r"^perplexity\.run: .* is not an lmforge run folder"):
-        Perplexity(PerplexityParams.model_construct(run=str(tmp_path)))  # built without validation
+        Perplexity(PerplexityParams(run=str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"^perplexity\.step: .* no checkpoint of step 7"):
+        Perplexity(PerplexityParams(run=str(run), step=7))
 
 
 def test_threads_default_to_the_workers_share_of_the_cores(monkeypatch):
