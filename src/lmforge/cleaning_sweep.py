@@ -102,7 +102,11 @@ class Reference:
 
     @property
     def label(self) -> str:
-        return "classifier P(good)" if self.kind == "classifier" else "reference-model perplexity"
+        return (
+            "classifier P(good), higher is better"
+            if self.kind == "classifier"
+            else "perplexity, lower is better"
+        )
 
 
 def pick_reference(cfg: PipelineConfig, classifier: str | None, run: str | None) -> tuple[str, str]:
