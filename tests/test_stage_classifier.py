@@ -5,7 +5,6 @@ work, and a whole ``lmforge data`` run chaining ``classifier`` and ``blocklist``
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 
@@ -25,16 +24,6 @@ def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("model") / "quality.npz"
     model.save(path)
     return path
-
-
-@pytest.fixture
-def restore_logging():
-    """The CLI points lmforge's logger at the captured stderr; give it back."""
-    logger = logging.getLogger("lmforge")
-    handlers, level = logger.handlers[:], logger.level
-    yield
-    logger.handlers[:] = handlers
-    logger.setLevel(level)
 
 
 def test_scores_in_meta_and_removes_below_threshold(model_path):
@@ -80,7 +69,7 @@ def _records(folder):
     return [r for p in sorted(folder.glob("*.jsonl*")) for r in readers.json_records(p)]
 
 
-def test_data_run_with_classifier_and_blocklist(tmp_path, model_path, restore_logging):
+def test_data_run_with_classifier_and_blocklist(tmp_path, model_path, cli_logging):
     prose, spam = make_texts("prose", 6, 20), make_texts("spam", 4, 21)
     prose[0] += " The delta is full of gravel and grit."  # a listed phrase across a line break below
     prose[0] = prose[0].replace("full of gravel", "full of\ngravel")
@@ -106,7 +95,7 @@ def test_data_run_with_classifier_and_blocklist(tmp_path, model_path, restore_lo
     assert all(removed[f"s{i}"]["value"] < 0.5 and removed[f"s{i}"]["threshold"] == 0.5 for i in range(4))
 
 
-def test_data_run_with_a_missing_model_exits_2_before_any_work(tmp_path, model_path, capsys, restore_logging):
+def test_data_run_with_a_missing_model_exits_2_before_any_work(tmp_path, model_path, capsys, cli_logging):
     """Every stage is built before OUT is written: nothing is there after the error, and the same command
     runs once the model is there."""
     src = tmp_path / "in.jsonl"

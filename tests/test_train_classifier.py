@@ -4,7 +4,6 @@ printed figures, sampling), and bad input as one line with exit status 2 and not
 from __future__ import annotations
 
 import json
-import logging
 import random
 
 import numpy as np
@@ -17,15 +16,7 @@ from lmforge.corpus.quality_model import QualityModel
 from lmforge.corpus.train_classifier import sample
 from tests.test_quality_model import make_texts
 
-
-@pytest.fixture(autouse=True)
-def restore_logging():
-    """The CLI points lmforge's logger at the captured stderr; give it back."""
-    logger = logging.getLogger("lmforge")
-    handlers, level = logger.handlers[:], logger.level
-    yield
-    logger.handlers[:] = handlers
-    logger.setLevel(level)
+pytestmark = pytest.mark.usefixtures("cli_logging")  # the CLI points lmforge's logger at stderr
 
 
 def _inputs(tmp_path) -> None:

@@ -32,6 +32,11 @@ class Doc:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+def key_text(key: tuple[int, int, int]) -> str:
+    """A document's corpus-order key as text (``"source:file:line"``), as stages store it in SQLite."""
+    return ":".join(map(str, key))
+
+
 @dataclass(frozen=True)
 class Drop:
     """Why a document was removed: ``reason`` is ``"<stage>.<rule>"``; duplicates name the kept one.

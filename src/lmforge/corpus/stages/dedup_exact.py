@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.document import Doc, Drop, key_text
 from lmforge.corpus.stages.base import CorpusStage, StageParams
 
 _SPACE = re.compile(r"\s+")
@@ -54,10 +54,6 @@ def normalise(text: str, p: ExactDedupParams) -> str:
     return text
 
 
-def _key(key: tuple[int, int, int]) -> str:
-    return ":".join(map(str, key))
-
-
 class ExactDedup(CorpusStage):
     name: ClassVar[str] = "dedup_exact"
     Params: ClassVar[type[StageParams]] = ExactDedupParams
@@ -83,7 +79,7 @@ class ExactDedup(CorpusStage):
         for ref, sig in signatures:
             assert ref is not None
             total += 1
-            cur = db.execute("INSERT OR IGNORE INTO first VALUES (?, ?, ?)", (sig, _key(ref.key), ref.id))
+            cur = db.execute("INSERT OR IGNORE INTO first VALUES (?, ?, ?)", (sig, key_text(ref.key), ref.id))
             duplicates += cur.rowcount == 0
         db.commit()
         db.close()
@@ -96,7 +92,7 @@ class ExactDedup(CorpusStage):
             uri = f"file:{(workdir / DB).resolve()}?mode=ro&immutable=1"
             db = self._db[workdir] = sqlite3.connect(uri, uri=True, check_same_thread=False)
         row = db.execute("SELECT k, id FROM first WHERE h = ?", (self.signature(doc),)).fetchone()
-        if row is None or row[0] == _key(doc.key):
+        if row is None or row[0] == key_text(doc.key):
             return doc
         return self.drop("duplicate", duplicate_of=row[1])
 

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import Field, model_validator
 
-from lmforge.corpus.document import Doc, Drop
+from lmforge.corpus.document import Doc, Drop, key_text
 from lmforge.corpus.executors import threads_per_worker
 from lmforge.corpus.lm_scorer import LMScorer
 from lmforge.corpus.stages.base import CorpusStage, Knob, StageParams
@@ -106,10 +106,6 @@ def decide(
     return None
 
 
-def _key(key: tuple[int, int, int]) -> str:
-    return ":".join(map(str, key))
-
-
 class Perplexity(CorpusStage):
     """Scores documents with a run's model; keeps a perplexity band and percentile range of the corpus."""
 
@@ -155,7 +151,7 @@ class Perplexity(CorpusStage):
             assert ref is not None
             scores.append(float(sig))
             db.execute(
-                "INSERT INTO score VALUES (?, ?)", (_key(ref.key), sig if math.isfinite(sig) else None)
+                "INSERT INTO score VALUES (?, ?)", (key_text(ref.key), sig if math.isfinite(sig) else None)
             )
         db.commit()
         db.close()
@@ -191,9 +187,9 @@ class Perplexity(CorpusStage):
                 tuple(bounds) if bounds is not None else None,
             )
         db, bounds = self._db[workdir]
-        row = db.execute("SELECT s FROM score WHERE k = ?", (_key(doc.key),)).fetchone()
+        row = db.execute("SELECT s FROM score WHERE k = ?", (key_text(doc.key),)).fetchone()
         if row is None:
-            raise KeyError(f"document {doc.id} ({_key(doc.key)}) has no score in the plan")
+            raise KeyError(f"document {doc.id} ({key_text(doc.key)}) has no score in the plan")
         score = math.nan if row[0] is None else float(row[0])
         rule = decide(score, bounds, p)
         if rule is not None:
