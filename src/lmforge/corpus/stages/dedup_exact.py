@@ -24,6 +24,7 @@ from pydantic import Field
 
 from lmforge.corpus.document import Doc, Drop, key_text
 from lmforge.corpus.stages.base import CorpusStage, StageParams
+from lmforge.corpus.stages.docindex import scratch_db
 
 _SPACE = re.compile(r"\s+")
 DB = "first_holders.sqlite"
@@ -68,12 +69,7 @@ class ExactDedup(CorpusStage):
         return hashlib.blake2b(normalise(doc.text, self.params).encode("utf-8"), digest_size=16).digest()
 
     def plan(self, signatures: Iterable[tuple[Doc | None, Any]], workdir: Path) -> dict[str, Any]:
-        workdir.mkdir(parents=True, exist_ok=True)
-        tmp = workdir / (DB + ".tmp")
-        tmp.unlink(missing_ok=True)
-        db = sqlite3.connect(tmp)
-        db.execute("PRAGMA journal_mode=OFF")
-        db.execute("PRAGMA synchronous=OFF")
+        db, tmp = scratch_db(workdir / DB)
         db.execute("CREATE TABLE first (h BLOB PRIMARY KEY, k TEXT, id TEXT) WITHOUT ROWID")
         total = duplicates = 0
         for ref, sig in signatures:

@@ -22,6 +22,18 @@ from lmforge.errors import DataError
 _READERS: dict[tuple[int, str], sqlite3.Connection] = {}
 
 
+def scratch_db(path: Path) -> tuple[sqlite3.Connection, Path]:
+    """A new SQLite file at ``path`` + ``.tmp`` (an older one removed) without journal or syncs, and
+    that temporary path: ``plan`` fills it, closes it and renames it to ``path`` once it is complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    db = sqlite3.connect(tmp)
+    db.execute("PRAGMA journal_mode=OFF")
+    db.execute("PRAGMA synchronous=OFF")
+    return db, tmp
+
+
 class DocIndexWriter:
     """Writes ``docs(idx, id, a, b)`` and ``links(idx, other, value)`` rows; :meth:`close` indexes them and renames the file into place.
 
@@ -31,11 +43,7 @@ class DocIndexWriter:
     def __init__(self, path: Path, stage: str):
         self.path = Path(path)
         self.stage = stage
-        self.tmp = self.path.with_name(self.path.name + ".tmp")
-        self.tmp.unlink(missing_ok=True)
-        self.conn = sqlite3.connect(self.tmp)
-        self.conn.execute("PRAGMA journal_mode=OFF")
-        self.conn.execute("PRAGMA synchronous=OFF")
+        self.conn, self.tmp = scratch_db(self.path)
         self.conn.execute(
             "CREATE TABLE docs (idx INTEGER PRIMARY KEY, id TEXT NOT NULL, a INTEGER, b INTEGER)"
         )

@@ -38,6 +38,7 @@ from lmforge.corpus.document import Doc, Drop, key_text
 from lmforge.corpus.executors import threads_per_worker
 from lmforge.corpus.lm_scorer import LMScorer
 from lmforge.corpus.stages.base import CorpusStage, Knob, StageParams
+from lmforge.corpus.stages.docindex import scratch_db
 from lmforge.errors import ConfigError
 
 DB = "scores.sqlite"
@@ -139,12 +140,7 @@ class Perplexity(CorpusStage):
     def plan(self, signatures: Iterable[tuple[Doc | None, Any]], workdir: Path) -> dict[str, Any]:
         p = self.params
         assert isinstance(p, PerplexityParams)
-        workdir.mkdir(parents=True, exist_ok=True)
-        tmp = workdir / (DB + ".tmp")
-        tmp.unlink(missing_ok=True)
-        db = sqlite3.connect(tmp)
-        db.execute("PRAGMA journal_mode=OFF")
-        db.execute("PRAGMA synchronous=OFF")
+        db, tmp = scratch_db(workdir / DB)
         db.execute("CREATE TABLE score (k TEXT PRIMARY KEY, s REAL) WITHOUT ROWID")
         scores: list[float] = []
         for ref, sig in signatures:
