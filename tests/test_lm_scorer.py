@@ -13,48 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.corpus.lm_scorer import LMScorer, windows
-from lmforge.corpus.pystdlib import stdlib_root
 from lmforge.errors import ConfigError
-from lmforge.recipe import load_config
-from lmforge.train.launch import train
 from lmforge.train.run_loading import load_run
-from tests.conftest import tiny_overrides
+from tests.conftest import training_texts
 
 SEQ = 32  # tiny_overrides' data.seq_len
-
-
-def train_tiny(root: Path) -> Path:
-    """A tiny run that learns a small text (``bisect.py`` of the standard library, about 3 KB, cut at its
-    functions) nearly by heart in 60 steps (seconds): checkpoints at steps 30 and 60. Returns the run."""
-    corpus = root / "corpus"
-    corpus.mkdir(parents=True)
-    (corpus / "stdlib.jsonl").write_text(
-        "".join(
-            json.dumps({"id": f"bisect.py#{i}", "text": t}) + "\n" for i, t in enumerate(training_texts())
-        )
-    )
-    over = tiny_overrides(corpus, root / "data") | {
-        "data.vocab_size": 384,
-        "model.d_model": 64,
-        "train.micro_batch_size": 16,
-        "train.steps": 60,
-        "train.checkpoint_interval": 30,
-        "train.eval_interval": 0,
-        "train.sample_tokens": 0,
-        "optim.lr": 1e-2,
-    }
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: a second thread only waits on a shared machine
-    try:
-        train(load_config(None, over), root / "run", progress_bar=False)
-    finally:
-        torch.set_num_threads(threads)
-    return root / "run"
-
-
-def training_texts() -> list[str]:
-    text = (stdlib_root() / "bisect.py").read_text(encoding="utf-8")
-    return [("def " if i else "") + chunk for i, chunk in enumerate(text.split("\ndef ")) if len(chunk) > 40]
 
 
 @pytest.fixture(autouse=True)
@@ -63,9 +26,9 @@ def _threads():
     torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    return train_tiny(tmp_path_factory.mktemp("lm_scorer"))
+@pytest.fixture
+def run(scorer_run) -> Path:
+    return scorer_run
 
 
 @pytest.fixture(scope="module")

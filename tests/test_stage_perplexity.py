@@ -21,7 +21,7 @@ from lmforge.corpus.executors import WORKERS_ENV, default_workers, threads_per_w
 from lmforge.corpus.lm_scorer import LMScorer
 from lmforge.corpus.stages.perplexity import Perplexity, PerplexityParams, percentile_bounds
 from lmforge.errors import ConfigError
-from tests.test_lm_scorer import train_tiny, training_texts
+from tests.conftest import training_texts
 
 SCORES = [10.0, 1.0, 9.0, 2.0, 8.0, 3.0, 7.0, 4.0, 6.0, 5.0]
 
@@ -32,9 +32,9 @@ def _threads():
     torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    return train_tiny(tmp_path_factory.mktemp("stage_perplexity"))
+@pytest.fixture
+def run(scorer_run) -> Path:
+    return scorer_run
 
 
 def _plan_and_apply(run: Path, workdir: Path, scores: list[float], **params) -> tuple[dict, list]:
