@@ -169,3 +169,91 @@ def training_texts() -> list[str]:
 def scorer_run(tmp_path_factory) -> Path:
     """The tiny run of :func:`train_tiny`, trained once for every test that scores with a model."""
     return train_tiny(tmp_path_factory.mktemp("scorer_run"))
+
+
+# ---- the web app in a real browser (tests/test_web_*.py) ----------------------------------------------
+
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's package (`apt-get install chromium`), as .ci/run installs it
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Headless Chromium driven by Playwright; the tests skip when either is missing (README: browser
+    tests)."""
+    playwright_api = pytest.importorskip("playwright.sync_api", reason="pip install -e '.[dev]' installs it")
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} missing: apt-get install chromium (what .ci/run does)")
+    with playwright_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def serve():
+    """``serve(runs_dir, poll_ms=300) -> base URL``: the web app on a free local port until the test ends."""
+    from contextlib import ExitStack
+
+    from lmforge.web.app import create_app
+    from lmforge.web.server import running
+
+    with ExitStack() as stack:
+
+        def start(runs_dir: Path, poll_ms: int = 300) -> str:
+            return stack.enter_context(running(create_app(Path(runs_dir), poll_ms)))
+
+        yield start
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh browser page; at the end of the test, no console error and no uncaught page error may have
+    happened on it."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    p = context.new_page()
+    errors: list[str] = []
+    p.on(
+        "console",
+        lambda msg: errors.append(f"console.{msg.type}: {msg.text}") if msg.type == "error" else None,
+    )
+    p.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
+    p.errors = errors
+    yield p
+    context.close()
+    assert not errors, f"errors in the browser: {errors}"
+
+
+def renders(page) -> int:
+    """How many renders the page finished (``<body data-renders>``, counted by static/common.js)."""
+    return int(page.evaluate("document.body.dataset.renders"))
+
+
+def wait_render(page, after: int = 0, timeout_ms: int = 20000) -> None:
+    """Wait until the page finished more than ``after`` renders."""
+    page.wait_for_function(f"Number(document.body.dataset.renders) > {after}", timeout=timeout_ms)
+
+
+def figure(page, key: str) -> float:
+    """The exact figure behind the element with ``data-key=key`` (its ``data-value``)."""
+    return float(page.get_attribute(f"[data-key='{key}']", "data-value"))
+
+
+def screenshot(page, name: str, tmp_path: Path) -> Path:
+    """A full-page PNG of ``page``: into ``$LMFORGE_SCREENSHOTS/<name>.png`` when that is set (how
+    docs/visual-tools/ is made), else into ``tmp_path``."""
+    import os
+
+    folder = Path(os.environ.get("LMFORGE_SCREENSHOTS") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{name}.png"
+    page.screenshot(path=str(out), full_page=True)
+    return out

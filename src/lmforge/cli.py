@@ -224,6 +224,28 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_dashboard(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.web.app import create_app
+    from lmforge.web.server import bind, url_of
+
+    runs = Path(args.runs_dir)
+    if not runs.is_dir():
+        raise UserError(f"RUNS_DIR: {runs} is not a folder; give the folder that holds your run folders")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port: {args.port} is out of range; give 0..65535 (0: any free port)")
+    if args.poll_ms < 100:
+        raise UserError(f"--poll-ms: {args.poll_ms} is too small; give at least 100")
+    server = bind(create_app(runs, args.poll_ms), args.host, args.port)
+    print(f"lmforge dashboard: {runs.resolve()} (read-only) at {url_of(server)}; Ctrl-C stops", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 def check_sampling_args(args: argparse.Namespace) -> None:
     """UserError naming the first ``generate`` flag out of its range."""
     rules = [
@@ -1003,6 +1025,23 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN", help="run folders")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser(
+        "dashboard",
+        help="local web app: live training dashboard and interactive planners (docs/visual-tools.md)",
+        description="Serve RUNS_DIR read-only on a local address: the runs with live curves, events, overlays "
+        "and config differences, and the planners (memory, checkpointing, ZeRO, parallelism, schedules, "
+        "optimizers, cleaning trade-off), every figure computed by lmforge's own code.",
+    )
+    p.add_argument(
+        "runs_dir", nargs="?", default="runs", metavar="RUNS_DIR", help="runs folder (default: runs)"
+    )
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any free port)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    p.add_argument("--poll-ms", type=int, default=1000, help="how often pages poll running runs (ms)")
+    p.set_defaults(func=cmd_dashboard)
 
     p = sub.add_parser("generate", help="sample text from a run's newest checkpoint")
     p.add_argument("run", help="run folder")
