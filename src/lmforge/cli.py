@@ -473,101 +473,27 @@ def cmd_mup_check(args: argparse.Namespace, extra: list[str]) -> int:
 GIB = 2**30
 
 
-def _estimate_inputs(args: argparse.Namespace, extra: list[str]):
-    """The recipe (a named size under the command-line overrides), the device and the resolved precision."""
-    from lmforge.plan import hardware, models
-
-    overrides = parse_overrides(extra)
-    if args.model is not None:
-        try:
-            named = models.get(args.model)
-        except KeyError:
-            raise UserError(
-                f"--model: unknown size {args.model!r}; use one of {', '.join(models.MODELS)}"
-            ) from None
-        m = named.model
-        base = {
-            f"model.{k}": getattr(m, k)
-            for k in (
-                "arch",
-                "n_layers",
-                "d_model",
-                "n_heads",
-                "n_kv_heads",
-                "d_ff",
-                "tie_embeddings",
-                "bias",
-            )
-        }
-        base |= {
-            "data.vocab_size": named.vocab_size,
-            "data.seq_len": named.seq_len,
-            "train.micro_batch_size": 1,
-        }
-        overrides = {**base, **overrides}
-    cfg = load_config(args.recipe, overrides)
-    if args.gpu not in hardware.NAMES:
-        raise UserError(f"--gpu: unknown device {args.gpu!r}; use one of {', '.join(hardware.NAMES)}")
-    from lmforge.train.peak_flops import cpu_peak_flops
-
-    hw = hardware.get(args.gpu, cpu_peak_flops() if args.gpu == "cpu" else None)
-    precision = cfg.train.precision
-    if precision == "auto":
-        import torch
-
-        from lmforge.precision import native_bf16
-
-        precision = "bf16" if args.gpu != "cpu" or native_bf16(torch.device("cpu")) else "fp32"
-    if precision not in hw.peak_flops:
-        raise UserError(
-            f"train.precision: {args.gpu} has no {precision} units; use --train.precision=bf16 (or a device "
-            "with FP8: h100-80gb, h200)"
-        )
-    for flag, value, ok in (
-        ("--gpus", args.gpus, args.gpus >= 1),
-        ("--margin", args.margin, 0 < args.margin <= 1),
-        ("--mfu", args.mfu, 0 < args.mfu <= 1),
-    ):
-        if not ok:
-            raise UserError(
-                f"{flag}: {value} is out of range; give "
-                + ("an integer >= 1" if flag == "--gpus" else "a number in (0, 1]")
-            )
-    return cfg, hw, precision
-
-
 def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
-    from lmforge.plan.activations import attention_kind
-    from lmforge.plan.estimate import estimate, layout_from_config, workload_from_config
-    from lmforge.plan.search import fewest_devices, search
+    from lmforge.planning import EstimateRequest, run_estimate
 
-    cfg, hw, precision = _estimate_inputs(args, extra)
-    try:
-        layout = layout_from_config(cfg, args.gpus)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    _check_runnable(cfg, layout, args.gpus)
-    device_type = "cpu" if hw.name == "cpu" else "cuda"
-    attention = args.attention or attention_kind(device_type, cfg.train.attention, cfg.model.doc_mask)
-    workload = workload_from_config(cfg, precision, attention, device_type)
-    try:
-        if cfg.train.micro_batch_size == "auto":
-            layout = _auto_micro_batch(cfg, layout, workload, hw, args)
-        est = estimate(workload, layout, hw, args.weights, args.margin, args.mfu)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    found = (
-        search(workload, args.gpus, hw, args.weights, args.margin, args.mfu, args.top) if args.search else []
+    req = EstimateRequest(
+        args.recipe,
+        args.model,
+        args.gpu,
+        args.gpus,
+        args.weights,
+        args.search,
+        args.top,
+        args.margin,
+        args.mfu,
+        args.attention,
+        tuple(extra),
     )
-    more = None
-    if args.search and not found:
-        more = fewest_devices(workload, args.gpus, hw, args.weights, args.margin, args.mfu)
-    name = args.model or (args.recipe or "default recipe")
+    result = run_estimate(req)
+    est, found, more, hw, workload = result.estimate, result.found, result.more, result.hw, result.workload
+    name, precision = result.name, result.precision
     if args.json:
-        out = {"model": name, "estimate": est.to_dict(), "search": [e.to_dict() for e in found]}
-        if args.search and not found:
-            out["fewest_devices"] = None if more is None else {"gpus": more[0], "estimate": more[1].to_dict()}
-        print(json.dumps(out))
+        print(json.dumps(result.to_json(args.search)))
     else:
         print(_estimate_text(est, name, workload.optimizer, hw))
         if args.search:
@@ -591,36 +517,6 @@ def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
         if not args.json:
             print(f"wrote {args.plot}")
     return 0
-
-
-def _auto_micro_batch(cfg, layout, workload, hw, args: argparse.Namespace):
-    """``train.micro_batch_size = "auto"`` as ``lmforge train`` resolves it: the largest size splitting
-    ``train.tokens_per_step`` whose estimate fits (else the smallest)."""
-    from dataclasses import replace
-
-    from lmforge.plan.estimate import estimate
-    from lmforge.train.auto_batch import auto_candidates, largest
-
-    parallel = cfg.parallel.model_copy(update={"dp_shard": layout.dp_shard})
-    sizes = auto_candidates(cfg.model_copy(update={"parallel": parallel}))
-
-    def fits(size: int) -> bool:
-        return estimate(
-            workload, replace(layout, micro_batch=size), hw, args.weights, args.margin, args.mfu
-        ).fits
-
-    return replace(layout, micro_batch=largest(sizes, fits) or sizes[-1])
-
-
-def _check_runnable(cfg, layout, gpus: int) -> None:
-    """What ``lmforge train`` would refuse of this layout, refused here with the same one line."""
-    from lmforge.parallel.layout import check_layout
-    from lmforge.train.build import check_model_layout
-
-    parallel = cfg.parallel.model_copy(update={"dp_shard": layout.dp_shard})
-    planned = cfg.model_copy(update={"parallel": parallel})
-    check_layout(planned, gpus, env={"WORLD_SIZE": str(gpus)})
-    check_model_layout(planned)
 
 
 def _estimate_text(e, name: str, optimizer: str, hw) -> str:
