@@ -102,3 +102,25 @@ def test_dashboard_port_in_use_exits_2(runs_tree: Path, serve, capsys, cli_loggi
         main(["dashboard", str(runs_tree), "--port", port])
     assert exc.value.code == 2
     assert "--port" in capsys.readouterr().err
+
+
+def test_web_package_never_writes_and_nothing_below_imports_it():
+    """The app is read-only by construction: no module of ``lmforge/web`` opens a file for writing, makes,
+    moves or deletes one; and only the CLI imports ``lmforge.web`` (it sits above everything it reads)."""
+    import re
+
+    import lmforge
+
+    src = Path(lmforge.__file__).parent
+    writes = re.compile(
+        r"write_text|write_bytes|\.mkdir\(|\.unlink\(|\.rename\(|\.replace\(\s*[A-Za-z_]|shutil\."
+        r"|open\([^)]*['\"][wax+]"
+    )
+    for path in sorted((src / "web").rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            assert not writes.search(line), f"{path}:{n}: {line.strip()}"
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src).as_posix()
+        if rel.startswith("web/") or rel == "cli.py":
+            continue
+        assert "lmforge.web" not in path.read_text(), f"{rel} imports lmforge.web"
