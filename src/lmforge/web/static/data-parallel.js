@@ -32,7 +32,7 @@
     const s = lmfPar.svg("dp-anim", W, H);
     const phase = names[i];
     const ringIndex = i - 3; // index into ring_steps during the all-reduce
-    const gap = 12, bw = Math.min(200, (W - 40 - gap * (n - 1)) / n);
+    const gap = Math.min(44, 300 / n), bw = Math.min(200, (W - 40 - gap * (n - 1)) / n);
     const x0 = (W - (bw * n + gap * (n - 1))) / 2;
     const gx = (g) => x0 + g * (bw + gap);
     const by = 120, bh = 120;
@@ -73,11 +73,14 @@
       const step = d.ring_steps[ringIndex];
       for (const { src, dst, chunk } of step.sends) {
         if (dst === src + 1) {
-          lmfPar.arrow(s, gx(src) + bw - 4, by + bh / 2, gx(dst) + 4, by + bh / 2, { stroke: lmfPar.color(chunk) });
+          lmfPar.arrow(s, gx(src) + bw + 1, by + bh - 19, gx(dst) - 1, by + bh - 19,
+            { stroke: lmfPar.color(chunk), "stroke-width": 3 });
+          if (gap > 24) lmfPar.el(s, "text", { x: gx(src) + bw + 4, y: by + bh - 26 }, `c${chunk}`);
         } else {
           const y = by + bh + 40;
           lmfPar.el(s, "path", { d: `M${gx(src) + bw / 2},${by + bh} L${gx(src) + bw / 2},${y} L${gx(dst) + bw / 2},${y} L${gx(dst) + bw / 2},${by + bh + 4}`,
-            fill: "none", stroke: lmfPar.color(chunk), "stroke-width": 2, "marker-end": "url(#dp-anim-arrow)" });
+            fill: "none", stroke: lmfPar.color(chunk), "stroke-width": 3, "marker-end": "url(#dp-anim-arrow)" });
+          lmfPar.el(s, "text", { x: gx(dst) + bw / 2 + 6, y: y - 4 }, `chunk ${chunk}`);
         }
       }
       lmfPar.el(s, "text", { x: 40, y: H - 20, class: "big" },

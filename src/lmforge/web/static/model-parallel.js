@@ -16,7 +16,7 @@
     const n = d.gpus, W = 1000, H = 260;
     const s = lmfPar.svg("mp-anim", W, H);
     const [kind, , a, b] = names[i].split("-");
-    const gap = 40, bw = Math.min(190, (W - 40 - gap * (n - 1)) / n);
+    const gap = Math.min(40, 300 / n), bw = Math.min(190, (W - 40 - gap * (n - 1)) / n);
     const x0 = (W - (bw * n + gap * (n - 1))) / 2, by = 60, bh = 120;
     const gx = (g) => x0 + g * (bw + gap);
     const active = kind === "forward" || kind === "backward" ? Number(a) : -1;
