@@ -54,7 +54,7 @@
     verdict.textContent = `${lmf.num(d.n_params / 1e9, 2)}B parameters; ${d.layout}; ${d.attention} attention; ` +
       `peak: ${d.peak_phase}. ${d.fits ? "Fits" : "Does not fit"}: ${lmf.gib(d.total)} GiB of ` +
       `${lmf.gib(d.memory_bytes)} GiB (${(100 * d.total / d.memory_bytes).toFixed(0)}%; limit ` +
-      `${lmf.gib(d.limit)} GiB). Step ${lmf.num(d.step_s, 3)} s, ${lmf.num(d.tokens_per_s, 0)} tokens/s per step.` +
+      `${lmf.gib(d.limit)} GiB). Step ${lmf.num(d.step_s, 3)} s, ${lmf.num(d.tokens_per_s, 0)} tokens/s.` +
       (d.warnings.length ? " " + d.warnings.join("; ") : "");
   }
 
