@@ -1,0 +1,133 @@
+"""The GPU memory page: at the seed defaults (6.7B model = llama-7b, batch 32, sequence 512, fp16, Adam) it
+shows exactly ``lmforge estimate --json``'s breakdown for the same flags, its scaling points are the
+planner's at those points, a changed control changes the figures, bad input is a one-line 400."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lmforge.cli import main
+from lmforge.planning import EstimateRequest, estimate_json
+from lmforge.web.app import create_app
+from tests.conftest import figure, renders, screenshot, wait_render
+
+SEED = ["--train.micro_batch_size=32", "--data.seq_len=512", "--train.precision=fp16", "--optim.name=adam"]
+ROWS = {  # the page's row key -> the field of estimate --json behind it
+    "row.parameters": lambda e: e["states"]["params"],
+    "row.gradients": lambda e: e["gradients_at_peak"],
+    "row.master_weights": lambda e: e["states"]["master"],
+    "row.optimizer_states": lambda e: e["states"]["optim"],
+    "row.activations": lambda e: e["activations_at_peak"],
+    "row.temporaries": lambda e: e["temporaries_at_peak"],
+    "row.overhead": lambda e: e["overhead"],
+    "total": lambda e: e["total"],
+    "limit": lambda e: e["margin"] * e["memory_bytes"],
+    "memory_bytes": lambda e: e["memory_bytes"],
+}
+
+
+def estimate_cli(capsys, *argv: str) -> dict:
+    """``lmforge estimate ... --json``'s estimate, run in-process."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", *argv, "--json"])
+    assert exc.value.code in (0, None)
+    return json.loads(capsys.readouterr().out)["estimate"]
+
+
+def assert_breakdown(page, e: dict) -> None:
+    for key, field in ROWS.items():
+        assert figure(page, key) == field(e), key
+    assert figure(page, "fits") == (1.0 if e["fits"] else 0.0)
+
+
+def test_memory_page_shows_lmforge_estimate(tmp_path: Path, serve, page, capsys, cli_logging):
+    url = serve(tmp_path)
+    page.goto(f"{url}/memory")
+    wait_render(page)
+    form = {
+        n: page.input_value(f"[name={n}]")
+        for n in ("model", "micro_batch", "seq_len", "precision", "optimizer")
+    }
+    assert form == {
+        "model": "llama-7b",
+        "micro_batch": "32",
+        "seq_len": "512",
+        "precision": "fp16",
+        "optimizer": "adam",
+    }
+    seed = estimate_cli(capsys, "--model", "llama-7b", *SEED)
+    assert seed["n_params"] == 6_738_415_616
+    assert_breakdown(page, seed)
+    assert sum(figure(page, k) for k in ROWS if k.startswith("row.")) == pytest.approx(
+        seed["total"], rel=1e-12
+    )
+    screenshot(page, "memory", tmp_path)
+
+    # scaling: each point is the planner's at that micro-batch / sequence length
+    for prefix, key, values in (
+        ("batch", "train.micro_batch_size", (1, 2, 4, 8, 16, 32, 64)),
+        ("seq", "data.seq_len", (128, 256, 512, 1024, 2048, 4096)),
+    ):
+        for v in values:
+            flags = [f for f in SEED if not f.startswith(f"--{key}=")] + [f"--{key}={v}"]
+            e = estimate_json(EstimateRequest(model="llama-7b", overrides=tuple(flags)))["estimate"]
+            assert figure(page, f"{prefix}.{v}.total") == e["total"], (prefix, v)
+            assert figure(page, f"{prefix}.{v}.activations") == e["activations_at_peak"], (prefix, v)
+    assert figure(page, "batch.64.total") > figure(page, "batch.32.total") > figure(page, "batch.8.total")
+
+    n = renders(page)
+    page.fill("[name=micro_batch]", "64")
+    wait_render(page, after=n)
+    assert figure(page, "total") == figure(page, "batch.64.total") > seed["total"]
+    flags = [f for f in SEED if "micro_batch" not in f] + ["--train.micro_batch_size=64"]
+    assert_breakdown(page, estimate_cli(capsys, "--model", "llama-7b", *flags))
+
+    n = renders(page)  # 8 devices sharing the states (ZeRO-2), full checkpointing, bf16, AdamW
+    page.fill("[name=gpus]", "8")
+    page.select_option("[name=layout]", "zero2")
+    page.select_option("[name=checkpointing]", "full")
+    page.select_option("[name=precision]", "bf16")
+    page.select_option("[name=optimizer]", "adamw")
+    wait_render(page, after=n)
+    page.wait_for_function(
+        "document.getElementById('memory-command').textContent.includes('zero=2') "
+        "&& document.getElementById('memory-command').textContent.includes('adamw')"
+    )
+    e = estimate_cli(
+        capsys,
+        "--model",
+        "llama-7b",
+        "--gpus",
+        "8",
+        "--train.micro_batch_size=64",
+        "--data.seq_len=512",
+        "--train.precision=bf16",
+        "--optim.name=adamw",
+        "--train.activation_checkpointing=full",
+        "--parallel.dp_shard=8",
+        "--parallel.zero=2",
+    )
+    assert e["layout"]["dp_shard"] == 8 and e["layout"]["zero"] == 2
+    assert_breakdown(page, e)
+
+
+@pytest.mark.parametrize(
+    ("query", "name"),
+    [
+        ("micro_batch=0", "micro_batch"),
+        ("seq_len=abc", "seq_len"),
+        ("model=gpt5", "model"),
+        ("optimizer=rmsprop", "optimizer"),
+        ("gpu=a100-80gb&precision=fp8", "train.precision"),
+        ("checkpointing=every:x", "checkpointing"),
+    ],
+)
+def test_memory_api_bad_input_is_a_one_line_400(tmp_path: Path, query: str, name: str):
+    r = create_app(tmp_path).test_client().get(f"/api/memory?{query}")
+    assert r.status_code == 400
+    err = r.get_json()["error"]
+    assert err.startswith(name) and "\n" not in err
