@@ -80,6 +80,14 @@ def test_gpt3_175b_is_about_700_gb_of_fp32_parameters():
     assert 4 * p == pytest.approx(700 * GB, rel=0.01)
 
 
+def test_llama_65b_has_the_published_parameter_count():
+    """LLaMA 65B (Touvron et al. 2023, Table 2: d 8192, 80 layers, 64 heads, d_ff 22016, vocab 32000):
+    65.2B parameters; lmforge's llama block counts 65,285,660,672 (65.29B, untied head)."""
+    _, p = _named("llama-65b")
+    assert p == 65_285_660_672
+    assert p == pytest.approx(65.2e9, rel=0.002)
+
+
 def test_70b_fp32_adam_table():
     """FP32 Adam, 16 bytes per parameter (4 + 4 + 8): 1.1 TB unsharded, ~140 GB per GPU under FSDP on 8."""
     tensors, p = _named("llama-70b")

@@ -1,0 +1,106 @@
+// Hybrid planner: draws what /api/hybrid returns (lmforge estimate --json and the device mesh).
+"use strict";
+(() => {
+  const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                   "#bcbd22", "#17becf"];
+  const colourBy = document.getElementById("hybrid-colour");
+  let last = null;
+
+  function row(cells) {
+    const tr = document.createElement("tr");
+    for (const c of cells) {
+      if (c instanceof HTMLElement) tr.append(c);
+      else { const td = document.createElement("td"); td.textContent = c; tr.append(td); }
+    }
+    return tr;
+  }
+
+  function grid(d) {
+    const dim = colourBy.value;
+    const e = d.result.estimate;
+    const shapes = [], xs = [], ys = [], texts = [], hovers = [];
+    for (const g of d.grid) {
+      const idx = g.groups[dim];
+      shapes.push({ type: "rect", x0: g.local - 0.45, x1: g.local + 0.45, y0: g.node - 0.42, y1: g.node + 0.42,
+                    fillcolor: PALETTE[idx % PALETTE.length], opacity: 0.55, line: { color: "#333", width: 1 },
+                    layer: "below" });
+      xs.push(g.local); ys.push(g.node);
+      texts.push(`r${g.rank}<br>pp${g.pp} dp${g.dp} tp${g.tp}<br>${lmf.gib(e.total)} GiB`);
+      hovers.push(`rank ${g.rank} (node ${g.node}, GPU ${g.local})<br>TP group ${g.groups.tp}, PP group ` +
+                  `${g.groups.pp}, DP group ${g.groups.dp}<br>planned memory ${lmf.gib(e.total)} GiB`);
+    }
+    for (let n = 1; n < d.nodes; n++) {
+      shapes.push({ type: "line", x0: -0.5, x1: d.gpus_per_node - 0.5, y0: n - 0.5, y1: n - 0.5,
+                    line: { color: "#000", width: 2 } });
+    }
+    const byRank = Object.fromEntries(d.grid.map((g) => [g.rank, g]));
+    const lines = d.groups[dim].members.filter((g) => g.ranks.length > 1).map((g) => ({
+      type: "scatter", mode: "lines", hoverinfo: "skip", showlegend: false,
+      x: g.ranks.map((r) => byRank[r].local + 0.25 * Math.sin(g.index)),
+      y: g.ranks.map((r) => byRank[r].node + 0.25 * Math.cos(g.index)),
+      line: { color: PALETTE[g.index % PALETTE.length], width: 2, dash: g.crosses_nodes ? "dash" : "solid" },
+    }));
+    const labels = { type: "scatter", mode: "text", x: xs, y: ys, text: texts, hovertext: hovers,
+                     hoverinfo: "text", showlegend: false, textfont: { size: 10 } };
+    lmf.plot("hybrid-grid", [...lines, labels], {
+      title: { text: `${d.nodes} nodes x ${d.gpus_per_node} GPUs, coloured by ${dim.toUpperCase()} group` },
+      shapes, height: 120 + 95 * d.nodes,
+      xaxis: { title: { text: "GPU in node" }, tickvals: [...Array(d.gpus_per_node).keys()], zeroline: false,
+               range: [-0.6, d.gpus_per_node - 0.4] },
+      yaxis: { title: { text: "node" }, autorange: "reversed", tickvals: [...Array(d.nodes).keys()],
+               ticktext: [...Array(d.nodes).keys()].map((n) => `node ${n}`), zeroline: false },
+    });
+    document.getElementById("hybrid-grid").dataset.gpus = JSON.stringify(
+      d.grid.map((g) => ({ rank: g.rank, node: g.node, pp: g.pp, dp: g.dp, tp: g.tp, memory: e.total })));
+  }
+
+  function tables(d) {
+    const e = d.result.estimate;
+    document.getElementById("hybrid-command").textContent = `lmforge estimate ${d.flags.join(" ")} --json`;
+    document.getElementById("hybrid-pp-rank").textContent = e.pp_rank;
+    const figs = [
+      ["total", e.total, `${lmf.gib(e.total)} GiB`],
+      ["fits", e.fits ? 1 : 0, e.fits ? `fits (limit ${lmf.gib(e.margin * e.memory_bytes)} GiB)` : "does not fit"],
+      ["device_params", e.device_params, lmf.num(e.device_params)],
+      ["step_s", e.step_s, `${lmf.num(e.step_s, 3)} s`],
+      ["compute_s", e.compute_s, `${lmf.num(e.compute_s, 3)} s`],
+      ["exposed_comm_s", e.exposed_comm_s, `${lmf.num(e.exposed_comm_s, 3)} s`],
+      ["bubble", e.bubble, lmf.num(e.bubble, 4)],
+      ["tokens_per_step", e.tokens_per_step, lmf.num(e.tokens_per_step)],
+      ["tokens_per_s", e.tokens_per_s, lmf.num(e.tokens_per_s, 0)],
+      ["effective_mfu", e.effective_mfu, lmf.num(e.effective_mfu, 3)],
+      ["peak_phase", e.peak_phase, e.peak_phase],
+    ];
+    document.querySelector("#hybrid-figures tbody").replaceChildren(
+      ...figs.map(([k, v, t]) => row([k, lmf.cell(k, v, t)])));
+    document.querySelector("#hybrid-comm tbody").replaceChildren(...["dp", "tp", "pp"].map((dim) => {
+      const g = d.groups[dim];
+      return row([dim.toUpperCase(), lmf.cell(`group_${dim}`, g.size, g.size), String(g.count),
+                  lmf.cell(`crossing_${dim}`, g.crossing, `${g.crossing} of ${g.count}`),
+                  lmf.cell(`comm_${dim}`, e.comm[dim], lmf.gib(e.comm[dim]))]);
+    }));
+    const parts = [["parameters", e.states.params], ["gradients", e.gradients_at_peak],
+                   ["master weights", e.states.master], ["optimizer states", e.states.optim],
+                   ["activations", e.activations_at_peak], ["temporaries", e.temporaries_at_peak],
+                   ["overhead", e.overhead]];
+    lmf.plot("hybrid-memory", parts.map(([name, v]) => ({ type: "bar", name, x: ["per device"], y: [v / 2 ** 30] })), {
+      barmode: "stack", title: { text: "memory at the peak (GiB)" }, height: 360,
+      shapes: [{ type: "line", x0: -0.5, x1: 0.5, y0: e.margin * e.memory_bytes / 2 ** 30,
+                 y1: e.margin * e.memory_bytes / 2 ** 30, line: { color: "#a11", dash: "dot" } }],
+    });
+    const box = document.getElementById("hybrid-search-box");
+    box.hidden = !d.flags.includes("--search");
+    document.querySelector("#hybrid-search tbody").replaceChildren(...d.result.search.map((s, i) =>
+      row([s.layout_description, lmf.cell(`search_${i}_total`, s.total, lmf.gib(s.total)),
+           lmf.cell(`search_${i}_step_s`, s.step_s, lmf.num(s.step_s, 3)),
+           lmf.cell(`search_${i}_tokens_per_s`, s.tokens_per_s, lmf.num(s.tokens_per_s, 0))])));
+  }
+
+  lmf.bind(document.getElementById("controls"), async (params) => {
+    const d = await lmf.get("/api/hybrid", params);
+    last = d;
+    grid(d);
+    tables(d);
+  });
+  colourBy.addEventListener("change", () => { if (last) grid(last); });
+})();

@@ -1,0 +1,111 @@
+"""The hybrid planner: the figures it shows are `lmforge estimate --json`'s for the same flags, and its GPU
+grid is the device mesh parallel/layout.py builds ((pp, dp_replicate, dp_shard, tp), tp innermost)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmforge.cli import main
+from lmforge.web.app import create_app
+from lmforge.web.figures_hybrid import HybridInputs, mesh_coords, mesh_groups
+from tests.conftest import figure, renders, screenshot, wait_render
+
+
+def _estimate_cli(flags: list[str], capsys) -> dict:
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", *flags, "--json"])
+    assert exc.value.code == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_mesh_is_init_device_meshs_row_major_layout():
+    degrees = {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "tp": 4}
+    ranks = torch.arange(32).reshape(2, 2, 2, 4)  # what init_device_mesh lays out for these degrees
+    for rank, c in enumerate(mesh_coords(degrees)):
+        assert ranks[c["pp"], c["dp_replicate"], c["dp_shard"], c["tp"]].item() == rank
+    groups = mesh_groups(degrees, 8)
+    assert [g["ranks"] for g in groups["tp"]][:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["pp"][0]["ranks"] == [0, 16] and groups["dp"][0]["ranks"] == [0, 4, 8, 12]
+    assert not any(g["crosses_nodes"] for g in groups["tp"])  # tp 4 stays inside a node of 8
+    assert all(g["crosses_nodes"] for g in groups["pp"]) and all(g["crosses_nodes"] for g in groups["dp"])
+
+
+@pytest.mark.parametrize(
+    ("query", "needle"),
+    [
+        ("tp=4", "tp x pp x dp_replicate x dp_shard"),
+        ("nodes=0", "nodes"),
+        ("zero=4", "zero"),
+        ("checkpointing=sometimes", "checkpointing"),
+        ("model=gpt5", "model"),
+        ("tp=8&pp=2&dp_shard=1&dp_replicate=2", "parallel.tp"),  # DDP does not compose with TP (layout.py)
+    ],
+)
+def test_bad_input_is_a_one_line_400(tmp_path: Path, query: str, needle: str):
+    r = create_app(tmp_path).test_client().get(f"/api/hybrid?{query}")
+    assert r.status_code == 400
+    err = r.get_json()["error"]
+    assert needle in err and "\n" not in err
+
+
+def test_page_shows_estimate_json_and_follows_the_controls(tmp_path: Path, serve, page, capsys):
+    url = serve(tmp_path)
+    page.goto(f"{url}/hybrid")
+    wait_render(page)
+    seed = HybridInputs()
+    assert (seed.model, seed.gpus) == ("llama-65b", 32)
+    want = _estimate_cli(seed.flags(), capsys)["estimate"]
+    for key in ("total", "step_s", "compute_s", "exposed_comm_s", "bubble", "tokens_per_s", "device_params"):
+        assert figure(page, key) == want[key], key
+    for dim in ("dp", "tp", "pp"):
+        assert figure(page, f"comm_{dim}") == want["comm"][dim], dim
+    assert (figure(page, "crossing_tp"), figure(page, "crossing_pp"), figure(page, "crossing_dp")) == (
+        0,
+        16,
+        16,
+    )
+    gpus = json.loads(page.get_attribute("#hybrid-grid", "data-gpus"))
+    assert len(gpus) == 32 and {g["memory"] for g in gpus} == {want["total"]}
+    assert page.inner_text("#hybrid-command") == f"lmforge estimate {' '.join(seed.flags())} --json"
+    screenshot(page, "hybrid", tmp_path)
+
+    n = renders(page)  # TP 8 -> 4, DP shard 2 -> 4: less TP traffic, more DP traffic
+    page.fill("[name=tp]", "4")
+    page.fill("[name=dp_shard]", "4")
+    page.select_option("[name=checkpointing]", "selective")
+    page.dispatch_event("[name=dp_shard]", "change")
+    wait_render(page, after=n)
+    flags = HybridInputs(tp=4, dp_shard=4, checkpointing="selective").flags()
+    page.wait_for_function(
+        f"document.getElementById('hybrid-command').textContent === 'lmforge estimate {' '.join(flags)} --json'"
+    )
+    got = _estimate_cli(flags, capsys)["estimate"]
+    assert figure(page, "total") == got["total"] != want["total"]
+    assert figure(page, "comm_tp") == got["comm"]["tp"] and figure(page, "comm_dp") == got["comm"]["dp"]
+
+    n = renders(page)
+    page.fill("[name=pp]", "3")  # 4 x 3 x 1 x 4 = 48, not 32
+    page.dispatch_event("[name=pp]", "change")
+    wait_render(page, after=n)
+    assert "make them agree" in page.inner_text("#error")
+    assert len(page.errors) == 1 and "400" in page.errors[0]  # the browser logs the refused request
+    page.errors.clear()
+
+
+def test_search_lists_the_planners_layouts(tmp_path: Path, serve, page, capsys):
+    url = serve(tmp_path)
+    page.goto(f"{url}/hybrid")
+    wait_render(page)
+    n = renders(page)
+    page.check("[name=search]")
+    wait_render(page, after=n)
+    page.wait_for_selector("#hybrid-search-box:not([hidden])")
+    want = _estimate_cli([*HybridInputs().flags(), "--search"], capsys)["search"]
+    assert want
+    for i, s in enumerate(want):
+        assert figure(page, f"search_{i}_total") == s["total"]
+        assert figure(page, f"search_{i}_tokens_per_s") == s["tokens_per_s"]
