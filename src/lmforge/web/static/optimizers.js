@@ -26,13 +26,13 @@
       traces.push({ type: "scatter", mode: "lines+markers", x: r.x, y: r.y, name: r.label, marker: { size: 3 } });
     }
     await lmf.plot("chart-path", traces, {
-      title: `${data.function}: ${data.steps} steps from (${data.start.join(", ")})`,
-      xaxis: { title: "x", range: [land.x[0], land.x[land.x.length - 1]] },
-      yaxis: { title: "y", range: [land.y[0], land.y[land.y.length - 1]] }, height: 520,
+      title: { text: `${data.function}: ${data.steps} steps from (${data.start.join(", ")})` },
+      xaxis: { title: { text: "x" }, range: [land.x[0], land.x[land.x.length - 1]] },
+      yaxis: { title: { text: "y" }, range: [land.y[0], land.y[land.y.length - 1]] }, height: 520,
     });
     await lmf.plot("chart-loss", data.runs.map((r) => ({
       type: "scatter", mode: "lines", x: r.loss.map((_, i) => i), y: r.loss.map((v) => v - data.f_min), name: r.label,
-    })), { title: "f(x, y) - f* per step", xaxis: { title: "step" }, yaxis: { title: "f - f*", type: "log" }, height: 520 });
+    })), { title: { text: "f(x, y) - f* per step" }, xaxis: { title: { text: "step" } }, yaxis: { title: { text: "f - f*" }, type: "log" }, height: 520 });
     const fin = document.getElementById("final-table");
     fin.replaceChildren();
     fin.insertRow().innerHTML = "<th>optimizer</th><th>lr</th><th>final x</th><th>final y</th><th>final f</th><th>diverged at step</th>";

@@ -14,8 +14,8 @@
       text: `warmup (${data.warmup_steps} steps)`,
     }] : [];
     await lmf.plot("chart-lr", traces, {
-      title: "learning rate per step", xaxis: { title: "optimizer step", range: [0, data.total - 1] },
-      yaxis: { title: "lr", rangemode: "tozero" }, shapes, annotations, height: 460,
+      title: { text: "learning rate per step" }, xaxis: { title: { text: "optimizer step" }, range: [0, data.total - 1] },
+      yaxis: { title: { text: "lr" }, rangemode: "tozero" }, shapes, annotations, height: 460,
     });
     const table = document.getElementById("probe-table");
     table.replaceChildren();
