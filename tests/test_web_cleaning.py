@@ -1,0 +1,127 @@
+"""The cleaning trade-off page: the curves of a REAL ``lmforge data sweep`` run (the tiny recipe of
+tests/test_sweep.py), shown exactly as sweep.json holds them, the optimum marked by the page's stated rule,
+and, without a sweep, the command that makes one instead of any curve."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from lmforge.cli import main
+from lmforge.web.app import create_app
+from lmforge.web.figures_cleaning import find_sweeps, optimum
+from tests.conftest import figure, renders, screenshot, wait_render
+from tests.test_sweep import corpus  # noqa: F401  (the module-scoped recipe + classifier fixture)
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory) -> Path:  # noqa: F811
+    """A runs folder holding one real sweep (levels 0, 50, 100) at runs/data/tiny/sweep.json."""
+    recipe, model = corpus
+    root = tmp_path_factory.mktemp("runs")
+    out = root / "data" / "tiny"
+    argv = ["data", "sweep", "--config", str(recipe), "--out", str(out), "--levels", "0,50,100"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--reference-classifier", str(model), "--workers", "1"])
+    assert exit_.value.code == 0
+    return root
+
+
+def _sweep(runs: Path) -> dict:
+    return json.loads((runs / "data" / "tiny" / "sweep.json").read_text())
+
+
+def test_find_sweeps_looks_3_folders_deep_and_not_outside(tmp_path: Path):
+    root = tmp_path / "runs"
+    for rel in ["sweep.json", "a/sweep.json", "a/b/c/sweep.json", "a/b/c/d/sweep.json"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("{}")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "sweep.json").write_text("{}")
+    os.symlink(tmp_path / "outside" / "sweep.json", root / "a" / "b" / "sweep.json")
+    os.symlink(tmp_path / "outside", root / "linked")
+    assert find_sweeps(root) == ["a/b/c/sweep.json", "a/sweep.json", "sweep.json"]
+
+
+def test_optimum_rule():
+    rows = [
+        {"tokens": 1000, "quality_mean": 0.2, "distinct_ngrams_at_k": 0.5},
+        {"tokens": 600, "quality_mean": 0.8, "distinct_ngrams_at_k": 0.7},
+        {"tokens": 100, "quality_mean": 0.9, "distinct_ngrams_at_k": 0.6},
+        {"tokens": 0, "quality_mean": None, "distinct_ngrams_at_k": None},
+    ]
+    best = optimum(rows, higher_is_better=True)
+    assert best["size"] == [1.0, 0.6, 0.1, 0.0]
+    assert best["score"][:3] == pytest.approx([1 / 3, (0.6 + 6 / 7 + 1) / 3, (0.1 + 1 + 0.5) / 3])
+    assert best["score"][3] is None and best["index"] == 1
+    assert optimum(rows, higher_is_better=True, weights=(1, 0, 0))["index"] == 0
+    # perplexity: lower is better, so the quality curve is flipped
+    assert optimum(rows, higher_is_better=False, weights=(0, 1, 0))["index"] == 0
+
+
+def test_api_serves_the_sweep_as_measured(runs: Path):
+    client = create_app(runs).test_client()
+    r = client.get("/api/cleaning")
+    assert r.status_code == 200
+    data, sweep = r.json, _sweep(runs)
+    assert data["sweeps"] == ["data/tiny/sweep.json"] and data["sweep"] == "data/tiny/sweep.json"
+    assert data["rows"] == sweep["rows"] and data["levels"] == [0.0, 50.0, 100.0]
+    best = optimum(sweep["rows"], sweep["reference"]["higher_is_better"])
+    assert data["optimum"] == best and data["index"] == best["index"]
+    for query, needle in [
+        ("sweep=../secret/sweep.json", "sweep"),
+        ("sweep=/etc/passwd", "sweep"),
+        ("sweep=data/tiny/level-000/report.json", "sweep"),
+        ("level=33", "level"),
+        ("w_size=-1", "w_size"),
+    ]:
+        r = client.get(f"/api/cleaning?{query}")
+        assert r.status_code == 400, query
+        assert needle in r.json["error"] and "\n" not in r.json["error"]
+
+
+def test_without_a_sweep_the_page_says_how_to_make_one(tmp_path: Path, serve, page):
+    assert create_app(tmp_path).test_client().get("/api/cleaning").json["sweeps"] == []
+    page.goto(f"{serve(tmp_path)}/cleaning")
+    text = page.inner_text("#no-sweep")
+    assert "lmforge data sweep --config" in text and str(tmp_path.resolve()) in text
+    assert page.locator(".chart").count() == 0
+
+
+def test_page_shows_the_real_sweep_in_a_browser(runs: Path, serve, page, tmp_path: Path):
+    sweep = _sweep(runs)
+    rows = sweep["rows"]
+    page.goto(f"{serve(runs)}/cleaning")
+    wait_render(page)
+    best = optimum(rows, True)["index"]
+    assert figure(page, "optimum.level") == rows[best]["level"]
+    for i, row in enumerate(rows):
+        for key in (
+            "level",
+            "documents",
+            "tokens",
+            "quality_mean",
+            "distinct_ngrams_at_k",
+            "vocab_entropy_bits",
+        ):
+            assert figure(page, f"row.{i}.{key}") == row[key], (i, key)
+    assert figure(page, "level.documents") == rows[best]["documents"]  # the level shown starts at the optimum
+    for chart in ("size", "quality", "diversity"):
+        assert page.locator(f"#chart-{chart} .scatterlayer .trace").count() >= 3
+    screenshot(page, "cleaning", tmp_path)
+
+    n = renders(page)
+    page.select_option("select[name=level]", "100")
+    wait_render(page, after=n)
+    assert figure(page, "level.documents") == rows[2]["documents"] == 30
+    assert figure(page, "level.tokens") == rows[2]["tokens"]
+    assert figure(page, "removed.dedup_exact.duplicate") == rows[2]["removed"]["dedup_exact.duplicate"] == 5
+    n = renders(page)
+    page.fill("input[name=w_quality]", "0")
+    page.fill("input[name=w_diversity]", "0")
+    wait_render(page, after=n)
+    page.wait_for_function("document.querySelector(\"[data-key='optimum.level']\").dataset.value === '0'")
+    assert figure(page, "optimum.level") == 0  # size alone: level 0 keeps the most
