@@ -1017,7 +1017,7 @@ def _add_probe_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         help="a named size (its model, vocab and seq_len under the overrides): "
-        "gpt2-124m, llama-1b, llama-7b, llama-13b, llama-70b, gpt3-175b",
+        "gpt2-124m, llama-1b, llama-7b, llama-13b, llama-65b, llama-70b, gpt3-175b",
     )
     p.add_argument("--gpu", default="h100-80gb", help="h100-80gb, h200, a100-80gb, a100-40gb or cpu")
     p.add_argument("--gpus", type=int, default=1, help="devices (with every parallel degree 1: all shard)")
