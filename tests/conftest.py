@@ -257,3 +257,16 @@ def screenshot(page, name: str, tmp_path: Path) -> Path:
     out = folder / f"{name}.png"
     page.screenshot(path=str(out), full_page=True)
     return out
+
+
+def estimate_cli(capsys, *argv: str, part: str | None = "estimate"):
+    """``lmforge estimate ARGV --json`` run in-process: its ``part`` (default the estimate), or the whole
+    object with ``part=None``. What the planner pages are compared against."""
+    from lmforge.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", *argv, "--json"])
+    assert exc.value.code in (0, None)
+    out = json.loads(capsys.readouterr().out)
+    return out if part is None else out[part]

@@ -17,8 +17,7 @@ from lmforge.config import ModelConfig
 from lmforge.plan.activations import activation_bytes
 from lmforge.plan.estimate import recompute_factor
 from lmforge.web.app import create_app
-from tests.conftest import figure, renders, screenshot, wait_render
-from tests.test_web_memory import estimate_cli
+from tests.conftest import estimate_cli, figure, renders, screenshot, wait_render
 
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "activation_checkpointing.py"
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--vocab", "64", "--batch", "2", "--seq", "16"]

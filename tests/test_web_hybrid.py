@@ -9,17 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmforge.cli import main
 from lmforge.web.app import create_app
 from lmforge.web.figures_hybrid import HybridInputs, mesh_coords, mesh_groups
-from tests.conftest import figure, renders, screenshot, wait_render
-
-
-def _estimate_cli(flags: list[str], capsys) -> dict:
-    with pytest.raises(SystemExit) as exc:
-        main(["estimate", *flags, "--json"])
-    assert exc.value.code == 0
-    return json.loads(capsys.readouterr().out)
+from tests.conftest import estimate_cli, figure, renders, screenshot, wait_render
 
 
 def test_mesh_is_init_device_meshs_row_major_layout():
@@ -58,7 +50,7 @@ def test_page_shows_estimate_json_and_follows_the_controls(tmp_path: Path, serve
     wait_render(page)
     seed = HybridInputs()
     assert (seed.model, seed.gpus) == ("llama-65b", 32)
-    want = _estimate_cli(seed.flags(), capsys)["estimate"]
+    want = estimate_cli(capsys, *seed.flags())
     for key in ("total", "step_s", "compute_s", "exposed_comm_s", "bubble", "tokens_per_s", "device_params"):
         assert figure(page, key) == want[key], key
     for dim in ("dp", "tp", "pp"):
@@ -83,7 +75,7 @@ def test_page_shows_estimate_json_and_follows_the_controls(tmp_path: Path, serve
     page.wait_for_function(
         f"document.getElementById('hybrid-command').textContent === 'lmforge estimate {' '.join(flags)} --json'"
     )
-    got = _estimate_cli(flags, capsys)["estimate"]
+    got = estimate_cli(capsys, *flags)
     assert figure(page, "total") == got["total"] != want["total"]
     assert figure(page, "comm_tp") == got["comm"]["tp"] and figure(page, "comm_dp") == got["comm"]["dp"]
 
@@ -104,7 +96,7 @@ def test_search_lists_the_planners_layouts(tmp_path: Path, serve, page, capsys):
     page.check("[name=search]")
     wait_render(page, after=n)
     page.wait_for_selector("#hybrid-search-box:not([hidden])")
-    want = _estimate_cli([*HybridInputs().flags(), "--search"], capsys)["search"]
+    want = estimate_cli(capsys, *HybridInputs().flags(), "--search", part="search")
     assert want
     for i, s in enumerate(want):
         assert figure(page, f"search_{i}_total") == s["total"]

@@ -4,15 +4,13 @@ planner's at those points, a changed control changes the figures, bad input is a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from lmforge.cli import main
 from lmforge.planning import EstimateRequest, estimate_json
 from lmforge.web.app import create_app
-from tests.conftest import figure, renders, screenshot, wait_render
+from tests.conftest import estimate_cli, figure, renders, screenshot, wait_render
 
 SEED = ["--train.micro_batch_size=32", "--data.seq_len=512", "--train.precision=fp16", "--optim.name=adam"]
 ROWS = {  # the page's row key -> the field of estimate --json behind it
@@ -27,15 +25,6 @@ ROWS = {  # the page's row key -> the field of estimate --json behind it
     "limit": lambda e: e["margin"] * e["memory_bytes"],
     "memory_bytes": lambda e: e["memory_bytes"],
 }
-
-
-def estimate_cli(capsys, *argv: str) -> dict:
-    """``lmforge estimate ... --json``'s estimate, run in-process."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        main(["estimate", *argv, "--json"])
-    assert exc.value.code in (0, None)
-    return json.loads(capsys.readouterr().out)["estimate"]
 
 
 def assert_breakdown(page, e: dict) -> None:

@@ -13,8 +13,7 @@ import pytest
 from lmforge.plan.comm import dp_volume, seed_volume
 from lmforge.plan.memory import per_param_formula
 from lmforge.web.app import create_app
-from tests.conftest import figure, renders, screenshot, wait_render
-from tests.test_web_memory import estimate_cli
+from tests.conftest import estimate_cli, figure, renders, screenshot, wait_render
 
 KINDS = {
     "ddp": ["--parallel.dp_replicate={n}"],
