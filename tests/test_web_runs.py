@@ -195,19 +195,15 @@ def test_config_diff_api_names_the_differing_keys(runs: Path):
     ],
 )
 def test_run_parameters_outside_runs_dir_are_refused(runs: Path, tmp_path: Path, url, params, needle):
+    # a second RUNS_DIR whose entries are symbolic links to run folders outside it
     root = tmp_path / "runs"
     root.mkdir()
-    for name in ("mix", "plain"):
-        os.symlink(runs / name, root / name)  # links inside RUNS_DIR's tree... pointing into another folder
-    (tmp_path / "outside").mkdir()
-    shutil.copy(runs / "mix" / "config.toml", tmp_path / "outside" / "config.toml")
-    os.symlink(tmp_path / "outside", root / "out")
-    client = create_app(runs).test_client()
-    if params.get("run") == "out":
-        client = create_app(root).test_client()
+    os.symlink(runs / "mix", root / "out")
+    os.symlink(runs / "plain", root / "plain")
+    client = create_app(root if params.get("run") == "out" else runs).test_client()
     code, body = _get(client, url, **params)
     assert code == 400 and len(body["error"].splitlines()) == 1 and body["error"].startswith(needle), body
-    assert list_runs(root) == []  # every link there leads out of it: none is listed
+    assert list_runs(root) == []  # links out are not listed either
 
 
 def test_list_runs_two_levels_and_shown_status(tmp_path: Path):
@@ -301,8 +297,7 @@ def test_dashboard_shows_a_running_run_live(
             )
             seen.append(int(page.get_attribute(key, "data-value")))
             points.append(_traces(page, "loss")[0]["n"])
-            assert seen[-1] < steps or proc.poll() is not None
-        assert proc.poll() is None, "the run ended before the page saw it grow twice; give it more steps"
+            assert seen[-1] < steps, f"the run ended before the page saw it grow twice ({seen}): more steps"
         assert points[-1] > points[0]  # the loss curve was extended in place
         assert page.evaluate("performance.getEntriesByType('navigation').length") == 1  # never reloaded
         page.wait_for_function(
@@ -321,3 +316,22 @@ def test_dashboard_shows_a_running_run_live(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_dashboard_run_without_records_is_running_then_incomplete(runs: Path, serve, page, tmp_path: Path):
+    """A run folder with only its config.toml (a run starting): running while the file is fresh, shown
+    incomplete once it is older than the live window, with no errors and empty charts meanwhile."""
+    root = tmp_path / "runs"
+    (root / "fresh").mkdir(parents=True)
+    shutil.copy(runs / "mix" / "config.toml", root / "fresh" / "config.toml")
+    page.goto(f"{serve(root, poll_ms=200)}/runs")
+    wait_render(page)
+    status = "[data-key='status:fresh']"
+    assert page.get_attribute(status, "data-value") == "running"
+    assert page.get_attribute("[data-key='steps:fresh']", "data-value") == ""
+    assert _traces(page, "loss") == []
+    old = time.time() - LIVE_WINDOW_S - 10
+    os.utime(root / "fresh" / "config.toml", (old, old))
+    page.wait_for_function(
+        f"document.querySelector(\"{status}\").dataset.value === 'incomplete'", timeout=5000
+    )
