@@ -262,9 +262,13 @@ def test_dashboard_overlays_runs_with_marks_and_config_diff(runs: Path, serve, p
 def test_dashboard_shows_a_running_run_live(
     runs: Path, corpus: Path, data_cache: Path, serve, page, tmp_path: Path
 ):
-    """A real ``lmforge train`` in a subprocess: the page, opened once, shows its steps growing and then
-    the final step and ``finished``, without reloading."""
+    """A real ``lmforge train`` in a subprocess, started after the page was opened: the page lists it as
+    running, ticks it, shows its steps growing, then the final step and ``finished``, without reloading."""
     root = tmp_path / "runs"
+    root.mkdir()
+    page.goto(f"{serve(root, poll_ms=300)}/runs")
+    wait_render(page)
+    assert page.locator("#runs-table tbody tr").count() == 0
     steps = 300
     # the data prepared for the run ``plain`` (same source and tokenizer settings): no preparation here
     over = tiny_overrides(corpus, data_cache) | COMMON | {"train.steps": steps, "train.eval_interval": 0}
@@ -278,30 +282,24 @@ def test_dashboard_shows_a_running_run_live(
         text=True,
     )
     try:
-        metrics = root / "live" / "metrics.jsonl"
-        deadline = time.monotonic() + 60
-        while not (metrics.is_file() and metrics.stat().st_size) and proc.poll() is None:
-            assert time.monotonic() < deadline, "the run wrote no record in 60 s"
-            time.sleep(0.1)
-        t_first = time.monotonic() - t0
-        url = serve(root, poll_ms=300)
-        page.goto(f"{url}/runs")
-        wait_render(page)
-        assert page.get_attribute("[data-key='status:live']", "data-value") == "running"
-        key = "[data-key='steps:live']"
-        seen = [int(page.get_attribute(key, "data-value"))]
-        points = [_traces(page, "loss")[0]["n"]]
+        status, key = "[data-key='status:live']", "[data-key='steps:live']"
+        page.wait_for_selector(status, timeout=60000)
+        t_listed = time.monotonic() - t0
+        assert page.get_attribute(status, "data-value") == "running"
+        assert page.is_checked("input[name=sel][value='live']")  # started while the page was open: followed
+        seen = [int(page.get_attribute(key, "data-value") or 0)]  # "" before the first record
+        points = []
         while len(seen) < 3:  # two increases seen while the run is running
             page.wait_for_function(
-                f'Number(document.querySelector("{key}").dataset.value) > {seen[-1]}', timeout=20000
+                f'Number(document.querySelector("{key}").dataset.value) > {seen[-1]}', timeout=30000
             )
             seen.append(int(page.get_attribute(key, "data-value")))
             points.append(_traces(page, "loss")[0]["n"])
             assert seen[-1] < steps, f"the run ended before the page saw it grow twice ({seen}): more steps"
-        assert points[-1] > points[0]  # the loss curve was extended in place
+        assert points[-1] > points[0]  # the loss curve grew in place
         assert page.evaluate("performance.getEntriesByType('navigation').length") == 1  # never reloaded
         page.wait_for_function(
-            "document.querySelector(\"[data-key='status:live']\").dataset.value === 'finished'", timeout=40000
+            f"document.querySelector(\"{status}\").dataset.value === 'finished'", timeout=40000
         )
         t_done = time.monotonic() - t0
         assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]
@@ -311,7 +309,7 @@ def test_dashboard_shows_a_running_run_live(
         )
         loss_x = page.evaluate("document.getElementById('chart-loss').data[0].x")
         assert loss_x == list(range(1, steps + 1))  # every step once, in order
-        print(f"live: first record {t_first:.1f} s, finished {t_done:.1f} s, steps {seen}, points {points}")
+        print(f"live: listed after {t_listed:.1f} s, finished {t_done:.1f} s, steps {seen}, points {points}")
     finally:
         if proc.poll() is None:
             proc.kill()

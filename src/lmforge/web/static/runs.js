@@ -14,7 +14,7 @@
   const rows = {};    // run -> its <tr> in the runs table
   const drawn = {};   // chart -> ["run\tkey", ...]: the trace order of its last full draw
   const listed = [];  // runs in the order they were first listed (fixes each run's colour)
-  let lastRows = [];
+  let listedOnce = false;
 
   // one request chain: a poll and a change of the selection never read the same offset twice
   let chain = Promise.resolve();
@@ -59,10 +59,14 @@
         name.append(swatch, r.run);
         tr.append(tick, name);
         tbody.appendChild(tr);
+        if (listedOnce && r.status === "running") {  // a run started while the page is open: follow it
+          box.checked = true;
+          box.dispatchEvent(new Event("change", { bubbles: true }));
+        }
       }
       setCells(tr, r);
     }
-    lastRows = body.runs;
+    listedOnce = true;
     return body.runs;
   }
 
