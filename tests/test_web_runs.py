@@ -223,6 +223,9 @@ def test_list_runs_two_levels_and_shown_status(tmp_path: Path):
 # ---- browser --------------------------------------------------------------------------------------------
 
 
+LOSS_POINTS = "((document.getElementById('chart-loss').data || [])[0] || {x: []}).x.length"
+
+
 def _traces(page, chart: str) -> list[dict]:
     return page.evaluate(
         f"document.getElementById('chart-{chart}').data.map(t => ({{name: t.name, n: t.x.length}}))"
@@ -294,9 +297,10 @@ def test_dashboard_shows_a_running_run_live(
                 f'Number(document.querySelector("{key}").dataset.value) > {seen[-1]}', timeout=30000
             )
             seen.append(int(page.get_attribute(key, "data-value")))
-            points.append(_traces(page, "loss")[0]["n"])
+            points.append(page.evaluate(LOSS_POINTS))  # the chart's fetch may still be under way: 0
             assert seen[-1] < steps, f"the run ended before the page saw it grow twice ({seen}): more steps"
-        assert points[-1] > points[0]  # the loss curve grew in place
+        page.wait_for_function(f"{LOSS_POINTS} > {max(points)}", timeout=10000)  # the loss curve grows ...
+        assert int(page.evaluate("document.body.dataset.extended || 0")) > 0  # ... by Plotly.extendTraces
         assert page.evaluate("performance.getEntriesByType('navigation').length") == 1  # never reloaded
         page.wait_for_function(
             f"document.querySelector(\"{status}\").dataset.value === 'finished'", timeout=40000

@@ -248,7 +248,10 @@
           }
         });
         if (full) drawChart(c, runs);
-        else if (idx.length) Plotly.extendTraces(`chart-${c.name}`, { x: xs, y: ys }, idx);
+        else if (idx.length) {
+          Plotly.extendTraces(`chart-${c.name}`, { x: xs, y: ys }, idx);
+          document.body.dataset.extended = String(Number(document.body.dataset.extended || 0) + 1);
+        }
       }
       if (marks) drawMarks(runs);
     });
