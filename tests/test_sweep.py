@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.cleaning_sweep import optimum
 from lmforge.cli import main
 from lmforge.corpus.quality_model import train_quality_model
 
@@ -58,7 +59,7 @@ def corpus(tmp_path_factory) -> tuple[Path, Path]:
     return root / "recipe.toml", root / "quality.npz"
 
 
-def test_sweep_measures_size_quality_and_diversity_per_level(corpus, tmp_path):
+def test_sweep_measures_size_quality_and_diversity_per_level(corpus, tmp_path, capsys):
     recipe, model = corpus
     out = tmp_path / "sweep"
     args = ["data", "sweep", "--config", str(recipe), "--out", str(out), "--levels", "0,50,100"]
@@ -87,6 +88,27 @@ def test_sweep_measures_size_quality_and_diversity_per_level(corpus, tmp_path):
     assert Path(result["tokenizer"]) == out / "tokenizer.json"
     for level in ("level-000", "level-050", "level-100"):  # each level is a complete lmforge data run
         assert (out / level / "report.json").is_file()
+    # the marked optimum: the rule's best level with equal weights, also marked in the printed table
+    best = optimum(result["rows"], True)
+    assert result["optimum"]["level"] == result["rows"][best["index"]]["level"] == 50
+    assert result["optimum"]["score"] == max(s for s in best["score"] if s is not None)
+    table = capsys.readouterr().out
+    assert [line.split()[0] for line in table.splitlines() if line.endswith("<- optimum")] == ["50"]
+
+
+def test_optimum_weighs_size_quality_and_diversity_scaled_across_levels():
+    rows = [
+        {"level": 0, "tokens": 100, "quality_mean": 0.5, "distinct_ngrams_at_k": 0.2},
+        {"level": 50, "tokens": 80, "quality_mean": 0.9, "distinct_ngrams_at_k": 0.3},
+        {"level": 100, "tokens": 20, "quality_mean": 1.0, "distinct_ngrams_at_k": 0.3},
+    ]
+    best = optimum(rows, higher_is_better=True)
+    assert best["size"] == [1.0, 0.75, 0.0] and best["quality"] == [0.0, 0.8, 1.0]
+    assert best["score"][1] == pytest.approx((0.75 + 0.8 + 1.0) / 3) and best["index"] == 1
+    assert optimum(rows, True, (1, 0, 0))["index"] == 0  # size alone: keep everything
+    assert optimum(rows, False, (0, 1, 0))["index"] == 0  # perplexity: lower is better
+    rows[2]["quality_mean"] = None  # a level that kept nothing has no score
+    assert optimum(rows, True)["score"][2] is None
 
 
 def test_sweep_without_a_quality_reference_stops_before_any_work(corpus, tmp_path, capsys):

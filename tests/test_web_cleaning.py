@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.cleaning_sweep import optimum
 from lmforge.cli import main
 from lmforge.web.app import create_app
-from lmforge.web.figures_cleaning import find_sweeps, optimum
+from lmforge.web.figures_cleaning import find_sweeps
 from tests.conftest import figure, renders, screenshot, wait_render
 from tests.test_sweep import corpus  # noqa: F401  (the module-scoped recipe + classifier fixture)
 
@@ -97,7 +98,9 @@ def test_page_shows_the_real_sweep_in_a_browser(runs: Path, serve, page, tmp_pat
     page.goto(f"{serve(runs)}/cleaning")
     wait_render(page)
     best = optimum(rows, True)["index"]
-    assert figure(page, "optimum.level") == rows[best]["level"]
+    assert (
+        figure(page, "optimum.level") == rows[best]["level"] == sweep["optimum"]["level"]
+    )  # what the sweep marks
     for i, row in enumerate(rows):
         for key in (
             "level",

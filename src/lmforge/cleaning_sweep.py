@@ -276,12 +276,70 @@ def run_sweep(
         "seed": seed,
         "knobs": knob_table(cfg, list(levels)),
         "rows": rows,
+        "optimum": marked_optimum(rows, ref.higher_is_better),
     }
     tmp = out / "sweep.json.tmp"
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     tmp.replace(out / "sweep.json")
     sweep_chart(result, ref.label, out / "sweep.png")
     return result
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the optimum
+
+
+def scaled(values: list[float | None]) -> list[float | None]:
+    """``(v - min) / (max - min)`` over the non-missing values (1 for each when they are all equal)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return [None] * len(values)
+    lo, hi = min(present), max(present)
+    return [None if v is None else (1.0 if hi == lo else (v - lo) / (hi - lo)) for v in values]
+
+
+def optimum(
+    rows: list[dict[str, Any]], higher_is_better: bool, weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
+) -> dict[str, Any]:
+    """The level a sweep marks as the best trade-off, by this rule (``lmforge data sweep`` with weights 1, 1, 1;
+    the dashboard's cleaning page with the user's). Each curve is scaled to [0, 1] across the levels,
+    ``c_hat_i = (c_i - min c) / (max c - min c)`` (1 when all are equal):
+
+    * size: ``tokens`` kept;
+    * quality: ``quality_mean`` under the sweep's reference, flipped (``1 - c_hat``) when lower is better
+      (perplexity);
+    * diversity: ``distinct_ngrams_at_k`` (distinct n-grams per word at the equal size ``K``).
+
+    ``score_i = (w_s size_i + w_q quality_i + w_d diversity_i) / (w_s + w_q + w_d)``; the optimum is the level
+    of the highest score (a tie goes to the more lenient level, which keeps more). A level with a missing
+    figure (no document kept) has no score. Returns the scaled curves, the scores and the optimum's
+    ``index`` (None when no level has every figure or every weight is 0)."""
+    size = scaled([r.get("tokens") for r in rows])
+    quality = scaled([r.get("quality_mean") for r in rows])
+    if not higher_is_better:
+        quality = [None if q is None else 1.0 - q for q in quality]
+    diversity = scaled([r.get("distinct_ngrams_at_k") for r in rows])
+    ws, wq, wd = weights
+    total = ws + wq + wd
+    scores: list[float | None] = []
+    for s, q, d in zip(size, quality, diversity, strict=True):
+        ok = total > 0 and None not in (s, q, d)
+        scores.append((ws * s + wq * q + wd * d) / total if ok else None)
+    best = None
+    for i, sc in enumerate(scores):
+        if sc is not None and (best is None or sc > scores[best]):
+            best = i
+    return {"size": size, "quality": quality, "diversity": diversity, "score": scores, "index": best}
+
+
+def marked_optimum(rows: list[dict[str, Any]], higher_is_better: bool) -> dict[str, Any] | None:
+    """What ``sweep.json`` records as its optimum: :func:`optimum` with weights 1, 1, 1 (None when no level
+    has every figure)."""
+    best = optimum(rows, higher_is_better)
+    i = best["index"]
+    if i is None:
+        return None
+    return {"level": rows[i]["level"], "score": best["score"][i], "weights": [1.0, 1.0, 1.0]}
 
 
 def sweep_chart(result: dict[str, Any], quality_label: str, path: Path) -> Any:
@@ -322,10 +380,16 @@ def sweep_chart(result: dict[str, Any], quality_label: str, path: Path) -> Any:
     ax4 = ax3.twinx()
     ax4.plot(x, [r["vocab_entropy_bits"] for r in rows], "^:", color="tab:red")
     ax4.set_ylabel("word entropy (bits)", color="tab:red")
+    best = result.get("optimum")
     for ax in (ax1, ax2, ax3):
         ax.set_xlabel("strictness level")
         ax.grid(alpha=0.3)
-    fig.suptitle("strictness 0: no filtering, 100: the strictest documented thresholds", fontsize=9)
+        if best is not None:
+            ax.axvline(best["level"], color="goldenrod", ls="--", lw=1.2)
+    title = "strictness 0: no filtering, 100: the strictest documented thresholds"
+    if best is not None:
+        title += f"; dashed: the optimum, level {best['level']:g} (size, quality, diversity weighted equally)"
+    fig.suptitle(title, fontsize=9)
     FigureCanvasAgg(fig)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=100)
@@ -337,11 +401,18 @@ def sweep_table(result: dict[str, Any]) -> str:
     n = result["ngram"]
     head = f"{'level':>6} {'docs':>8} {'tokens':>11} {'quality':>9} {f'd{n}/tok':>8} {f'd{n}@K':>7} {'H(bits)':>8}"
     lines = [head]
+    best = (result.get("optimum") or {}).get("level")
     for r in result["rows"]:
         q = "-" if r["quality_mean"] is None else f"{r['quality_mean']:.4g}"
         d = "-" if r["distinct_ngrams_per_token"] is None else f"{r['distinct_ngrams_per_token']:.4f}"
         dk = "-" if r["distinct_ngrams_at_k"] is None else f"{r['distinct_ngrams_at_k']:.4f}"
         lines.append(
             f"{r['level']:>6g} {r['documents']:>8,} {r['tokens']:>11,} {q:>9} {d:>8} {dk:>7} {r['vocab_entropy_bits']:>8.3f}"
+            + ("  <- optimum" if r["level"] == best else "")
+        )
+    if best is not None:
+        lines.append(
+            f"optimum: level {best:g} (size, quality and diversity each scaled to 0..1 across the levels, "
+            "weighted equally; cleaning_sweep.optimum)"
         )
     return "\n".join(lines)
