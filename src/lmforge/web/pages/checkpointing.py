@@ -45,7 +45,7 @@ def policies(k: int) -> list[str]:
 
 
 def checkpointing_inputs(
-    model: str, layers: int, micro_batch: int, seq_len: int, precision: str, gpu: str
+    model: str, layers: int, micro_batch: int, seq_len: int, train_precision: str, gpu: str
 ) -> PlannerInputs:
     """``lmforge estimate --model MODEL --gpu GPU --model.n_layers=L --train.micro_batch_size=B
     --data.seq_len=T --train.precision=P`` (the policy is added per row)."""
@@ -58,7 +58,7 @@ def checkpointing_inputs(
             "model.n_layers": layers,
             "train.micro_batch_size": micro_batch,
             "data.seq_len": seq_len,
-            "train.precision": precision,
+            "train.precision": train_precision,
         },
     )
 

@@ -44,7 +44,7 @@ def memory_inputs(
     model: str,
     micro_batch: int,
     seq_len: int,
-    precision: str,
+    train_precision: str,
     optimizer: str,
     gpu: str,
     gpus: int,
@@ -58,7 +58,7 @@ def memory_inputs(
     overrides: dict[str, object] = {
         "train.micro_batch_size": micro_batch,
         "data.seq_len": seq_len,
-        "train.precision": precision,
+        "train.precision": train_precision,
         "optim.name": optimizer,
         "train.activation_checkpointing": checkpointing,
         **layout_overrides(layout, gpus),

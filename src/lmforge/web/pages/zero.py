@@ -36,12 +36,14 @@ PAPER_VALUE_BYTES = 2  # the seed table counts 16-bit values
 blueprint = Blueprint("zero", __name__)
 
 
-def zero_inputs(model: str, gpus: int, precision: str, optimizer: str, accounting: str, gpu: str, kind: str):
+def zero_inputs(
+    model: str, gpus: int, train_precision: str, optimizer: str, accounting: str, gpu: str, kind: str
+):
     """``lmforge estimate --model MODEL --gpu GPU --gpus N --weights ACCOUNTING --train.precision=P
     --optim.name=O`` with ``--parallel.dp_replicate=N`` (``ddp``) or ``--parallel.dp_shard=N
     --parallel.zero=K`` (``zeroK``)."""
     overrides: dict[str, object] = {
-        "train.precision": precision,
+        "train.precision": train_precision,
         "optim.name": optimizer,
         **layout_overrides(kind, gpus),
     }
@@ -92,11 +94,13 @@ def planner_row(inputs: PlannerInputs, kind: str) -> dict:
     }
 
 
-def zero_figures(model: str, gpus: int, precision: str, optimizer: str, accounting: str, gpu: str) -> dict:
+def zero_figures(
+    model: str, gpus: int, train_precision: str, optimizer: str, accounting: str, gpu: str
+) -> dict:
     """Both tables for DDP, ZeRO-1, -2, -3: the formulas for the model's parameter count ``Ψ`` (the
     planner's ``n_params``) and the planner's rows."""
     planner = [
-        planner_row(zero_inputs(model, gpus, precision, optimizer, accounting, gpu, kind), kind)
+        planner_row(zero_inputs(model, gpus, train_precision, optimizer, accounting, gpu, kind), kind)
         for kind in LAYOUTS
     ]
     psi = planner[0]["n_params"]
