@@ -3,19 +3,7 @@
 (() => {
   const GIB = 2 ** 30;
   const MB = 1e6;
-  const text = (tag, s) => { const el = document.createElement(tag); el.textContent = s; return el; };
-
-  function table(el, headers, rows) {
-    el.replaceChildren();
-    const head = document.createElement("tr");
-    for (const h of headers) head.append(text("th", h));
-    el.append(head);
-    for (const cells of rows) {
-      const tr = document.createElement("tr");
-      tr.append(...cells);
-      el.append(tr);
-    }
-  }
+  const { text, table } = lmf;
 
   function drawPlanner(rows) {
     const names = rows.map((r) => r.policy);

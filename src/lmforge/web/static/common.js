@@ -52,6 +52,20 @@ window.lmf = {
     return Math.abs(x) >= 1e5 || (Math.abs(x) < 1e-3 && x !== 0) ? x.toExponential(digits ?? 3)
       : x.toLocaleString("en-US", { maximumFractionDigits: digits ?? 3 });
   },
+  // An element <tag> holding the text `s`.
+  text(tag, s) { const el = document.createElement(tag); el.textContent = s; return el; },
+  // Fill the table `el`: one header row, then one row per list of cells.
+  table(el, headers, rows) {
+    el.replaceChildren();
+    const head = document.createElement("tr");
+    for (const h of headers) head.append(lmf.text("th", h));
+    el.append(head);
+    for (const cells of rows) {
+      const tr = document.createElement("tr");
+      tr.append(...cells);
+      el.append(tr);
+    }
+  },
   // A cell whose text is `text` and whose data-value is the exact figure (what tests compare).
   cell(key, value, text) {
     const td = document.createElement("td");

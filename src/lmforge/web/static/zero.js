@@ -5,19 +5,7 @@
   const NAMES = { ddp: "DDP", zero1: "ZeRO-1", zero2: "ZeRO-2", zero3: "ZeRO-3" };
   const PARTS = [["params", "parameters", "#4c78a8"], ["grads", "gradients", "#f58518"],
                  ["master", "master weights", "#e45756"], ["optim", "optimizer states", "#72b7b2"]];
-  const text = (tag, s) => { const el = document.createElement(tag); el.textContent = s; return el; };
-
-  function table(el, headers, rows) {
-    el.replaceChildren();
-    const head = document.createElement("tr");
-    for (const h of headers) head.append(text("th", h));
-    el.append(head);
-    for (const cells of rows) {
-      const tr = document.createElement("tr");
-      tr.append(...cells);
-      el.append(tr);
-    }
-  }
+  const { text, table } = lmf;
 
   function draw(d) {
     const kinds = d.formula.map((r) => r.kind);
