@@ -124,3 +124,22 @@ def test_web_package_never_writes_and_nothing_below_imports_it():
         if rel.startswith("web/") or rel == "cli.py":
             continue
         assert "lmforge.web" not in path.read_text(), f"{rel} imports lmforge.web"
+
+
+def test_pages_load_nothing_from_the_internet_and_bind_locally_by_default():
+    """Every script, style and image a page names is served by the app itself (Plotly from the installed
+    package), so the tools work with no internet; and ``lmforge dashboard`` listens on 127.0.0.1 unless
+    told otherwise."""
+    import re
+
+    import lmforge
+    from lmforge.cli import build_parser
+
+    web = Path(lmforge.__file__).parent / "web"
+    external = re.compile(r"""(src|href)\s*=\s*["'](https?:)?//""", re.I)
+    for path in [*web.glob("templates/*.html"), *web.glob("static/*")]:
+        text = path.read_text()
+        assert not external.search(text), path
+        assert 'fetch("http' not in text and "fetch('http" not in text, path
+    args = build_parser().parse_args(["dashboard"])
+    assert (args.host, args.port, args.runs_dir) == ("127.0.0.1", 8765, "runs")
