@@ -327,3 +327,20 @@ def test_estimate_is_pure_arithmetic_for_a_huge_model():
     """Nothing is allocated: a 175B estimate takes no memory and little time."""
     e = estimate(_workload("gpt3-175b"), Layout(dp_shard=64, tp=8, micro_batch=1), H100)
     assert math.isfinite(e.total) and e.n_params > 1.7e11
+
+
+def test_every_pipeline_rank_has_its_total_and_the_peak_is_the_estimate():
+    from lmforge.plan import hardware, models
+    from lmforge.plan.estimate import Layout, Workload, estimate
+
+    named = models.get("llama-7b")
+    work = Workload(named.model, named.vocab_size, named.seq_len, "bf16", "adamw", "flash", 0, None, "cuda")
+    layout = Layout(dp_shard=2, pp=4, micro_batch=8, pp_microbatches=8)
+    e = estimate(work, layout, hardware.get("h100-80gb"))
+    assert len(e.pp_rank_totals) == 4
+    assert max(e.pp_rank_totals) == e.total == e.pp_rank_totals[e.pp_rank]
+    # 1F1B: rank r keeps min(m, p - r) micro-batches in flight, so the first rank holds the most
+    assert e.pp_rank_totals[1] > e.pp_rank_totals[2]
+    assert estimate(work, Layout(dp_shard=8), hardware.get("h100-80gb")).pp_rank_totals == [
+        estimate(work, Layout(dp_shard=8), hardware.get("h100-80gb")).total
+    ]

@@ -61,7 +61,9 @@ def test_page_shows_estimate_json_and_follows_the_controls(tmp_path: Path, serve
         16,
     )
     gpus = json.loads(page.get_attribute("#hybrid-grid", "data-gpus"))
-    assert len(gpus) == 32 and {g["memory"] for g in gpus} == {want["total"]}
+    # each GPU shows its pipeline rank's total; the peak rank's is the estimate's total
+    assert len(gpus) == 32 and [g["memory"] for g in gpus] == [want["pp_rank_totals"][g["pp"]] for g in gpus]
+    assert max(want["pp_rank_totals"]) == want["total"] and len(want["pp_rank_totals"]) == 2
     assert page.inner_text("#hybrid-command") == f"lmforge estimate {' '.join(seed.flags())} --json"
     screenshot(page, "hybrid", tmp_path)
 

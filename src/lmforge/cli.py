@@ -560,6 +560,12 @@ def _estimate_text(e, name: str, optimizer: str, hw) -> str:
         f"  {'total':<18s} {e.total / GIB:10.2f}   {verdict}: {e.total / e.memory_bytes:.0%} of the device; limit "
         f"{e.margin:.0%} = {limit / GIB:.1f} GiB (Fujii et al. 2024: no OOM in 454 runs under 80%)"
     )
+    if len(e.pp_rank_totals) > 1:
+        lines.append(
+            "  per pipeline rank: "
+            + ", ".join(f"{r}: {t / GIB:.2f}" for r, t in enumerate(e.pp_rank_totals))
+            + " GiB"
+        )
     lines += [
         f"compute: {e.flops_per_token / 1e9:.1f} GFLOP per token (6N + 12 L d T), {e.flops_per_step / 1e15:.2f} PFLOP "
         f"per step; recompute x{e.recompute:.2f}, pipeline bubble {e.bubble:.1%} ((p-1)/(m+p-1))",

@@ -2,7 +2,8 @@
 is ``plan/search.py``). Pure: combines ``plan/memory.py``, ``plan/activations.py``, ``plan/comm.py`` and
 ``plan/flops.py``; nothing is allocated.
 
-Per device (the largest pipeline rank)::
+Per device (the largest pipeline rank; ``pp_rank_totals`` gives the total of every pipeline rank, whose
+stages hold other layers and, under 1F1B, fewer micro-batches in flight)::
 
     total = params + grads + master + optimizer states + activations + temporaries + overhead
     overhead = runtime + fragmentation * (everything else)
@@ -198,6 +199,9 @@ class Estimate:
     chinchilla_tokens: float
     chinchilla_days: float
     warnings: list[str] = field(default_factory=list)
+    pp_rank_totals: list[float] = field(
+        default_factory=list
+    )  # total per pipeline rank (``pp_rank``'s is ``total``)
 
     @property
     def fits(self) -> bool:
@@ -348,6 +352,7 @@ def estimate(
     c = compute_bytes(workload.precision)
     overhead_model = CPU_OVERHEAD if hw.name == "cpu" else GPU_OVERHEAD
     best = None
+    rank_totals: list[float] = []
     for rank in range(layout.pp):
         owned = (
             [ranges[s] for s in stage_ids(rank, layout.pp, v, layout.pp_schedule)]
@@ -388,6 +393,7 @@ def estimate(
         allocated = states.total - states.grads + sum(at_peak[1:])
         overhead = overhead_model.runtime_bytes + overhead_model.fragmentation * allocated
         total = allocated + overhead
+        rank_totals.append(total)
         if best is None or total > best[0]:
             best = (total, rank, mine, states, acts, parts, temps, overhead, at_peak)
     assert best is not None
@@ -472,6 +478,7 @@ def estimate(
         chinchilla_tokens=chin,
         chinchilla_days=chin / tps / 86400,
         warnings=warnings,
+        pp_rank_totals=rank_totals,
     )
 
 

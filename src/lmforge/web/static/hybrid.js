@@ -19,15 +19,17 @@
     const dim = colourBy.value;
     const e = d.result.estimate;
     const shapes = [], xs = [], ys = [], texts = [], hovers = [];
+    // each GPU holds its pipeline rank's stages: the planner's total for that rank
+    const memory = (g) => (e.pp_rank_totals && e.pp_rank_totals.length ? e.pp_rank_totals[g.pp] : e.total);
     for (const g of d.grid) {
       const idx = g.groups[dim];
       shapes.push({ type: "rect", x0: g.local - 0.45, x1: g.local + 0.45, y0: g.node - 0.42, y1: g.node + 0.42,
                     fillcolor: PALETTE[idx % PALETTE.length], opacity: 0.55, line: { color: "#333", width: 1 },
                     layer: "below" });
       xs.push(g.local); ys.push(g.node);
-      texts.push(`r${g.rank}<br>pp${g.pp} dp${g.dp} tp${g.tp}<br>${lmf.gib(e.total)} GiB`);
+      texts.push(`r${g.rank}<br>pp${g.pp} dp${g.dp} tp${g.tp}<br>${lmf.gib(memory(g))} GiB`);
       hovers.push(`rank ${g.rank} (node ${g.node}, GPU ${g.local})<br>TP group ${g.groups.tp}, PP group ` +
-                  `${g.groups.pp}, DP group ${g.groups.dp}<br>planned memory ${lmf.gib(e.total)} GiB`);
+                  `${g.groups.pp}, DP group ${g.groups.dp}<br>planned memory ${lmf.gib(memory(g))} GiB`);
     }
     for (let n = 1; n < d.nodes; n++) {
       shapes.push({ type: "line", x0: -0.5, x1: d.gpus_per_node - 0.5, y0: n - 0.5, y1: n - 0.5,
@@ -51,7 +53,7 @@
                ticktext: [...Array(d.nodes).keys()].map((n) => `node ${n}`), zeroline: false },
     });
     document.getElementById("hybrid-grid").dataset.gpus = JSON.stringify(
-      d.grid.map((g) => ({ rank: g.rank, node: g.node, pp: g.pp, dp: g.dp, tp: g.tp, memory: e.total })));
+      d.grid.map((g) => ({ rank: g.rank, node: g.node, pp: g.pp, dp: g.dp, tp: g.tp, memory: memory(g) })));
   }
 
   function tables(d) {
