@@ -47,22 +47,6 @@ def test_find_sweeps_looks_3_folders_deep_and_not_outside(tmp_path: Path):
     assert find_sweeps(root) == ["a/b/c/sweep.json", "a/sweep.json", "sweep.json"]
 
 
-def test_optimum_rule():
-    rows = [
-        {"tokens": 1000, "quality_mean": 0.2, "distinct_ngrams_at_k": 0.5},
-        {"tokens": 600, "quality_mean": 0.8, "distinct_ngrams_at_k": 0.7},
-        {"tokens": 100, "quality_mean": 0.9, "distinct_ngrams_at_k": 0.6},
-        {"tokens": 0, "quality_mean": None, "distinct_ngrams_at_k": None},
-    ]
-    best = optimum(rows, higher_is_better=True)
-    assert best["size"] == [1.0, 0.6, 0.1, 0.0]
-    assert best["score"][:3] == pytest.approx([1 / 3, (0.6 + 6 / 7 + 1) / 3, (0.1 + 1 + 0.5) / 3])
-    assert best["score"][3] is None and best["index"] == 1
-    assert optimum(rows, higher_is_better=True, weights=(1, 0, 0))["index"] == 0
-    # perplexity: lower is better, so the quality curve is flipped
-    assert optimum(rows, higher_is_better=False, weights=(0, 1, 0))["index"] == 0
-
-
 def test_api_serves_the_sweep_as_measured(runs: Path):
     client = create_app(runs).test_client()
     r = client.get("/api/cleaning")
