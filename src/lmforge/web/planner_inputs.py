@@ -16,6 +16,21 @@ LAYOUTS = ("ddp", "zero1", "zero2", "zero3")
 ACCOUNTINGS = ("lmforge", "zero-paper")
 
 
+def choices() -> dict[str, list[str]]:
+    """The options the planner pages' controls offer, for their templates: named models, devices,
+    precisions, optimizers, data-parallel layouts and accountings."""
+    from lmforge.plan import hardware, models
+
+    return {
+        "models": list(models.MODELS),
+        "gpus": list(hardware.GPUS),
+        "precisions": list(PRECISIONS),
+        "optimizers": list(OPTIMIZERS),
+        "layouts": list(LAYOUTS),
+        "accountings": list(ACCOUNTINGS),
+    }
+
+
 def layout_overrides(layout: str, gpus: int) -> dict[str, object]:
     """The ``parallel.*`` keys of a data-parallel ``layout`` on ``gpus`` devices (``parallel/layout.py``):
     ``ddp`` replicates (``dp_replicate = gpus``), ``zeroK`` shards (``dp_shard = gpus``, ``zero = K``);

@@ -18,7 +18,7 @@ from lmforge.plan.activations import activation_bytes
 from lmforge.plan.estimate import recompute_factor
 from lmforge.web.api import arg_choice, arg_int, json_api
 from lmforge.web.paths import PathRefused, resolve_under
-from lmforge.web.planner_inputs import PRECISIONS, PlannerInputs
+from lmforge.web.planner_inputs import PRECISIONS, PlannerInputs, choices
 from lmforge.web.registry import Page
 
 DEFAULTS = {
@@ -181,9 +181,7 @@ def view():
         "checkpointing.html",
         title="Gradient checkpointing",
         defaults=DEFAULTS,
-        models=list(models.MODELS),
-        gpus=list(hardware.GPUS),
-        precisions=PRECISIONS,
+        **choices(),
     )
 
 

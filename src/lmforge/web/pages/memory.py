@@ -17,6 +17,7 @@ from lmforge.web.planner_inputs import (
     OPTIMIZERS,
     PRECISIONS,
     PlannerInputs,
+    choices,
     layout_overrides,
 )
 from lmforge.web.registry import Page
@@ -123,13 +124,8 @@ def view():
         "memory.html",
         title="GPU memory",
         defaults=DEFAULTS,
-        models=list(models.MODELS),
-        gpus=list(hardware.GPUS),
-        precisions=PRECISIONS,
-        optimizers=OPTIMIZERS,
-        layouts=LAYOUTS,
         checkpointing=CHECKPOINTING,
-        accountings=ACCOUNTINGS,
+        **choices(),
     )
 
 

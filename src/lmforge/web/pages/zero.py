@@ -19,6 +19,7 @@ from lmforge.web.planner_inputs import (
     OPTIMIZERS,
     PRECISIONS,
     PlannerInputs,
+    choices,
     layout_overrides,
 )
 from lmforge.web.registry import Page
@@ -122,11 +123,7 @@ def view():
         "zero.html",
         title="ZeRO stages",
         defaults=DEFAULTS,
-        models=list(models.MODELS),
-        gpus=list(hardware.GPUS),
-        precisions=PRECISIONS,
-        optimizers=OPTIMIZERS,
-        accountings=ACCOUNTINGS,
+        **choices(),
     )
 
 
