@@ -66,7 +66,7 @@ def measure(shape: Shape, policy: str, autocast: bool = False, math: bool = Fals
     if stage is not None:
         keep_stage(model, stage)
     train = TrainConfig(activation_checkpointing=policy, compile=False)
-    activation_checkpointing(model, ApplyContext(train=train, device=torch.device("cpu")))
+    activation_checkpointing(model, model, ApplyContext(train=train, device=torch.device("cpu")))
     b, t = shape.batch, shape.seq
     ids = torch.randint(0, shape.vocab, (b, t))
     targets = torch.randint(0, shape.vocab, (b, t))

@@ -86,15 +86,16 @@ def test_transformations_have_one_fixed_order_and_compile_wraps_without_replacin
         "activation_checkpointing",
         "compile",
         "data_parallel",
+        "materialize",
     ]
     cfg = Config()
     model = model_of(ModelConfig(n_layers=1, d_model=32, n_heads=4), V, T)
     objective = NextTokenLoss(model)
-    compiled = apply(objective, ApplyContext(cfg.train, torch.device("cpu")))
+    compiled = apply(objective, model, ApplyContext(cfg.train, torch.device("cpu")))
     assert compiled is not objective and compiled._orig_mod is objective  # wrapped: a compiled module
     assert "forward" not in vars(model) and "loss" not in vars(model)  # nothing replaced on the instance
     eager = apply(
-        objective, ApplyContext(cfg.train.model_copy(update={"compile": False}), torch.device("cpu"))
+        objective, model, ApplyContext(cfg.train.model_copy(update={"compile": False}), torch.device("cpu"))
     )
     assert eager is objective
 

@@ -211,17 +211,17 @@ def test_schema_module_does_not_import_recipe_tooling():
 def test_execution_settings_live_in_train_and_reach_the_model():
     import torch
 
-    from lmforge.train.build import build_model, training_objective
+    from lmforge.train.build import training_module
 
     cfg = load_config(
         None,
         {"train.attention": "sdpa", "train.loss_chunk": 7, "model.n_layers": 1, "model.d_model": 32},
     )
     assert not cfg.train.deterministic  # schema default; wired elsewhere
-    model = build_model(cfg, 64, torch.device("cpu"))
-    assert model.attention == "sdpa"
     eager = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
-    assert training_objective(model, eager, torch.device("cpu")).loss.chunk == 7
+    module = training_module(eager, 64, torch.device("cpu"))
+    assert module.model.attention == "sdpa"
+    assert module.train_fn.loss.chunk == 7
     assert "attention" not in cfg.model.model_dump() and "loss_chunk" not in cfg.model.model_dump()
 
 

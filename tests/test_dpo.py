@@ -18,7 +18,7 @@ from lmforge.config import DPOConfig, ModelConfig
 from lmforge.errors import ConfigError, DataError
 from lmforge.model.loss import NextTokenLoss
 from lmforge.optim.clip import Clipper
-from lmforge.parallel.data_parallel import sync_context
+from lmforge.parallel.data_parallel import GradientSync
 from lmforge.posttrain.dpo import DPOObjective, SequenceLogps, check_dpo, preference_loss
 from lmforge.posttrain.dpo_data import (
     PairBatch,
@@ -31,6 +31,7 @@ from lmforge.posttrain.dpo_data import (
     tokenize_pairs,
 )
 from lmforge.precision import PrecisionPolicy
+from lmforge.train.modules import DPOModule
 from lmforge.train.step import train_step
 from tests.conftest import model_of
 
@@ -222,17 +223,18 @@ def test_identical_responses_give_zero_margin_and_log2():
 
 
 def test_training_raises_the_margin():
-    _, _, pairs, ref, obj = _setup(beta=0.5)
+    model, _, pairs, ref, obj = _setup(beta=0.5)
     held = list(pair_eval_batches(pairs, SEQ, 3, ref))
     before = obj.evaluate(held, FP32)
     assert before["val_loss"] == pytest.approx(LOG2, abs=1e-6) and before["val_rewards/margins"] == 0.0
     loader = PairLoader(pairs, SEQ, micro_batch_size=2, seed=0)
     loader.set_reference(ref)
-    opt = torch.optim.SGD(obj.parameters(), lr=0.2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    module = DPOModule(model, obj, GradientSync())
     losses = []
     for _ in range(6):
         step = train_step(
-            obj, opt, [loader.next_batch(), loader.next_batch()], 0.2, Clipper("norm", 0.0), FP32
+            module, opt, [loader.next_batch(), loader.next_batch()], 0.2, Clipper("norm", 0.0), FP32
         )
         losses.append(step.loss.item())
     m = obj.take_metrics()
@@ -241,7 +243,7 @@ def test_training_raises_the_margin():
                       "logps/chosen", "logps/rejected"}  # fmt: skip
     assert losses[0] == pytest.approx(LOG2, abs=1e-6) and losses[-1] < losses[0] - 0.1
     assert after["val_rewards/margins"] > 0.5 and after["val_rewards/accuracies"] == 1.0
-    assert after["val_loss"] < LOG2 - 0.1 and obj.training
+    assert after["val_loss"] < LOG2 - 0.1 and obj.policy.training  # evaluation puts the mode back
 
 
 def test_micro_batches_give_the_gradient_of_one_batch():
@@ -252,12 +254,14 @@ def test_micro_batches_give_the_gradient_of_one_batch():
             model.blocks[0].attn.o_proj.weight.mul_(1.5)  # policy != reference: a nonzero margin
         size = 4 // split
         batches = [stack_pairs(pairs[i : i + size], SEQ, ref=ref[i : i + size]) for i in range(0, 4, size)]
-        opt = torch.optim.SGD(obj.parameters(), lr=0.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
         weight = model.embed.weight  # the hook's last call sees the step's whole gradient
         hook = weight.register_post_accumulate_grad_hook(
             lambda p, s=split: grads.__setitem__(s, p.grad.clone())
         )
-        loss = train_step(obj, opt, batches, 0.0, Clipper("norm", 0.0), FP32).loss
+        loss = train_step(
+            DPOModule(model, obj, GradientSync()), opt, batches, 0.0, Clipper("norm", 0.0), FP32
+        ).loss
         hook.remove()
         grads[f"loss{split}"] = loss
     assert grads["loss1"].item() != pytest.approx(LOG2, abs=1e-3)
@@ -293,11 +297,12 @@ def test_ipo_uses_per_token_averages():
 def test_no_sync_reaches_the_ddp_policy(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        policy = DistributedDataParallel(SequenceLogps(tiny_model(), chunk=16))
-        obj = DPOObjective(policy, beta=0.1)
-        with sync_context(obj, last=False):
+        model = tiny_model()
+        policy = DistributedDataParallel(SequenceLogps(model, chunk=16))
+        module = DPOModule(model, DPOObjective(policy, beta=0.1), GradientSync(policy))
+        with module.micro_batch(0, 2):
             assert not policy.require_backward_grad_sync
-        with sync_context(obj, last=True):
+        with module.micro_batch(1, 2):
             assert policy.require_backward_grad_sync
     finally:
         dist.destroy_process_group()

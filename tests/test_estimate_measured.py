@@ -115,7 +115,7 @@ def test_sharded_state_bytes_equal_the_real_tensors_on_every_layout(tmp_path):
 def test_estimate_activations_equal_what_lmforge_objective_saves(arch: str, precision: str, policy: str):
     """The estimate's activations row (saved part, without the backward's recomputation) equals the bytes
     lmforge's own training objective keeps for backward, built from the same recipe as ``lmforge train``
-    builds it (``build_model``, ``training_objective`` with its checkpointing stage), measured by
+    builds it (``training_module``: the model and loss through the transformations), measured by
     ``train/activation_memory.py``: the wiring of recipe -> workload -> layout -> activation formula,
     including autocast's weight copies under bf16, GQA and the document mask."""
     from lmforge.plan import hardware
@@ -124,7 +124,7 @@ def test_estimate_activations_equal_what_lmforge_objective_saves(arch: str, prec
     from lmforge.precision import PrecisionPolicy
     from lmforge.recipe import load_config
     from lmforge.train.activation_memory import saved_activation_bytes
-    from lmforge.train.build import build_model, training_objective
+    from lmforge.train.build import training_module
 
     over = {
         "model.arch": arch,
@@ -144,7 +144,7 @@ def test_estimate_activations_equal_what_lmforge_objective_saves(arch: str, prec
         over["model.n_kv_heads"] = 2
     cfg = load_config(None, over)
     cpu = torch.device("cpu")
-    objective = training_objective(build_model(cfg, 300, cpu), cfg, cpu)
+    objective = training_module(cfg, 300, cpu).train_fn
     policy_obj = PrecisionPolicy(precision, cpu)
     x = torch.randint(0, 300, (2, 32))
     docs = torch.zeros(2, 32, dtype=torch.long)

@@ -25,6 +25,7 @@ from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import load_checkpoint
 from lmforge.train.guard import Action, Guard, GuardObserver, TrainingDiverged, spike_limit
 from lmforge.train.launch import train
+from lmforge.train.modules import LanguageModelModule
 from lmforge.train.step import train_step
 from tests.conftest import model_of, same_value, tiny_overrides
 
@@ -125,7 +126,8 @@ def test_skipped_step_leaves_optimizer_untouched():
     guard = Guard(GuardConfig())
     x = torch.randint(0, 50, (2, 8))
     batch = [Batch(x, x, torch.zeros_like(x))]
-    fp32, clipper, objective = PrecisionPolicy("fp32", CPU), Clipper("norm", 1.0), NextTokenLoss(m)
+    fp32, clipper = PrecisionPolicy("fp32", CPU), Clipper("norm", 1.0)
+    objective = LanguageModelModule.of(NextTokenLoss(m))
     for step in (1, 2):
         out = train_step(objective, opt, batch, 1e-3, clipper, fp32, [GuardAt(guard, step)])
         assert out.action is Action.STEP

@@ -27,6 +27,7 @@ from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_config
 from lmforge.train.build import build_model
 from lmforge.train.lr_find import range_test
+from lmforge.train.modules import LanguageModelModule
 from lmforge.train.step import train_step
 from tests.conftest import cli_args, tiny_overrides
 
@@ -142,16 +143,14 @@ def test_range_test_puts_model_and_optimizer_back(prepared):
     model = build_model(cfg, data.tokenizer.vocab_size, device)
     optimizer = build_optimizer(model, cfg.optim, device)
     loader = PackedLoader(TokenStream(data.train), cfg.data.seq_len, cfg.train.micro_batch_size, 0)
-    objective, fp32 = NextTokenLoss(model), PrecisionPolicy("fp32", device)
+    module, fp32 = LanguageModelModule.of(NextTokenLoss(model)), PrecisionPolicy("fp32", device)
     clipper = Clipper("adaptive", 1.0, warmup=2)
-    train_step(objective, optimizer, [loader.next_batch()], 1e-3, clipper, fp32)  # optimizer has state
+    train_step(module, optimizer, [loader.next_batch()], 1e-3, clipper, fp32)  # optimizer has state
     clip_before = copy.deepcopy(clipper.state_dict())
     model_before = copy.deepcopy(model.state_dict())
     optim_before = copy.deepcopy(optimizer.state_dict())
     rng_before = torch.get_rng_state()
-    result = range_test(
-        model, objective, optimizer, lambda: [loader.next_batch()], cfg.lr_find, clipper, fp32
-    )
+    result = range_test(module, optimizer, lambda: [loader.next_batch()], cfg.lr_find, clipper, fp32)
     assert len(result.lrs) == 12 and result.lrs[-1] == pytest.approx(1.0)
     assert len(set(result.losses)) > 1  # it did train
     after = model.state_dict()

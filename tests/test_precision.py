@@ -19,12 +19,14 @@ from lmforge.errors import ConfigError
 from lmforge.model.loss import NextTokenLoss
 from lmforge.optim.clip import Clipper
 from lmforge.parallel.apply import ApplyContext, apply
+from lmforge.parallel.data_parallel import GradientSync
 from lmforge.precision import PrecisionPolicy, check_precision, fp8_refusal, fp8_takes
 from lmforge.recipe import load_config
 from lmforge.train.callbacks.base import Callback
 from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.guard import Guard, GuardObserver
 from lmforge.train.launch import train
+from lmforge.train.modules import LanguageModelModule
 from lmforge.train.step import Action, train_step
 from tests.conftest import model_of, tiny_overrides
 
@@ -63,7 +65,8 @@ def test_fp8_emulated_matches_bf16(recipe, caplog):
 
     train_cfg = TrainConfig(precision="fp8", fp8_recipe=recipe, compile=False)
     with caplog.at_level(logging.INFO, logger="lmforge"):
-        fp8_objective = apply(NextTokenLoss(copy.deepcopy(base)), ApplyContext(train_cfg, CPU))
+        copied = copy.deepcopy(base)
+        fp8_objective = apply(NextTokenLoss(copied), copied, ApplyContext(train_cfg, CPU))
     from torchao.float8.float8_linear import Float8Linear
 
     model = fp8_objective.model
@@ -184,11 +187,12 @@ def test_fp16_resume_is_exact(corpus_dir, tmp_path):
     assert steps(tmp_path / "parts") == whole
 
 
-def _fp16_step(policy, objective, optimizer, observers=()):
+def _fp16_step(policy, model, objective, optimizer, observers=()):
     torch.manual_seed(1)
     tokens = torch.randint(0, 64, (2, 16))
     batch = Batch(tokens, torch.randint(0, 64, (2, 16)), torch.zeros_like(tokens))
-    return train_step(objective, optimizer, [batch], 1e-3, Clipper("norm", 1.0), policy, observers)
+    module = LanguageModelModule(model, objective, objective, GradientSync())
+    return train_step(module, optimizer, [batch], 1e-3, Clipper("norm", 1.0), policy, observers)
 
 
 def test_fp16_nan_loss_stays_the_guards_and_leaves_the_scale():
@@ -206,10 +210,10 @@ def test_fp16_nan_loss_stays_the_guards_and_leaves_the_scale():
         return loss_sum * float("nan"), n
 
     scale = policy.loss_scale
-    out = _fp16_step(policy, nan_loss, optimizer, [GuardObserver(guard, 1)])
+    out = _fp16_step(policy, model, nan_loss, optimizer, [GuardObserver(guard, 1)])
     assert out.action is Action.SKIP and not out.overflow
     assert guard.bad == 1 and guard.overflows == 0 and policy.loss_scale == scale
-    out = _fp16_step(policy, objective, optimizer, [GuardObserver(guard, 1)])
+    out = _fp16_step(policy, model, objective, optimizer, [GuardObserver(guard, 1)])
     assert out.action is Action.STEP and torch.isfinite(out.loss) and policy.loss_scale == scale
 
 
@@ -275,7 +279,7 @@ def test_tf32_on_cpu_is_fp32():
         policy = PrecisionPolicy.resolve(name, CPU)
         assert policy.compute_dtype == torch.float32 and policy.scaler is None
         optimizer = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        losses = [_fp16_step(policy, NextTokenLoss(m), optimizer).loss for _ in range(3)]
+        losses = [_fp16_step(policy, m, NextTokenLoss(m), optimizer).loss for _ in range(3)]
         runs[name] = (torch.stack(losses), [p.detach().clone() for p in m.parameters()])
     assert torch.equal(runs["tf32"][0], runs["fp32"][0])
     assert all(torch.equal(a, b) for a, b in zip(runs["tf32"][1], runs["fp32"][1], strict=True))

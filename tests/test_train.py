@@ -20,6 +20,7 @@ from lmforge.train.build import accumulation_steps
 from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from lmforge.train.launch import train
+from lmforge.train.modules import LanguageModelModule
 from lmforge.train.step import train_step
 from tests.conftest import cli_args, model_of, tiny_overrides
 
@@ -37,7 +38,9 @@ def _grads_after(batches, seed=0):
         for n, p in m.named_parameters()
     ]
     n_calls = len(batches)
-    loss = train_step(NextTokenLoss(m, 16), opt, batches, 0.0, Clipper("norm", 0.0), FP32).loss
+    loss = train_step(
+        LanguageModelModule.of(NextTokenLoss(m, 16)), opt, batches, 0.0, Clipper("norm", 0.0), FP32
+    ).loss
     for h in hooks:
         h.remove()
     return loss, grads, n_calls
@@ -100,7 +103,14 @@ def test_per_kind_settings_and_layerwise_decay():
     assert got[id(m.lm_head.weight)] == (0.1, 1.0) and got[id(m.norm.weight)] == (0.01, 1.0)
     opt = build_optimizer(m, cfg, torch.device("cpu"))
     x = torch.randint(0, 50, (2, 8))
-    train_step(NextTokenLoss(m), opt, [Batch(x, x, torch.zeros_like(x))], 0.01, Clipper("norm", 1.0), FP32)
+    train_step(
+        LanguageModelModule.of(NextTokenLoss(m)),
+        opt,
+        [Batch(x, x, torch.zeros_like(x))],
+        0.01,
+        Clipper("norm", 1.0),
+        FP32,
+    )
     for g in opt.param_groups:
         assert g["lr"] == pytest.approx(0.01 * g["lr_mult"])
     with pytest.raises(ConfigError, match="unknown kind 'heads'"):

@@ -393,6 +393,11 @@ class ParallelConfig(_Section):
     offload: bool = Field(
         False, description="keep sharded parameters, gradients and optimizer states in host memory (FSDP2)"
     )
+    defer_grad_sync: bool = Field(
+        False,
+        description="FSDP2 with accumulation: keep unsharded gradients over a step's micro-batches and "
+        "reduce-scatter them once per step (more memory, fewer collectives)",
+    )
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"] = Field(
         "1f1b", description="pipeline schedule"
     )

@@ -28,15 +28,16 @@ def main() -> None:
         reduced.append(1)
         return default_hooks.allreduce_hook(group, bucket)
 
-    run.objective.register_comm_hook(run.layout.group("dp"), count)
+    ddp = run.module.train_fn  # the DDP-wrapped model and loss
+    ddp.register_comm_hook(run.layout.group("dp"), count)
     batch = run.loader.next_batch()
-    loss, _ = run.objective(batch.inputs, batch.targets, batch.doc_ids)
+    loss, _ = ddp(batch.inputs, batch.targets, batch.doc_ids)
     loss.backward()
     per_backward = len(reduced)
     run.optimizer.zero_grad(set_to_none=True)
     reduced.clear()
     batches = [run.loader.next_batch() for _ in range(run.accum)]
-    train_step(run.objective, run.optimizer, batches, 1e-3, run.clipper, run.precision, reduce=run.reduce)
+    train_step(run.module, run.optimizer, batches, 1e-3, run.clipper, run.precision, reduce=run.reduce)
     if run.layout.is_main:
         print(
             "COUNTS "

@@ -25,14 +25,14 @@ from lmforge.train.step import train_step
 
 def step(run) -> None:
     batches = [run.loader.next_batch() for _ in range(run.accum)]
-    train_step(run.objective, run.optimizer, batches, 1e-3, run.clipper, run.precision, reduce=run.reduce)
+    train_step(run.module, run.optimizer, batches, 1e-3, run.clipper, run.precision, reduce=run.reduce)
 
 
 def main() -> None:
     torch.set_num_threads(1)
     run = build_run(load_config(None, json.loads(sys.argv[1])))
     step(run)
-    tracker = FSDPMemTracker(run.objective, run.optimizer)
+    tracker = FSDPMemTracker(run.module.train_fn, run.optimizer)
     with tracker:
         step(run)
     (peak,) = tracker.get_tracker_snapshot("peak").values()

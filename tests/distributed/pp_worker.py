@@ -29,6 +29,7 @@ from lmforge.parallel.pipeline import Pipeline
 from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_config
 from lmforge.train.build import build_model
+from lmforge.train.modules import LanguageModelModule
 from lmforge.train.step import train_step
 
 VOCAB, SEQ, BATCH, MICRO, STEPS, LR = 128, 32, 8, 4, 3, 3e-3
@@ -83,7 +84,8 @@ def reference() -> tuple[list[float], float, dict[str, torch.Tensor]]:
                 b = batches(99)
                 loss_sum, n = objective(b.inputs, b.targets, b.doc_ids)
                 eval_loss = float(loss_sum / n)
-        losses.append(float(train_step(objective, opt, split(batches(step)), LR, clipper, precision).loss))
+        module = LanguageModelModule.of(objective)
+        losses.append(float(train_step(module, opt, split(batches(step)), LR, clipper, precision).loss))
     return losses, eval_loss, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 

@@ -30,6 +30,7 @@ gets its ``1 / m`` from the logit multiplier, not from the weight.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -74,27 +75,79 @@ def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
     return p.ndim >= 2 and (name.startswith("blocks.") or ".blocks." in name)
 
 
-@torch.no_grad()
-def init_weights(model: nn.Module, std: float, n_layers: int, m: float = 1.0) -> None:
-    """Standard init for ``m = 1``; with a muP width multiplier ``m``, hidden matrices get ``std / sqrt(m)``
-    (the output head and embeddings keep ``std``). See the module docstring."""
+@dataclass(frozen=True)
+class InitStep:
+    """One parameter's initialisation: ``kind`` (``normal``: ~ N(0, std^2) drawn from the global RNG;
+    ``zeros``; ``ones``) applied to the tensor known by ``names`` (several names: one tensor shared by
+    them, e.g. a tied embedding and output head)."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str
+    std: float = 0.0
+
+    @property
+    def draws(self) -> bool:
+        """Whether this step consumes random numbers (the order of such steps is the random stream)."""
+        return self.kind == "normal"
+
+    @torch.no_grad()
+    def apply(self, tensor: torch.Tensor) -> None:
+        """Fill ``tensor`` (the whole parameter) in place."""
+        if self.kind == "normal":
+            nn.init.normal_(tensor, 0.0, self.std)
+        elif self.kind == "zeros":
+            nn.init.zeros_(tensor)
+        else:
+            nn.init.ones_(tensor)
+
+
+def init_plan(model: nn.Module, std: float, n_layers: int, m: float = 1.0) -> list[InitStep]:
+    """The initialisation of every parameter of ``model``, in the order it is applied (module order, so
+    the random draws of a model are always taken in the same sequence). Standard init for ``m = 1``; with a
+    muP width multiplier ``m``, hidden matrices get ``std / sqrt(m)`` (the output head and embeddings keep
+    ``std``). See the module docstring. A parameter shared by several modules (tied embeddings) is
+    initialised once, by its first owner in module order, under every name it has.
+
+    The plan needs only the parameters' names and shapes, so it is computed on a meta-device model: a
+    sharded build (``lmforge/parallel/materialize.py``) walks the whole model's plan, draws each whole
+    parameter and keeps its own part, and so gets exactly the values of :func:`init_weights`.
+    """
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    plan: list[InitStep] = []
+    done: set[int] = set()
+
+    def add(module_name: str, param: torch.Tensor | None, kind: str, s: float = 0.0) -> None:
+        if param is None or id(param) in done:
+            return
+        done.add(id(param))
+        plan.append(InitStep(tuple(names[id(param)]), tuple(param.shape), param.dtype, kind, s))
+
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             short = name.rsplit(".", 1)[-1]
             s = residual_std(std, n_layers) if short in RESIDUAL_OUTPUTS else std
             if short != OUTPUT_HEAD:
                 s = hidden_std(s, m)
-            if module.weight is not getattr(getattr(model, "embed", None), "weight", None):
-                nn.init.normal_(module.weight, 0.0, s)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
+            add(name, module.weight, "normal", s)
+            add(name, module.bias, "zeros")
         elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, 0.0, std)
+            add(name, module.weight, "normal", std)
         elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
-            if module.weight is not None:
-                nn.init.ones_(module.weight)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
+            add(name, module.weight, "ones")
+            add(name, getattr(module, "bias", None), "zeros")
+    return plan
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, std: float, n_layers: int, m: float = 1.0) -> None:
+    """Initialise every parameter of ``model`` (materialised, whole) by :func:`init_plan`."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for step in init_plan(model, std, n_layers, m):
+        step.apply(params[step.names[0]])
 
 
 def mup_lr_scales(model: nn.Module, m: float) -> dict[str, float]:

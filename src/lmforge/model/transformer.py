@@ -29,7 +29,15 @@ from torch import nn
 
 from lmforge.config import ModelConfig
 from lmforge.model.attention import apply_rope, attend, document_causal_mask, flex_block_mask, rope_cache
-from lmforge.model.init import attention_scale, init_weights, logit_scale, mup_lr_scales, width_mult
+from lmforge.model.init import (
+    InitStep,
+    attention_scale,
+    init_plan,
+    init_weights,
+    logit_scale,
+    mup_lr_scales,
+    width_mult,
+)
 
 
 def ff_width(cfg: ModelConfig) -> int:
@@ -189,6 +197,11 @@ class Transformer(nn.Module):
     def init_weights(self) -> None:
         """Initialise every parameter from the global RNG (standard or muP; ``lmforge/model/init.py``)."""
         init_weights(self, self.cfg.init_std, self.cfg.n_layers, self.width_mult)
+
+    def init_plan(self) -> list[InitStep]:
+        """How :meth:`init_weights` initialises each parameter, in order (``lmforge/model/init.py``); computed
+        from names and shapes only, so a meta-device model gives it."""
+        return init_plan(self, self.cfg.init_std, self.cfg.n_layers, self.width_mult)
 
     def param_lr_scales(self) -> dict[str, float]:
         """Learning-rate multiplier per parameter name where it is not 1 (muP's hidden matrices)."""

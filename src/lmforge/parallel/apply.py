@@ -1,9 +1,12 @@
 """The model transformations of a run, applied from outside the model in one fixed order.
 
-    convert -> tensor parallel -> activation checkpointing -> compile -> data-parallel sharding
+    convert -> tensor parallel -> activation checkpointing -> compile -> data-parallel sharding -> materialize
 
-Each stage is a function ``(module, ctx) -> module`` and :data:`STAGES` lists them in that order; this is
-the only place the order is written. The order is forced by what each stage needs to see:
+Each stage is a function ``(module, model, ctx) -> module`` (``module``: what the training step will call,
+transformed so far; ``model``: the plain network inside it) and :data:`STAGES` lists them in that order;
+this is the only place the order is written. The model arrives on the meta device (nothing allocated):
+every stage but the last only rearranges it, and the last gives this rank's shards their storage and
+values. The order is forced by what each stage needs to see:
 
 1. ``convert`` swaps module types (FP8 linear layers, lmforge/precision): every later stage must see the
    final modules, and tensor parallelism must shard the converted weights.
@@ -13,8 +16,13 @@ the only place the order is written. The order is forced by what each stage need
    block's ``runner`` attribute (no wrapper module: parameter names stay); see
    :func:`activation_checkpointing` for the policies.
 4. ``compile`` traces the blocks as they will run: converted, sharded and checkpointed.
-5. ``data_parallel`` (``fully_shard`` / DDP) comes last: it wraps the compiled modules and owns the
-   parameters' storage from then on.
+5. ``data_parallel`` (``fully_shard`` / DDP) wraps the compiled modules and owns the parameters'
+   storage from then on. FSDP2 shards the meta parameters; DDP broadcasts real ones at construction, so
+   its replicas are materialised first (a replica is the whole model anyway).
+6. ``materialize`` (``lmforge/parallel/materialize.py``): this rank's part of every parameter is
+   allocated and initialised exactly as one process initialises the whole model from ``train.seed``,
+   one whole parameter at a time: the peak is the rank's shards plus the largest parameter, never the
+   whole model. A module that is already real (a test's, a probe's) passes through unchanged.
 
 ``convert`` swaps the linear layers for torchao's float8 ones with ``train.precision = "fp8"`` (else
 it returns the module unchanged). Activation offloading (``train.activation_offload``, CUDA) is not a
@@ -46,23 +54,22 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from lmforge.config import TrainConfig, check_activation_checkpointing
 from lmforge.parallel.data_parallel import apply_ddp, apply_fsdp
 from lmforge.parallel.layout import SINGLE, Layout
+from lmforge.parallel.materialize import Init, is_meta
+from lmforge.parallel.materialize import materialize as materialize_model
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ApplyContext:
-    """What the stages read: the run's training settings, device, process layout and compute dtype."""
+    """What the stages read: the run's training settings, device, process layout, compute dtype, and how a
+    meta-device model gets its values (``init``; None: the model given is already real)."""
 
     train: TrainConfig
     device: torch.device
     layout: Layout = SINGLE
     compute_dtype: torch.dtype = torch.float32
-
-
-def model_of(module: nn.Module) -> nn.Module:
-    """The network inside a training objective (a pipeline stage is the network itself)."""
-    return getattr(module, "model", module)
+    init: Init | None = None
 
 
 def can_compile(enabled: bool, device: torch.device) -> bool:
@@ -75,23 +82,23 @@ def can_compile(enabled: bool, device: torch.device) -> bool:
     return True
 
 
-def convert(module: nn.Module, ctx: ApplyContext) -> nn.Module:
+def convert(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
     """Module conversions: with ``train.precision = "fp8"``, torchao float8 training of the linear layers
     (``train.fp8_recipe``; ``lmforge/precision.py::convert_fp8``); else unchanged."""
     if ctx.train.precision == "fp8":
         from lmforge.precision import convert_fp8
 
-        convert_fp8(model_of(module), ctx.train.fp8_recipe, ctx.device)
+        convert_fp8(model, ctx.train.fp8_recipe, ctx.device)
     return module
 
 
-def tensor_parallel(module: nn.Module, ctx: ApplyContext) -> nn.Module:
+def tensor_parallel(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
     """Tensor parallelism over the ``tp`` mesh dimension (``lmforge/parallel/tensor.py``); else unchanged."""
     if ctx.layout.degrees["tp"] == 1:
         return module
     from lmforge.parallel.tensor import apply_tensor_parallel
 
-    apply_tensor_parallel(model_of(module), ctx.layout.submesh("tp"))
+    apply_tensor_parallel(model, ctx.layout.submesh("tp"))
     return module
 
 
@@ -153,7 +160,7 @@ def set_activation_checkpointing(model: nn.Module, policy: str) -> None:
         block.runner = block_runner(check_activation_checkpointing(policy), int(key))
 
 
-def activation_checkpointing(module: nn.Module, ctx: ApplyContext) -> nn.Module:
+def activation_checkpointing(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
     """``train.activation_checkpointing``: recompute block activations in backward.
 
     * ``full``: every block runs under non-reentrant ``torch.utils.checkpoint``: backward keeps only the
@@ -174,7 +181,7 @@ def activation_checkpointing(module: nn.Module, ctx: ApplyContext) -> nn.Module:
     the checkpoints (``torch.compile`` supports checkpoint and selective contexts), and FSDP2's hooks on
     each block stay outside the checkpointed region, as with torchtitan's wrapper.
     """
-    policy, model = ctx.train.activation_checkpointing, model_of(module)
+    policy = ctx.train.activation_checkpointing
     set_activation_checkpointing(model, policy)
     if policy != "none":
         n = sum(block.runner is not None for block in model.blocks.values())
@@ -207,28 +214,43 @@ def compile_like_training(fn: Callable) -> Callable:
     return torch.compile(fn, **COMPILE_OPTIONS)
 
 
-def compile_module(module: nn.Module, ctx: ApplyContext) -> nn.Module:
+def compile_module(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
     """``torch.compile`` when ``train.compile`` (and the platform can): the whole objective in one process,
     each block in place in several."""
     if not can_compile(ctx.train.compile, ctx.device):
         return module
     if ctx.layout.distributed:
-        for block in model_of(module).blocks.values():
+        for block in model.blocks.values():
             block.compile(**COMPILE_OPTIONS)
         return module
     return compile_like_training(module)
 
 
-def data_parallel(module: nn.Module, ctx: ApplyContext) -> nn.Module:
+def data_parallel(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
     """FSDP2 (blocks, then the objective) or DDP over the data-parallel ranks
-    (``lmforge/parallel/data_parallel.py``); one process: unchanged."""
+    (``lmforge/parallel/data_parallel.py``); one process: unchanged. DDP broadcasts rank 0's values when it
+    wraps, so a meta model is materialised first (:func:`materialize`)."""
     kind = ctx.layout.kind
     if kind == "fsdp":
-        model = model_of(module)
         head = model.lm_head if model.lm_head is not None and not model.cfg.tie_embeddings else None
         return apply_fsdp(module, list(model.blocks.values()), ctx.layout, ctx.compute_dtype, head)
     if kind in ("ddp", "zero1"):
-        return apply_ddp(module, ctx.layout, ctx.device)
+        return apply_ddp(materialize(module, model, ctx), ctx.layout, ctx.device)
+    return module
+
+
+def materialize(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
+    """Storage and values for this rank's part of every parameter (``lmforge/parallel/materialize.py``:
+    the single-process initialisation from ``train.seed``, one whole parameter at a time); a module
+    already materialised passes through. Tensor parallelism's gradient-layout hooks are registered here,
+    on the real parameters (tensor hooks do not survive ``to_empty``)."""
+    if ctx.init is None or not is_meta(module):
+        return module
+    materialize_model(module, model, ctx.init)
+    if ctx.layout.degrees["tp"] > 1:
+        from lmforge.parallel.tensor import register_grad_layout_hooks
+
+        register_grad_layout_hooks(model)
     return module
 
 
@@ -238,11 +260,13 @@ STAGES: tuple[tuple[str, Callable[[nn.Module, ApplyContext], nn.Module]], ...] =
     ("activation_checkpointing", activation_checkpointing),
     ("compile", compile_module),
     ("data_parallel", data_parallel),
+    ("materialize", materialize),
 )
 
 
-def apply(module: nn.Module, ctx: ApplyContext) -> nn.Module:
-    """Every stage of :data:`STAGES`, in order; returns what the training step calls."""
+def apply(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
+    """Every stage of :data:`STAGES`, in order, to ``module`` (what the training step calls: ``model`` and
+    its loss, or a pipeline stage, which is ``model`` itself); returns it transformed."""
     for _, stage in STAGES:
-        module = stage(module, ctx)
+        module = stage(module, model, ctx)
     return module

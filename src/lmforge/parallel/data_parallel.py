@@ -29,7 +29,7 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from lmforge.parallel.layout import Layout
@@ -71,10 +71,36 @@ def apply_ddp(objective: nn.Module, layout: Layout, device: torch.device) -> nn.
     return DistributedDataParallel(objective, device_ids=ids, process_group=layout.group("dp"))
 
 
-def sync_context(objective: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-    """DDP synchronises gradients only on the last micro-batch of a step (``no_sync`` before it). An
-    objective that wraps a DDP module (``posttrain/dpo.py::DPOObjective``) says so with its own
-    ``no_sync``."""
-    if not last and (isinstance(objective, DistributedDataParallel) or hasattr(objective, "no_sync")):
-        return objective.no_sync()
-    return contextlib.nullcontext()
+class GradientSync:
+    """When the data-parallel ranks communicate during one optimizer step of several micro-batches: the
+    context of each micro-batch (``train/modules.py`` enters it around every forward and backward).
+
+    * DDP (also under ZeRO-1): gradients are all-reduced in the last micro-batch only (``no_sync`` before
+      it), so a step pays one all-reduce of the gradients whatever its accumulation.
+    * FSDP2, ZeRO-2 (``reshard_after_forward=False``): the parameters gathered for the first forward stay
+      gathered through every micro-batch of the step (``set_reshard_after_backward(False)`` until the last
+      backward): one all-gather per step instead of one per micro-batch.
+    * FSDP2, ZeRO-3: parameters are gathered for each forward and again for each backward, as full
+      sharding means.
+    * FSDP2 with ``parallel.defer_grad_sync``: gradients stay unsharded and accumulate locally in FP32
+      until the last micro-batch, which reduce-scatters them once (``set_requires_gradient_sync``): one
+      reduce-scatter per step instead of one per micro-batch, for the memory of the unsharded gradients.
+      Without it each micro-batch reduce-scatters and accumulates into the sharded gradients.
+
+    ``tests/distributed/accumulation_worker.py`` counts the collectives of each case.
+    """
+
+    def __init__(self, module: nn.Module | None = None, layout: Layout | None = None, defer: bool = False):
+        self.module, self.defer = module, defer
+        self.zero = layout.zero if layout is not None else 3
+
+    def micro_batch(self, index: int, count: int) -> contextlib.AbstractContextManager:
+        """The context of micro-batch ``index`` (from 0) of a step of ``count``."""
+        last = index == count - 1
+        if isinstance(self.module, DistributedDataParallel):
+            return contextlib.nullcontext() if last else self.module.no_sync()
+        if isinstance(self.module, FSDPModule):
+            self.module.set_requires_gradient_sync(last or not self.defer, recurse=True)
+            if self.zero == 2:
+                self.module.set_reshard_after_backward(last, recurse=True)
+        return contextlib.nullcontext()

@@ -38,12 +38,11 @@ split into microbatches like the inputs, to every stage it runs (``PipelineStage
 every rank passes ``doc_ids=`` to ``step``: nothing about the mask crosses the wire.
 
 Initialisation is exact: a stage gets bit for bit the parameters the single-process model gets from the
-same seed on the same device (``train.build.build_model``: ``torch.manual_seed(seed)``, then
-``init_weights`` over the whole model in module order). :func:`build_stage` builds the whole model on the
-meta device, gives the parameters it keeps real storage and every other parameter a view into one scratch
-buffer (the size of the largest dropped parameter), runs the ordinary ``init_weights`` over the whole
-model, so the random stream advances exactly as for the whole model, and then cuts. Peak memory: the
-stage plus one parameter.
+same seed on the same device. Each stage is cut from the model on the meta device (:func:`stage_model`),
+goes through the model transformations there, and is then materialised by the whole model's
+initialisation plan (:func:`whole_init`, ``parallel/materialize.py``): every parameter of the whole model
+is drawn in module order, so the random stream advances exactly as in one process, and the stage keeps
+its own (its shards, under TP or FSDP2). Peak memory: the stage's part plus the largest parameter.
 
 Gradients: the loss of each microbatch is ``sum of token CE * loss_scale``; with ``loss_scale = 1 /
 (target tokens of the whole optimizer step)`` the accumulated gradients are those of
@@ -69,11 +68,10 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from lmforge.data.loader import Batch
 from lmforge.errors import ConfigError
 from lmforge.model.loss import ChunkedCrossEntropy
 from lmforge.model.transformer import Transformer, keep_stage
-from lmforge.precision import PrecisionPolicy
+from lmforge.parallel.materialize import Init, materialize
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -188,48 +186,35 @@ def check_pipeline(
         )
 
 
-def _materialize_for_init(model: Transformer, keep: set[str], device: torch.device) -> None:
-    """Give the parameters named in ``keep`` their own storage on ``device`` and every other parameter
-    a view into one shared scratch buffer per dtype, so ``init_weights`` draws for all of them."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    size: dict[torch.dtype, int] = {}
-    for name, p in params.items():
-        if name not in keep:
-            size[p.dtype] = max(size.get(p.dtype, 0), p.numel())
-    scratch = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in size.items()}
-    new: dict[int, nn.Parameter] = {}
-    for name, p in params.items():
-        if id(p) not in new:
-            if name in keep:
-                data = torch.empty(p.shape, dtype=p.dtype, device=device)
-            else:
-                data = scratch[p.dtype][: p.numel()].view(p.shape)
-            new[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
-        owner, _, leaf = name.rpartition(".")
-        model.get_submodule(owner)._parameters[leaf] = new[id(p)]
-    model.reset_buffers()
+def stage_model(build: Callable[[], Transformer], layers: range) -> Transformer:
+    """The stage of the model ``build()`` that owns blocks ``layers``, on the meta device (nothing
+    allocated; the model transformations and :func:`~lmforge.parallel.materialize.materialize` follow)."""
+    with torch.device("meta"):
+        return keep_stage(build(), layers)
+
+
+def whole_init(build: Callable[[], Transformer], device: torch.device | str, seed: int | None) -> Init:
+    """How a stage of ``build()`` is initialised: the *whole* model's plan walked from ``seed``, so each
+    stage gets bit for bit the values one process gives those parameters (``parallel/materialize.py``)."""
+    with torch.device("meta"):
+        plan = tuple(build().init_plan())
+    return Init(torch.device(device), plan, seed)
 
 
 def build_stage(
     build: Callable[[], Transformer], layers: range, device: torch.device | str, seed: int | None
 ) -> Transformer:
-    """The stage of the model ``build()`` that owns blocks ``layers``, on ``device``, initialised exactly as
-    the whole model is from ``seed`` (``torch.manual_seed(seed)`` then ``init_weights``; None: storage
-    left uninitialised for a checkpoint). ``build`` runs under the meta device (twice: once to learn the
-    stage's parameter names)."""
-    device = torch.device(device)
-    with torch.device("meta"):
-        keep = {name for name, _ in keep_stage(build(), layers).named_parameters()}
-        model = build()
-    if seed is None:
-        keep_stage(model, layers)
-        return model.materialize(device)
-    _materialize_for_init(model, keep, device)
-    torch.manual_seed(seed)
-    model.init_weights()
-    keep_stage(model, layers)
-    model.reset_buffers()
-    return model
+    """The stage of ``build()`` owning blocks ``layers``, materialised on ``device`` and initialised exactly
+    as the whole model is from ``seed`` (None: storage left uninitialised for a checkpoint). Peak memory:
+    the stage plus the largest parameter of the whole model."""
+    stage = stage_model(build, layers)
+    materialize(stage, stage, whole_init(build, device, seed))
+    return stage
+
+
+def _materialized(stage: Transformer, init: Init) -> Transformer:
+    materialize(stage, stage, init)
+    return stage
 
 
 class _TimedStage(PipelineStage):
@@ -268,12 +253,14 @@ class Pipeline:
     """This rank's stages of a pipeline-parallel model and the schedule that runs them.
 
     ``build()`` returns a fresh plain :class:`Transformer` (it runs under the meta device); every rank
-    keeps its stages (:func:`stage_ids`, :func:`stage_layers`) and initialises them exactly as the whole
-    model is from ``seed`` (None: leave them for a checkpoint). ``group``: the pipeline process group or
-    a 1-D device mesh (None: the default group). ``models``: the stage modules, ascending by stage index,
-    for the optimizer and state dicts (names as in the whole model). ``transform``: applied to each stage
-    module before the schedule sees it (the model transformations of ``parallel/apply.py``: tensor
-    parallelism, compilation, FSDP2 / DDP); it may wrap the module (DDP) or change it in place.
+    keeps its stages (:func:`stage_ids`, :func:`stage_layers`), cut from the model on the meta device, and
+    initialises them exactly as the whole model is from ``seed`` (None: leave them for a checkpoint).
+    ``group``: the pipeline process group or a 1-D device mesh (None: the default group). ``models``: the
+    stage modules, ascending by stage index, for the optimizer and state dicts (names as in the whole
+    model). ``transform(stage, init)``: applied to each meta stage before the schedule sees it (the model
+    transformations of ``parallel/apply.py``: tensor parallelism, compilation, FSDP2, and last the
+    materialisation by ``init``); it may change the stage in place or wrap it. Without one, each stage is
+    materialised plainly.
     """
 
     def __init__(
@@ -286,7 +273,7 @@ class Pipeline:
         device: torch.device | str = "cpu",
         seed: int | None = 0,
         loss_chunk: int = 1024,
-        transform: Callable[[Transformer], nn.Module] | None = None,
+        transform: Callable[[Transformer, Init], nn.Module] | None = None,
     ):
         if isinstance(group, DeviceMesh):
             group = group.get_group()
@@ -304,9 +291,11 @@ class Pipeline:
         n_stages = self.pp * stages_per_rank
         layers = stage_layers(cfg.n_layers, n_stages)
         self.stage_ids = stage_ids(self.rank, self.pp, stages_per_rank, schedule)
-        self.models = [build_stage(build, layers[s], self.device, seed) for s in self.stage_ids]
+        self.models = [stage_model(build, layers[s]) for s in self.stage_ids]
+        init = whole_init(build, self.device, seed)
+        transform = transform or _materialized
+        runs = [transform(m, init) for m in self.models]
         self._clock = [0.0]
-        runs = [transform(m) for m in self.models] if transform is not None else self.models
         self.stages = [
             _TimedStage(module, s, n_stages, self.device, group=group, clock=self._clock)
             for s, module in zip(self.stage_ids, runs, strict=True)
@@ -436,40 +425,3 @@ def rank_model(models: list[Transformer]) -> Transformer:
     owner.norm, owner.lm_head = last.norm, last.lm_head
     owner.blocks = type(first.blocks)({k: b for m in models for k, b in m.blocks.items()})
     return owner
-
-
-class PipelineObjective:
-    """The training step's view of a pipeline (``train/step.py``): ``forward_backward`` of a micro-batch
-    through the schedule, and ``(loss_sum, n_targets)`` for evaluation, the same on every rank of the
-    pipeline (the last stage's figures, summed over the ``pp`` group)."""
-
-    def __init__(self, pipeline: Pipeline):
-        self.pipeline = pipeline
-        self.training = True
-
-    def forward_backward(
-        self, batch: Batch, n_targets: int, dp: int, precision: PrecisionPolicy
-    ) -> torch.Tensor:
-        """Backward of ``loss_sum / n_targets * dp`` through the schedule; returns ``loss_sum / n_targets``
-        on the last stage's rank and 0 elsewhere."""
-        with precision.autocast():
-            out = self.pipeline.step(batch.inputs, batch.targets, batch.doc_ids, loss_scale=dp / n_targets)
-        if out is None:
-            return torch.zeros((), device=precision.device)
-        return out.float() / dp
-
-    def __call__(
-        self, inputs: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.pipeline.eval_loss(inputs, targets, doc_ids)
-        loss = out[0].float() if out is not None else torch.zeros((), device=self.pipeline.device)
-        dist.all_reduce(loss, group=self.pipeline.group)
-        return loss, (targets != -100).sum()
-
-    def eval(self) -> PipelineObjective:
-        self.training = False
-        return self
-
-    def train(self, mode: bool = True) -> PipelineObjective:
-        self.training = mode
-        return self

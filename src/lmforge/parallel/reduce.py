@@ -4,21 +4,19 @@
   micro-batch is divided by it, so the gradient is the same as one process computing the whole batch);
 * the step's loss, summed over the data-parallel ranks (each holds its share ``sum_r loss_r / N``) and
   over the pipeline stages (only the last one computes it), so the guard's NaN and spike checks and the
-  metrics agree on every rank;
-* whether DDP synchronises gradients in this micro-batch (only in the last one of a step).
+  metrics agree on every rank.
+
+When the gradients themselves are reduced during a step is the training module's micro-batch context
+(``parallel/data_parallel.py::GradientSync``).
 
 The gradient norm is reduced by the clipper (``lmforge/optim/clip.py``). One process: no collective.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from lmforge.parallel.data_parallel import sync_context
 from lmforge.parallel.layout import SINGLE, Layout
 
 
@@ -47,7 +45,3 @@ class StepReduce:
         if self.layout.degrees["pp"] > 1:
             dist.all_reduce(total, group=self.layout.group("pp"))
         return total
-
-    def micro_batch(self, objective: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-        """DDP's ``no_sync`` on every micro-batch but the last of a step."""
-        return sync_context(objective, last)

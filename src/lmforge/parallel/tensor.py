@@ -38,13 +38,15 @@ hook per parameter): DTensor's backward leaves the replicated norm weights with 
 (per-rank sums over the rank's tokens), which code reading local shards would mistake for whole values,
 and which DTensor-aware code (AdamW, ``get_total_norm``, clipping) would all-reduce at every use. Tensor
 hooks do not survive ``to_empty`` (``Transformer.materialize``): ``swap_tensors`` keeps the Python-side
-hook but not its registration, so a model parallelised on the meta device gets none and keeps
-``Partial`` norm gradients: still exact for DTensor operations, and FSDP2 reduces them to its layout.
+hook but not its registration, so a model parallelised on the meta device gets them after it is
+materialised (:func:`register_grad_layout_hooks`, called by the build's ``materialize`` stage).
 
-Weights: every rank must hold the same values before :func:`apply_tensor_parallel` (the same seed or
-checkpoint; shards are cut from the first rank's copy). Initialising *after* sharding is not the same:
-DTensor's random ops follow the global RNG per shard only on CUDA, so on CPU every rank draws the same
-values for its shard (duplicated heads).
+Weights: a model parallelised on the meta device is materialised and initialised afterwards by
+``lmforge/parallel/materialize.py`` (each rank draws every whole parameter in the single-process order
+and keeps its shard); a real model must hold the same values on every rank beforehand (the same seed or
+checkpoint; shards are cut from the first rank's copy). Initialising a sharded model with DTensor's
+random ops is not the same: they follow the global RNG per shard only on CUDA, so on CPU every rank
+draws the same values for its shard (duplicated heads).
 
 Loss parallelism (``loss_parallel=True``): the head's logits stay ``Shard(-1)`` over the vocabulary and
 ``F.cross_entropy`` in :class:`~lmforge.model.loss.ChunkedCrossEntropy` runs on them inside PyTorch's
@@ -212,10 +214,16 @@ def apply_tensor_parallel(
     if tied:  # both halves are Shard(0) of the same (vocab, d) matrix: one parameter again
         model.lm_head.weight = model.embed.weight
     model.register_forward_pre_hook(_check_length(tp))
-    for param in model.parameters():
-        if param.device.type != "meta":  # see the module docstring
-            param.register_post_accumulate_grad_hook(_grad_like_param)
+    if not any(p.device.type == "meta" for p in model.parameters()):  # see the module docstring
+        register_grad_layout_hooks(model)
     return model
+
+
+def register_grad_layout_hooks(model: nn.Module) -> None:
+    """Give every parameter's gradient its parameter's layout once accumulated (:func:`_grad_like_param`).
+    A model parallelised on the meta device calls this after materialisation (``parallel/apply.py``)."""
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(_grad_like_param)
 
 
 def _grad_like_param(param: nn.Parameter) -> None:

@@ -1,5 +1,5 @@
 """Direct preference optimisation: the preference losses, sequence log-probabilities and the objective
-the training step runs (``train/step.py`` calls :meth:`DPOObjective.forward_backward`).
+a training step runs through ``train/modules.py::DPOModule`` (:meth:`DPOObjective.forward_backward`).
 
 The policy scores the ``2k`` rows of a :class:`~lmforge.posttrain.dpo_data.PairBatch` (chosen, then
 rejected) with :class:`SequenceLogps`: ``log p(response)`` summed over the response tokens. The
@@ -16,8 +16,7 @@ Metrics carry TRL's names (``DPOTrainer``): means over the pairs since the last
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -119,9 +118,11 @@ class SequenceLogps(nn.Module):
 
 
 class DPOObjective:
-    """The training step's view of DPO: ``forward_backward`` of a :class:`PairBatch`, metric sums, and
-    evaluation. ``policy``: a :class:`SequenceLogps` (or it wrapped by compile / DDP / FSDP2);
-    ``reference``: a frozen one (``dpo.reference = "model"``) or None (the batch's ``ref_logps``)."""
+    """DPO for a training module (``train/modules.py::DPOModule``): ``forward_backward`` of a
+    :class:`PairBatch`, metric sums, and evaluation. ``policy``: a :class:`SequenceLogps` (or it wrapped
+    by compile / DDP / FSDP2) that training calls; ``eval_policy``: the one evaluation calls (default:
+    ``policy``; an eager one where training's is compiled); ``reference``: a frozen scorer
+    (``dpo.reference = "model"``) or None (the batch's ``ref_logps``)."""
 
     def __init__(
         self,
@@ -130,22 +131,27 @@ class DPOObjective:
         loss: str = "sigmoid",
         label_smoothing: float = 0.0,
         reference: nn.Module | None = None,
+        eval_policy: nn.Module | None = None,
     ):
         if loss not in LOSSES:
             raise ValueError(f"unknown preference loss {loss!r}; one of {LOSSES}")
         self.policy, self.beta, self.loss, self.label_smoothing = policy, beta, loss, label_smoothing
+        self.eval_policy = eval_policy if eval_policy is not None else policy
         self.reference = reference
         if reference is not None:
             reference.eval().requires_grad_(False)
-        self.training = True
         self._sums: torch.Tensor | None = None  # pairs, loss, then one sum per METRIC_NAMES
 
     @classmethod
     def from_config(
-        cls, policy: nn.Module, cfg: DPOConfig, reference: nn.Module | None = None
+        cls,
+        policy: nn.Module,
+        cfg: DPOConfig,
+        reference: nn.Module | None = None,
+        eval_policy: nn.Module | None = None,
     ) -> DPOObjective:
         check_dpo(cfg)
-        return cls(policy, cfg.beta, cfg.loss, cfg.label_smoothing, reference)
+        return cls(policy, cfg.beta, cfg.loss, cfg.label_smoothing, reference, eval_policy)
 
     # -- what train_step and the trainer use -------------------------------------------------------
 
@@ -154,7 +160,7 @@ class DPOObjective:
     ) -> torch.Tensor:
         """Backward of ``sum(pair losses) / n_targets * dp`` (``n_targets``: pairs of the whole step over
         all data-parallel ranks); returns ``sum(pair losses) / n_targets``, detached."""
-        losses, stats = self._pair_losses(batch, precision)
+        losses, stats = self._pair_losses(self.policy, batch, precision)
         loss = losses.sum() / n_targets
         precision.backward(loss * dp if dp != 1 else loss)
         self._sums = _add(self._sums, stats)
@@ -171,32 +177,18 @@ class DPOObjective:
         self, batches: Iterable[PairBatch], precision: PrecisionPolicy, group: dist.ProcessGroup | None = None
     ) -> dict[str, float]:
         """``val_loss`` and ``val_<metric>`` (means over every pair of ``batches``, summed over ``group``'s
-        ranks when given), in eval mode and the run's autocast; the training sums are left alone."""
-        was_training = self.training
-        self.eval()
+        ranks when given), by ``eval_policy`` in eval mode and the run's autocast; the training sums are
+        left alone."""
+        was_training = self.eval_policy.training
+        self.eval_policy.eval()
         sums = None
-        for batch in batches:
-            _, stats = self._pair_losses(batch.to(precision.device), precision)
-            sums = _add(sums, stats)
-        self.train(was_training)
+        try:
+            for batch in batches:
+                _, stats = self._pair_losses(self.eval_policy, batch.to(precision.device), precision)
+                sums = _add(sums, stats)
+        finally:
+            self.eval_policy.train(was_training)
         return _means(sums, group, prefix="val_", loss_name="val_loss")
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        """The policy's DDP ``no_sync`` (``parallel/data_parallel.py::sync_context`` calls it on every
-        micro-batch but a step's last), nothing otherwise."""
-        no_sync = getattr(self.policy, "no_sync", None)
-        return no_sync() if no_sync is not None else contextlib.nullcontext()
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return self.policy.parameters()
-
-    def train(self, mode: bool = True) -> DPOObjective:
-        self.training = mode
-        self.policy.train(mode)
-        return self
-
-    def eval(self) -> DPOObjective:
-        return self.train(False)
 
     # -- the computation ---------------------------------------------------------------------------
 
@@ -208,11 +200,13 @@ class DPOObjective:
             raise RuntimeError("cached reference: the batch has no ref_logps (PairLoader.set_reference)")
         return batch.ref_logps.float()
 
-    def _pair_losses(self, batch: PairBatch, precision: PrecisionPolicy) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-pair losses (with gradient) and the stats ``[pairs, loss, *METRIC_NAMES]`` summed over
-        the batch's pairs (no gradient)."""
+    def _pair_losses(
+        self, policy: nn.Module, batch: PairBatch, precision: PrecisionPolicy
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-pair losses of ``policy`` (with gradient) and the stats ``[pairs, loss, *METRIC_NAMES]``
+        summed over the batch's pairs (no gradient)."""
         with precision.autocast():
-            logps = self.policy(batch.inputs, batch.targets, batch.doc_ids)
+            logps = policy(batch.inputs, batch.targets, batch.doc_ids)
         logps, ref = logps.float(), self._reference(batch, precision)
         if self.loss == "ipo":  # per-token averages (see preference_loss)
             tokens = (batch.targets != -100).sum(dim=1).clamp(min=1)

@@ -5,28 +5,32 @@ Every command that trains, probes or evaluates a model (``train``, ``lr-find``, 
 
 * :func:`validate` checks what can be checked before any work (accumulation, inputs, domains, device,
   the process layout of ``parallel.*`` against ``torchrun``'s world);
-* :func:`build_model` builds the plain model on the meta device, materialises it on the run's device
-  and initialises it from the seed (or leaves it for a checkpoint to fill);
-* :func:`build_run` adds the precision policy, the training objective with the model transformations of
-  ``lmforge.parallel.apply`` in their fixed order, the optimizer with its groups, the schedule, the
-  clipper, the training loader (plain or mixture, one protocol) and the validation stream.
+* :func:`build_model` builds the whole plain model in one process (``lmforge eval`` / ``generate``, a
+  sample's gathered copy): on the meta device, materialised on the device, initialised from the seed (or
+  left for a checkpoint to fill);
+* :func:`build_run` adds the precision policy, the training module (``train/modules.py``: one per kind of
+  objective) over the model and its loss with the transformations of ``lmforge.parallel.apply`` in their
+  fixed order, the optimizer with its groups, the schedule, the clipper, the training loader (plain or
+  mixture, one protocol) and the validation stream.
 
-Several processes (``torchrun``): every rank builds and initialises the whole model from the seed (so
-every layout starts from the parameters a single process would have), then the transformations shard it
-(tensor parallelism, FSDP2); the optimizer is built over the sharded parameters. Rank 0 prepares the
-data (tokenizer, shards) while the others wait, then they read its cache.
+The training model is sharded as it is built, in one process as in many: it is built on the meta device
+(nothing allocated), every transformation (FP8 conversion, tensor parallelism, activation
+checkpointing, compile, FSDP2) is applied there, and only then does each rank allocate and initialise its
+own part of every parameter (``parallel/materialize.py``), with the values one process would give the
+whole model from ``train.seed``. No rank ever holds the whole model unless its layout says so (one
+process, DDP, ZeRO-1). A pipeline rank builds only its stages. The optimizer is built over the sharded
+parameters. Rank 0 prepares the data (tokenizer, shards) while the others wait, then they read its cache.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from lmforge.config import Config
 from lmforge.data.loader import TokenStream, TrainLoader
@@ -39,19 +43,16 @@ from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper
 from lmforge.optim.schedules import Schedule
 from lmforge.parallel.apply import ApplyContext, apply, can_compile
+from lmforge.parallel.data_parallel import GradientSync
 from lmforge.parallel.layout import SINGLE, Layout, check_layout, init_layout, launch_env
-from lmforge.parallel.pipeline import (
-    Pipeline,
-    PipelineObjective,
-    check_pipeline,
-    pipeline_settings,
-    rank_model,
-)
+from lmforge.parallel.materialize import Init
+from lmforge.parallel.pipeline import Pipeline, check_pipeline, pipeline_settings, rank_model
 from lmforge.parallel.reduce import StepReduce
 from lmforge.parallel.tensor import check_tensor_parallel
 from lmforge.posttrain.dpo import SequenceLogps
 from lmforge.precision import PrecisionPolicy, check_precision
 from lmforge.train.auto_batch import auto_candidates, probe, resolve_micro_batch
+from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, TrainModule
 from lmforge.train.posttrain import (
     PostTrainData,
     check_posttrain,
@@ -141,18 +142,34 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device, init: bool =
     return model
 
 
-def training_objective(
-    model: Transformer,
+def training_module(
     cfg: Config,
+    vocab_size: int,
     device: torch.device,
     layout: Layout = SINGLE,
     compute_dtype: torch.dtype = torch.float32,
-) -> nn.Module:
-    """The model and its loss (next-token; DPO: each sequence's log-probability), with the model
-    transformations applied in their fixed order."""
-    ctx = ApplyContext(cfg.train, device, layout, compute_dtype)
-    loss = SequenceLogps if cfg.train.objective == "dpo" else NextTokenLoss
-    return apply(loss(model, cfg.train.loss_chunk), ctx)
+    run_dir: Path | None = None,
+) -> TrainModule:
+    """The training module of ``cfg`` (no pipeline): the model built on the meta device, with its loss
+    (next-token; DPO: each sequence's log-probability) transformed in the fixed order, then this rank's
+    shards materialised and initialised from ``train.seed`` as one process would (``parallel/apply.py``)."""
+    t = cfg.train
+    with torch.device("meta"):
+        model = Transformer(cfg.model, vocab_size, cfg.data.seq_len, attention=t.attention)
+    seed_all(t.seed)  # Python's and numpy's generators as one process's build leaves them
+    ctx = ApplyContext(t, device, layout, compute_dtype, Init(device, tuple(model.init_plan()), t.seed))
+    loss = SequenceLogps if t.objective == "dpo" else NextTokenLoss
+    train_fn = apply(loss(model, t.loss_chunk), model, ctx)
+    # evaluation eager where training is compiled (too rare to pay for a second graph); FSDP2's root
+    # must be called for its parameters to be gathered
+    eval_fn = train_fn if layout.kind == "fsdp" else loss(model, t.loss_chunk)
+    sync = GradientSync(train_fn, layout, cfg.parallel.defer_grad_sync)
+    whole = layout.degrees["tp"] == 1
+    if t.objective != "dpo":
+        return LanguageModelModule(model, train_fn, eval_fn, sync, whole)
+    fresh = lambda: build_model(cfg, vocab_size, device, init=False)  # noqa: E731
+    objective = dpo_objective(cfg, train_fn, fresh, run_dir, eval_policy=eval_fn)
+    return DPOModule(model, objective, sync, layout.group("dp") if layout.dp > 1 else None, whole)
 
 
 @dataclass
@@ -163,9 +180,8 @@ class Run:
     device: torch.device
     precision: PrecisionPolicy
     data: PreparedData | PostTrainData
-    model: Transformer  # the plain model: parameters, state_dict, sampling
-    objective: nn.Module  # what a training step calls: model + loss, transformed (compiled, ...)
-    eval_objective: nn.Module  # model + loss, eager (evaluation is too rare to pay for a second graph)
+    model: Transformer  # the plain model (this rank's part): parameters, state_dict, sampling
+    module: TrainModule  # what a training step drives (train/modules.py)
     optimizer: torch.optim.Optimizer
     schedule: Schedule
     clipper: Clipper
@@ -208,23 +224,16 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
         data = prepare_on_rank0(cfg, layout)
     if layout.degrees["tp"] > 1:  # the tokenizer's own vocabulary, now that it is known
         check_tensor_parallel(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_len, layout.degrees["tp"])
+    vocab = data.tokenizer.vocab_size
+    with torch.device("meta"):
+        n_params = Transformer(cfg.model, vocab, cfg.data.seq_len).num_params(False)
     if layout.degrees["pp"] > 1:
-        model, objective, eval_objective, n_params = build_pipeline(cfg, data, device, layout, precision)
+        module = build_pipeline(cfg, vocab, device, layout, precision)
     else:
-        model = build_model(cfg, data.tokenizer.vocab_size, device)
-        n_params = model.num_params(False)
-        objective = training_objective(model, cfg, device, layout, precision.compute_dtype)
-        eval_objective = objective if layout.kind == "fsdp" else NextTokenLoss(model, cfg.train.loss_chunk)
-        if cfg.train.objective == "dpo":  # scoring whole sequences; evaluation eager as above
-            fresh = lambda: build_model(cfg, data.tokenizer.vocab_size, device, init=False)  # noqa: E731
-            objective = dpo_objective(cfg, objective, fresh, run_dir)
-            if layout.kind != "fsdp":  # the same settings and reference, the eager policy
-                eval_objective = copy.copy(objective)
-                eval_objective.policy = SequenceLogps(model, cfg.train.loss_chunk)
-            else:
-                eval_objective = objective
+        module = training_module(cfg, vocab, device, layout, precision.compute_dtype, run_dir)
+    model = module.model
     if auto and device.type == "cuda" and not layout.distributed:
-        cfg = probe(objective, cfg, smaller, data.tokenizer.vocab_size, precision.autocast, optimizer_bytes)
+        cfg = probe(module.train_fn, cfg, smaller, vocab, precision.autocast, optimizer_bytes)
     accum = accumulation_steps(cfg, layout.dp)
     compile = can_compile(cfg.train.compile, device)
     if layout.kind == "zero1":
@@ -251,8 +260,7 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
         precision=precision,
         data=data,
         model=model,
-        objective=objective,
-        eval_objective=eval_objective,
+        module=module,
         optimizer=optimizer,
         schedule=Schedule(cfg.schedule, cfg.train.steps),
         clipper=clipper,
@@ -267,25 +275,22 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
 
 
 def build_pipeline(
-    cfg: Config, data: PreparedData, device: torch.device, layout: Layout, precision: PrecisionPolicy
-) -> tuple[Transformer, PipelineObjective, PipelineObjective, int]:
-    """This rank's pipeline stages (cut first, each initialised as in the whole model, then transformed
-    in the fixed order): ``(rank_model, objective, eval_objective, whole-model parameter count)``."""
+    cfg: Config, vocab_size: int, device: torch.device, layout: Layout, precision: PrecisionPolicy
+) -> PipelineModule:
+    """This rank's pipeline stages (cut on the meta device, transformed in the fixed order, then
+    materialised and initialised as in the whole model) and the module that runs their schedule."""
     p = cfg.parallel
     microbatches, v = pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)
 
     def build() -> Transformer:
-        return Transformer(
-            cfg.model, data.tokenizer.vocab_size, cfg.data.seq_len, attention=cfg.train.attention
-        )
+        return Transformer(cfg.model, vocab_size, cfg.data.seq_len, attention=cfg.train.attention)
 
-    with torch.device("meta"):
-        n_params = build().num_params(False)
     train = cfg.train
     if p.pp_schedule in ("zero_bubble", "zbv") and train.compile:
         log.warning("train.compile: the zero-bubble schedules run eager stages (torch refuses compiled ones)")
         train = train.model_copy(update={"compile": False})
     ctx = ApplyContext(train, device, layout, precision.compute_dtype)
+    seed_all(cfg.train.seed)
     pipeline = Pipeline(
         build,
         layout.group("pp"),
@@ -295,9 +300,8 @@ def build_pipeline(
         device,
         seed=cfg.train.seed,
         loss_chunk=cfg.train.loss_chunk,
-        transform=lambda stage: apply(stage, ctx),
+        transform=lambda stage, init: apply(stage, stage, dataclasses.replace(ctx, init=init)),
     )
-    objective = PipelineObjective(pipeline)
     log.info(
         "pipeline: %s, %d stages of layers %s on this rank, %d microbatches; ideal bubble %.3f",
         p.pp_schedule,
@@ -306,7 +310,7 @@ def build_pipeline(
         microbatches,
         pipeline.expected_bubble,
     )
-    return rank_model(pipeline.models), objective, objective, n_params
+    return PipelineModule(pipeline, rank_model(pipeline.models))
 
 
 def prepare_on_rank0(cfg: Config, layout: Layout) -> PreparedData:

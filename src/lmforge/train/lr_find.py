@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from lmforge.charts import lr_find_chart
 from lmforge.config import Config, LRFindConfig
@@ -30,6 +29,7 @@ from lmforge.optim.clip import Clipper
 from lmforge.plan.lr_finder import Suggestion, diverged, smooth, suggest, sweep_lr
 from lmforge.precision import PrecisionPolicy
 from lmforge.train.build import Run, build_run
+from lmforge.train.modules import TrainModule
 from lmforge.train.runtime import rng_state, set_rng_state
 from lmforge.train.step import train_step
 
@@ -55,8 +55,7 @@ class LRFindResult:
 
 
 def range_test(
-    model: nn.Module,
-    objective: nn.Module,
+    module: TrainModule,
     optimizer: torch.optim.Optimizer,
     next_batches: Callable[[], list[Batch]],
     f: LRFindConfig,
@@ -64,9 +63,10 @@ def range_test(
     precision: PrecisionPolicy,
 ) -> LRFindResult:
     """Train ``f.steps`` steps at geometrically growing learning rates on ``next_batches()`` (one list of
-    micro-batches per step); stop on divergence. ``model``, ``optimizer`` and ``clipper`` are put back as
-    they were (parameters, buffers, optimizer state and learning rates, clipping statistics, the loss
-    scale, random generators), so a live model can be probed. ``objective`` computes the loss of ``model``."""
+    micro-batches per step) through the training module ``module``; stop on divergence. Its model, the
+    ``optimizer`` and ``clipper`` are put back as they were (parameters, buffers, optimizer state and
+    learning rates, clipping statistics, the loss scale, random generators), so a live run can be probed."""
+    model = module.model
     model_state = copy.deepcopy(model.state_dict())
     optim_state = copy.deepcopy(optimizer.state_dict())
     clip_state = copy.deepcopy(clipper.state_dict())
@@ -79,7 +79,7 @@ def range_test(
     try:
         for i in range(f.steps):
             lr = sweep_lr(i, f.steps, f.start_lr, f.end_lr)
-            out = train_step(objective, optimizer, next_batches(), lr, clipper, precision)
+            out = train_step(module, optimizer, next_batches(), lr, clipper, precision)
             loss = float(out.loss)
             if not math.isfinite(loss):
                 stop_lr = lr
@@ -111,10 +111,9 @@ def sweep(cfg: Config) -> LRFindResult:
 
 
 def sweep_run(run: Run, f: LRFindConfig) -> LRFindResult:
-    """:func:`range_test` on a built run: its model, objective, optimizer, loader, clipper, precision."""
+    """:func:`range_test` on a built run: its training module, optimizer, loader, clipper, precision."""
     return range_test(
-        run.model,
-        run.objective,
+        run.module,
         run.optimizer,
         lambda: [run.loader.next_batch() for _ in range(run.accum)],
         f,

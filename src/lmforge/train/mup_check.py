@@ -28,13 +28,11 @@ from lmforge.charts import coord_check_chart
 from lmforge.config import Config, ModelConfig
 from lmforge.data.loader import Batch
 from lmforge.data.mixture import build_train_loader
-from lmforge.data.prepare import prepare_data
+from lmforge.data.prepare import PreparedData, prepare_data
 from lmforge.errors import ConfigError
 from lmforge.model.transformer import Transformer
-from lmforge.optim.build import build_optimizer
-from lmforge.optim.clip import Clipper
 from lmforge.precision import PrecisionPolicy
-from lmforge.train.build import build_model, training_objective, validate
+from lmforge.train.build import build_run, validate
 from lmforge.train.step import train_step
 
 log = logging.getLogger(__name__)
@@ -125,14 +123,15 @@ def coord_check(
     widths: list[int],
     steps: int,
     batches: Callable[[], list[Batch]],
-    vocab_size: int,
+    data: PreparedData,
     precision: PrecisionPolicy,
 ) -> CoordCheck:
     """Run the check (see the module docstring). ``batches()`` gives ``steps`` micro-batches, the first
     of which is also the measurement batch; it is called once per model so every model sees the same.
 
-    Each model is built by the training build path (meta device, init from ``train.seed``, the recipe's
-    optimizer and clipping), eager: compiling each of the models would cost more than its few steps."""
+    Each model is built by the training build path (``train/build.py::build_run``: meta device, init from
+    ``train.seed``, the recipe's training module, optimizer and clipping), eager: compiling each of the
+    models would cost more than its few steps."""
     models = width_configs(cfg.model, widths)
     layers = ["embedding", *(f"block{i}" for i in range(cfg.model.n_layers)), "logits"]
     check = CoordCheck(sorted(widths), steps, layers, cfg.optim.lr, cfg.model.mup_base_width)
@@ -142,17 +141,14 @@ def coord_check(
         for width in check.widths:
             eager = cfg.train.model_copy(update={"compile": False})
             wcfg = cfg.model_copy(update={"model": models[(param, width)], "train": eager})
-            model = build_model(wcfg, vocab_size, precision.device)
-            objective = training_objective(model, wcfg, precision.device)
-            optimizer = build_optimizer(model, cfg.optim, precision.device, compile=False)
-            clipper = Clipper.from_config(cfg.train)
-            data = batches()
+            run = build_run(wcfg, data)
+            seen = batches()
             per_layer: dict[str, list[float]] = {name: [] for name in layers}
             for t in range(steps + 1):
-                for name, value in activation_sizes(model, data[0], precision).items():
+                for name, value in activation_sizes(run.model, seen[0], precision).items():
                     per_layer[name].append(value)
                 if t < steps:
-                    train_step(objective, optimizer, [data[t]], lr, clipper, precision)
+                    train_step(run.module, run.optimizer, [seen[t]], lr, run.clipper, precision)
             check.sizes[param][width] = per_layer
             log.info(
                 "mup-check: %s width %d: %s",
@@ -177,7 +173,7 @@ def run_mup_check(cfg: Config, widths: list[int], steps: int, out_dir: Path) -> 
         loader = build_train_loader(cfg, data, 1)
         return [loader.next_batch() for _ in range(steps)]
 
-    check = coord_check(cfg, widths, steps, batches, data.tokenizer.vocab_size, precision)
+    check = coord_check(cfg, widths, steps, batches, data, precision)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "mup_check.json").write_text(json.dumps(check.to_json(), indent=1) + "\n")
     coord_check_chart(check, out_dir / "mup_check.png")

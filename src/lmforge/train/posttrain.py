@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,17 +160,21 @@ def load_reference(cfg: Config, data: PostTrainData, run_dir: Path | None) -> np
 
 
 def dpo_objective(
-    cfg: Config, policy: torch.nn.Module, new_model: Callable[[], torch.nn.Module], run_dir: Path | None
+    cfg: Config,
+    policy: torch.nn.Module,
+    new_model: Callable[[], torch.nn.Module],
+    run_dir: Path | None,
+    eval_policy: torch.nn.Module | None = None,
 ) -> DPOObjective:
-    """The DPO objective over ``policy`` (the transformed :class:`SequenceLogps`); with
-    ``dpo.reference = "model"`` a frozen whole copy of the starting weights (``new_model()`` filled from
-    ``RUN/reference_model.pt``) scores each batch."""
+    """The DPO objective over ``policy`` (the transformed :class:`SequenceLogps`; ``eval_policy``: the one
+    evaluation runs, default ``policy``); with ``dpo.reference = "model"`` a frozen whole copy of the
+    starting weights (``new_model()`` filled from ``RUN/reference_model.pt``) scores each batch."""
     reference = None
     if cfg.dpo.reference == "model" and run_dir is not None and (run_dir / REFERENCE_MODEL).is_file():
         frozen = new_model()
         frozen.load_state_dict(torch.load(run_dir / REFERENCE_MODEL, map_location="cpu", weights_only=True))
         reference = SequenceLogps(frozen, cfg.train.loss_chunk)
-    return DPOObjective.from_config(policy, cfg.dpo, reference)
+    return DPOObjective.from_config(policy, cfg.dpo, reference, eval_policy)
 
 
 def write_reference(run, run_dir: Path) -> None:
@@ -192,25 +196,26 @@ def write_reference(run, run_dir: Path) -> None:
     run.data.val_reference = arrays["val"]
 
 
-def posttrain_validation(
-    cfg: Config, data: PostTrainData, objective, precision: PrecisionPolicy
-) -> tuple[float | None, dict]:
-    """``(validation loss, extra record entries)`` on the held-out records: SFT's mean response-token loss
-    (``objective``: model + next-token loss); DPO's loss and its ``val_rewards/...`` metrics
-    (``objective``: the DPO objective). ``None`` without held-out records."""
-    from lmforge.train.evaluate import loss_sum
-
+def posttrain_eval_batches(cfg: Config, data: PostTrainData) -> Iterable | None:
+    """The held-out records as evaluation batches of the run's objective (None: no held-out records)."""
     if not data.val:
-        return None, {}
+        return None
     bs = cfg.train.micro_batch_size
     if cfg.train.objective == "sft":
-        batches = sft_eval_batches(data.val, cfg.data.seq_len, bs, cfg.posttrain.packing)
-        total, count = loss_sum(objective, batches, precision)
-        return total / max(count, 1), {}
-    batches = pair_eval_batches(
-        data.val, cfg.data.seq_len, bs, data.val_reference, pad_id=data.tokenizer.eot_id
-    )
-    metrics = objective.evaluate(batches, precision)
+        return sft_eval_batches(data.val, cfg.data.seq_len, bs, cfg.posttrain.packing)
+    return pair_eval_batches(data.val, cfg.data.seq_len, bs, data.val_reference, pad_id=data.tokenizer.eot_id)
+
+
+def posttrain_validation(
+    cfg: Config, data: PostTrainData, module, precision: PrecisionPolicy
+) -> tuple[float | None, dict]:
+    """``(validation loss, extra record entries)`` on the held-out records, by the training module's
+    evaluation (``train/modules.py``): SFT's mean response-token loss; DPO's loss and its
+    ``val_rewards/...`` metrics. ``None`` without held-out records."""
+    batches = posttrain_eval_batches(cfg, data)
+    if batches is None:
+        return None, {}
+    metrics = module.evaluate(batches, precision)
     return metrics["val_loss"], {k: v for k, v in metrics.items() if k != "val_loss"}
 
 
@@ -219,10 +224,13 @@ def evaluate_posttrain(
 ) -> dict:
     """``lmforge eval`` of a post-training run: its held-out records scored as training scores them."""
     from lmforge.model.loss import NextTokenLoss
+    from lmforge.parallel.data_parallel import GradientSync
+    from lmforge.train.modules import DPOModule, LanguageModelModule
 
     data = prepare_posttrain(cfg, None)
     if cfg.train.objective == "sft":
-        objective = NextTokenLoss(model, cfg.train.loss_chunk)
+        scorer = NextTokenLoss(model, cfg.train.loss_chunk)
+        module = LanguageModelModule(model, scorer, scorer, GradientSync())
     else:
         load_reference(cfg, data, run_dir)
         if cfg.dpo.reference == "cached" and data.val_reference is None:
@@ -230,7 +238,8 @@ def evaluate_posttrain(
         objective = dpo_objective(
             cfg, SequenceLogps(model, cfg.train.loss_chunk), lambda: copy.deepcopy(model), run_dir
         )
-    loss, extra = posttrain_validation(cfg, data, objective, precision)
+        module = DPOModule(model, objective, GradientSync())
+    loss, extra = posttrain_validation(cfg, data, module, precision)
     if loss is None:
         raise DataError("posttrain.val_files: the run has no held-out records to score; give --data FILES")
     return {"val_loss": loss, **extra}

@@ -1,11 +1,12 @@
 """One optimizer step, readable in one screen.
 
-For each micro-batch: forward in the precision policy's autocast, take the summed token loss divided by
-the number of target tokens of the *whole* step (over all data-parallel ranks), backward (gradients
-accumulate; DDP synchronises only in the last micro-batch). A pipeline runs forward and backward of a
-micro-batch through its schedule instead. After each micro-batch the observers hear of it
-(``after_micro_batch``: its index, its target tokens, the step's; the gradient noise scale reads the
-gradient of the first). Then bring gradients
+The step drives a training module (``train/modules.py::TrainModule``) and never asks what it is. For each
+micro-batch, inside the module's micro-batch context (when data-parallel ranks synchronise): forward and
+backward of the summed loss divided by the number of targets of the *whole* step (over all data-parallel
+ranks), so gradients accumulate to those of one large batch. After each micro-batch the observers hear of
+it (``after_micro_batch``: its index, its target tokens, the step's; the gradient noise scale reads the
+gradient of the first). After the last one the module completes the gradients (``finish_backward``). Then
+bring gradients
 to their true scale, measure their norm, ask the step's observers whether to go on (the stability
 guard may veto: skip, or roll back), clip (``optim/clip.py``), set the scheduled learning rate and take
 the optimizer step through the policy; gradients are cleared either way.
@@ -19,18 +20,18 @@ See ``lmforge/precision.py`` for the whole agreement.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
 import torch
-from torch import nn
 
 from lmforge.data.loader import Batch
 from lmforge.optim.clip import Clipper, ClipStats
 from lmforge.parallel.reduce import StepReduce
 from lmforge.precision import PrecisionPolicy
+from lmforge.train.modules import TrainModule
 
 
 class Action(Enum):
@@ -70,25 +71,8 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_mult", 1.0)
 
 
-def forward_backward(
-    objective: nn.Module | Callable, batch: Batch, n_targets: int, dp: int, precision: PrecisionPolicy
-) -> torch.Tensor:
-    """Backward of ``loss_sum / n_targets * dp`` for one micro-batch; returns ``loss_sum / n_targets``.
-
-    ``dp`` undoes the averaging of gradients over the data-parallel ranks (DDP, FSDP2). An objective
-    with its own ``forward_backward`` (a pipeline schedule) runs it.
-    """
-    if hasattr(objective, "forward_backward"):
-        return objective.forward_backward(batch, n_targets, dp, precision)
-    with precision.autocast():
-        loss_sum, _ = objective(batch.inputs, batch.targets, batch.doc_ids)
-    loss = loss_sum / n_targets
-    precision.backward(loss * dp if dp != 1 else loss)
-    return loss.detach()
-
-
 def train_step(
-    objective: nn.Module | Callable,
+    module: TrainModule,
     optimizer: torch.optim.Optimizer,
     batches: Sequence[Batch],
     lr: float,
@@ -97,23 +81,21 @@ def train_step(
     observers: Sequence[StepObserver] = (),
     reduce: StepReduce | None = None,
 ) -> StepResult:
-    """One optimizer step over ``batches`` (the micro-batches) unless an observer vetoes it.
+    """One optimizer step of ``module`` over ``batches`` (the micro-batches) unless an observer vetoes it.
 
-    ``objective(inputs, targets, doc_ids) -> (loss_sum, n_targets)``. A vetoed step drops its gradients
-    and leaves the optimizer as it was. ``reduce``: the collectives over the process layout (one process:
-    none).
+    A vetoed step drops its gradients and leaves the optimizer as it was. ``reduce``: the collectives over
+    the process layout (one process: none).
     """
     reduce = reduce or StepReduce()
     counts = [b.n_targets for b in batches]
     n_targets = reduce.total_targets(sum(counts), precision.device)
     loss_total = torch.zeros((), device=precision.device)
     for i, batch in enumerate(batches):
-        with reduce.micro_batch(objective, last=i == len(batches) - 1):
-            loss_total += forward_backward(
-                objective, batch.to(precision.device), n_targets, reduce.dp, precision
-            )
+        with module.micro_batch(i, len(batches)):
+            loss_total += module.forward_backward(batch.to(precision.device), n_targets, reduce.dp, precision)
         for obs in observers:  # e.g. the gradient noise scale reads the first micro-batch's gradient
             obs.after_micro_batch(i, counts[i], n_targets)
+    module.finish_backward()
     loss_total = reduce.loss(loss_total)
     for obs in observers:
         obs.after_backward()

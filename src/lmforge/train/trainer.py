@@ -19,7 +19,7 @@ from lmforge.data.loader import Batch
 from lmforge.parallel.apply import activation_offload
 from lmforge.train.build import Run
 from lmforge.train.callbacks.base import Callback
-from lmforge.train.checkpoint import load_model_state, load_optimizer_state, model_state, optimizer_state
+from lmforge.train.checkpoint import load_optimizer_state, optimizer_state
 from lmforge.train.runtime import check_runtime_state, rng_state, runtime_state, set_rng_state
 from lmforge.train.step import SEVERITY, Action, StepResult, train_step
 
@@ -89,7 +89,7 @@ class Trainer:
         self.lr = run.cfg.optim.lr * run.schedule(self.progress.step) * self.lr_scale
         with activation_offload(run.cfg.train.activation_offload):
             result = train_step(
-                run.objective,
+                run.module,
                 run.optimizer,
                 batches,
                 self.lr,
@@ -143,7 +143,7 @@ class Trainer:
     def state_dict(self) -> dict:
         run = self.run
         state = {
-            "model": model_state(run.model),
+            "model": run.module.state_dict(),
             "optimizer": optimizer_state(run.model, run.optimizer),
             "loader": run.loader.state_dict(),
             "progress": self.progress.state_dict(),
@@ -162,7 +162,7 @@ class Trainer:
         """The training state proper (model, optimizer, progress, schedule, clipping, precision): what
         both a resume and a rollback restore. The loader, RNG and callbacks are :meth:`load_state_dict`'s."""
         run = self.run
-        load_model_state(run.model, state["model"])
+        run.module.load_state_dict(state["model"])
         load_optimizer_state(run.model, run.optimizer, state["optimizer"])
         self.progress.load_state_dict(state["progress"])
         run.schedule.load_state_dict(state["scheduler"])

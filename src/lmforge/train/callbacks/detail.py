@@ -83,7 +83,7 @@ class DetailMetrics(Callback):
             return
         record: dict = {"step": step, "detail": True}
         record.update(self._weights(trainer, before, grad_norms))
-        if batch is not None and self._measures_forward(trainer):
+        if batch is not None:
             record.update(self._forward(trainer, batch))
         trainer.log(record)
 
@@ -135,17 +135,13 @@ class DetailMetrics(Callback):
 
     # -- the measuring forward -----------------------------------------------------------------------
 
-    @staticmethod
-    def _measures_forward(trainer: Trainer) -> bool:
-        """Not under pipeline or tensor parallelism (no process runs the whole forward on whole tensors)."""
-        run = trainer.run
-        return not hasattr(run.objective, "pipeline") and run.layout.degrees["tp"] == 1
-
     @torch.no_grad()
     def _forward(self, trainer: Trainer, batch: Batch) -> dict[str, float]:
+        """Activation RMS and attention entropy of one eager forward of ``batch`` (the training module's
+        ``inspect_forward``); nothing where no process runs the whole network (pipeline, tensor
+        parallelism)."""
         run = trainer.run
-        model, objective = run.model, run.eval_objective
-        objective = getattr(objective, "policy", objective)  # DPO: the module scoring the sequences
+        model = run.model
         batch = batch.to(run.precision.device)
         first_docs = batch.doc_ids[:1] if batch.doc_ids is not None and model.cfg.doc_mask else None
         t = batch.inputs.shape[1]
@@ -167,17 +163,15 @@ class DetailMetrics(Callback):
 
             handles.append(block.register_forward_hook(keep_rms))
             block.attn.probe = probe
-        was_training = objective.training
-        objective.eval()
-        try:  # eager: compiled blocks (several processes) would recompile for the probe on every detail step
-            with torch.compiler.set_stance("force_eager"), run.precision.autocast():
-                objective(batch.inputs, batch.targets, batch.doc_ids)
+        try:
+            measured = run.module.inspect_forward(batch, run.precision)
         finally:
-            objective.train(was_training)
             for handle in handles:
                 handle.remove()
             for block in model.blocks.values():
                 block.attn.probe = None
+        if not measured:
+            return {}
         layers = sorted(act)
         values = torch.stack([act[i] for i in layers] + [ent[i] for i in layers]).tolist()
         n = len(layers)

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+from lmforge.data.loader import eval_batches
 from lmforge.train.callbacks.base import Callback
-from lmforge.train.evaluate import eval_targets, evaluate, perplexity, unigram_loss
+from lmforge.train.evaluate import eval_targets, perplexity, unigram_loss
 from lmforge.train.posttrain import posttrain_validation
 from lmforge.train.step import Action, StepResult
 from lmforge.train.trainer import Trainer
 
 
 def validation_loss(trainer: Trainer) -> float:
-    """Mean validation loss over ``train.eval_tokens`` tokens, in the run's precision, eager."""
+    """Mean validation loss over ``train.eval_tokens`` tokens, in the run's precision (the training
+    module's evaluation)."""
     run, t = trainer.run, trainer.run.cfg.train
-    return evaluate(
-        run.eval_objective, run.val, run.cfg.data.seq_len, t.micro_batch_size, t.eval_tokens, run.precision
-    )
+    batches = eval_batches(run.val, run.cfg.data.seq_len, t.micro_batch_size, t.eval_tokens)
+    return run.module.evaluate(batches, run.precision)["val_loss"]
 
 
 class Evaluation(Callback):
@@ -59,7 +60,7 @@ class Evaluation(Callback):
         if run.cfg.train.objective == "lm":
             val_loss, self._extra = validation_loss(trainer), {}
         else:
-            val_loss, self._extra = posttrain_validation(run.cfg, run.data, run.eval_objective, run.precision)
+            val_loss, self._extra = posttrain_validation(run.cfg, run.data, run.module, run.precision)
         if val_loss is None:  # no held-out records
             return None
         step = trainer.progress.step

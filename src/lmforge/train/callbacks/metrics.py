@@ -202,7 +202,7 @@ class StepMetrics(Callback):
             "tokens_seen": trainer.progress.tokens_seen,
             "epoch": run.loader.epoch,
             **run.loader.report(),
-            **objective_metrics(run),
+            **run.module.take_metrics(),
         }
         if self._peak is not None:
             record["mfu"] = mfu(tokens_per_s, self._flops_per_token, self._peak.flops * self._world)
@@ -216,10 +216,6 @@ class StepMetrics(Callback):
             record["clip_threshold"] = float(result.clip.threshold)
         if run.precision.scaler is not None:  # fp16: the scale the next step uses
             record["loss_scale"] = run.precision.loss_scale
-        pipeline = getattr(run.objective, "pipeline", None)
-        if pipeline is not None:  # measured on rank 0 (the first stage) in the step's last micro-batch
-            record["pp_bubble"] = pipeline.last_bubble
-            record["pp_bubble_formula"] = pipeline.expected_bubble
         trainer.log(record)
         self._window_s, self._window_data_s, self._window_steps, self._clipped = 0.0, 0.0, 0, 0
 
@@ -228,15 +224,6 @@ class StepMetrics(Callback):
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped = state.get("skipped_steps", 0)
-
-
-def objective_metrics(run: Run) -> dict[str, float]:
-    """The objective's own figures since the last record (DPO: ``rewards/...``, ``logps/...``), means over
-    the pairs of every data-parallel rank."""
-    take = getattr(run.objective, "take_metrics", None)
-    if take is None:
-        return {}
-    return take(run.layout.group("dp") if run.layout.dp > 1 else None)
 
 
 def memory_record(device: torch.device) -> dict:

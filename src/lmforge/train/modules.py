@@ -1,0 +1,266 @@
+"""What a training step drives: one :class:`TrainModule` per kind of objective.
+
+The step (``train/step.py``) calls the same methods whatever it was given, and never asks what that is:
+each micro-batch runs inside :meth:`TrainModule.micro_batch` (the data-parallel controls of accumulation)
+through :meth:`TrainModule.forward_backward`; after the last one :meth:`TrainModule.finish_backward`
+completes the step's gradients. Evaluation, the module's own metrics, the detail metrics' measuring
+forward and the model's state go through the module too, so a callback never branches on the objective.
+
+==================================  ========================================================================
+module                              what it trains
+==================================  ========================================================================
+:class:`LanguageModelModule`        the next-token loss (``train.objective = lm``, and ``sft``: the same
+                                    loss with targets -100 outside the responses)
+:class:`PipelineModule`             the next-token loss through a pipeline schedule (``parallel.pp > 1``)
+:class:`DPOModule`                  preference pairs (``train.objective = dpo``, ``posttrain/dpo.py``)
+==================================  ========================================================================
+
+A new objective (mixture of experts, reward model, RL) is a new class here with these methods, built in
+``train/build.py``; the step and the trainer do not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.data.loader import Batch
+from lmforge.model.loss import NextTokenLoss
+from lmforge.parallel.data_parallel import GradientSync
+from lmforge.parallel.pipeline import Pipeline
+from lmforge.posttrain.dpo import DPOObjective
+from lmforge.precision import PrecisionPolicy
+from lmforge.train.checkpoint import load_model_state, model_state
+
+LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (inputs, targets, doc_ids) -> (loss_sum, n)
+
+
+class TrainModule(Protocol):
+    """The protocol every training module follows (see the module docstring).
+
+    ``model`` is this rank's plain network under the whole model's parameter names (a pipeline rank's
+    stages in one module): what the optimizer, the checkpoints, the detail metrics and samples use.
+    """
+
+    model: nn.Module
+
+    def micro_batch(self, index: int, count: int) -> contextlib.AbstractContextManager:
+        """The context micro-batch ``index`` of ``count`` runs in: when data-parallel ranks synchronise
+        gradients and (re)gather parameters during a step."""
+        ...
+
+    def forward_backward(
+        self, batch: Batch, n_targets: int, dp: int, precision: PrecisionPolicy
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch, its loss divided by ``n_targets`` (the step's targets
+        over every data-parallel rank) and multiplied by ``dp`` (undoing the ranks' gradient averaging);
+        returns this rank's share of the step's loss, detached."""
+        ...
+
+    def finish_backward(self) -> None:
+        """Once per step after the last micro-batch, before the gradients are read."""
+        ...
+
+    def evaluate(self, batches: Iterable, precision: PrecisionPolicy) -> dict[str, float]:
+        """``val_loss`` (and the objective's other ``val_`` figures) over ``batches``, in eval mode and the
+        run's autocast; the same on every rank."""
+        ...
+
+    def inspect_forward(self, batch: Batch, precision: PrecisionPolicy) -> bool:
+        """One eager forward of ``batch`` through the whole network in eval mode, for hooks that measure
+        it (the detail metrics); False where no process runs the whole network on whole tensors."""
+        ...
+
+    def take_metrics(self) -> dict[str, float]:
+        """The module's own figures since the last call (a record's extra entries)."""
+        ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers by whole-model name (sharded ones as DTensors)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+
+@torch.no_grad()
+def token_loss_sum(fn: LossFn, batches: Iterable[Batch], precision: PrecisionPolicy) -> tuple[float, int]:
+    """``(sum of next-token cross-entropies in nats, number of targets)`` of ``fn`` over ``batches`` in
+    the precision's autocast (the caller sets eval mode)."""
+    total, count = 0.0, 0
+    for batch in batches:
+        batch = batch.to(precision.device)
+        with precision.autocast():
+            part, n = fn(batch.inputs, batch.targets, batch.doc_ids)
+        total += float(part)
+        count += int(n)
+    return total, count
+
+
+@contextlib.contextmanager
+def eval_mode(*modules: nn.Module):
+    """``modules`` in eval mode inside the block, back to their modes after it."""
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, modes, strict=True):
+            m.train(mode)
+
+
+class ModelState:
+    """``state_dict`` / ``load_state_dict`` of a module's ``model`` in the checkpoints' format."""
+
+    model: nn.Module
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return model_state(self.model)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        load_model_state(self.model, state)
+
+
+class LanguageModelModule(ModelState):
+    """The next-token loss of ``model``: ``train_fn`` is the model and its loss transformed for training
+    (compiled, sharded, wrapped), ``eval_fn`` the one evaluation calls (eager in one process: evaluation is
+    too rare to pay for a second compiled graph; the training one where it is sharded). ``whole``: the
+    rank runs the whole network on whole tensors (no tensor parallelism)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_fn: nn.Module,
+        eval_fn: nn.Module,
+        sync: GradientSync,
+        whole: bool = True,
+    ):
+        self.model, self.train_fn, self.eval_fn, self.sync, self.whole = model, train_fn, eval_fn, sync, whole
+
+    @classmethod
+    def of(cls, loss: NextTokenLoss) -> LanguageModelModule:
+        """One process, nothing transformed: ``loss`` (a model and its loss) trains and evaluates."""
+        return cls(loss.model, loss, loss, GradientSync())
+
+    def micro_batch(self, index: int, count: int) -> contextlib.AbstractContextManager:
+        return self.sync.micro_batch(index, count)
+
+    def forward_backward(
+        self, batch: Batch, n_targets: int, dp: int, precision: PrecisionPolicy
+    ) -> torch.Tensor:
+        with precision.autocast():
+            loss_sum, _ = self.train_fn(batch.inputs, batch.targets, batch.doc_ids)
+        loss = loss_sum / n_targets
+        precision.backward(loss * dp if dp != 1 else loss)
+        return loss.detach()
+
+    def finish_backward(self) -> None:
+        return None
+
+    def evaluate(self, batches: Iterable[Batch], precision: PrecisionPolicy) -> dict[str, float]:
+        with eval_mode(self.eval_fn):
+            total, count = token_loss_sum(self.eval_fn, batches, precision)
+        return {"val_loss": total / max(count, 1)}
+
+    @torch.no_grad()
+    def inspect_forward(self, batch: Batch, precision: PrecisionPolicy) -> bool:
+        if not self.whole:
+            return False
+        batch = batch.to(precision.device)
+        # eager: compiled blocks (several processes) would recompile for a probe on every detail step
+        with eval_mode(self.eval_fn), torch.compiler.set_stance("force_eager"), precision.autocast():
+            self.eval_fn(batch.inputs, batch.targets, batch.doc_ids)
+        return True
+
+    def take_metrics(self) -> dict[str, float]:
+        return {}
+
+
+class PipelineModule(ModelState):
+    """The next-token loss through ``pipeline``'s schedule (``parallel/pipeline.py``): each micro-batch of
+    the step is one schedule step over this rank's stages; ``model`` holds them under the whole model's
+    names. Figures are those of the last stage, summed over the pipeline group so every rank has them."""
+
+    def __init__(self, pipeline: Pipeline, model: nn.Module):
+        self.pipeline, self.model = pipeline, model
+
+    def micro_batch(self, index: int, count: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the schedule runs FSDP2's controls within its own microbatches
+
+    def forward_backward(
+        self, batch: Batch, n_targets: int, dp: int, precision: PrecisionPolicy
+    ) -> torch.Tensor:
+        with precision.autocast():
+            out = self.pipeline.step(batch.inputs, batch.targets, batch.doc_ids, loss_scale=dp / n_targets)
+        if out is None:  # not the last stage's rank: its share is counted there
+            return torch.zeros((), device=precision.device)
+        return out.float() / dp
+
+    def finish_backward(self) -> None:
+        return None
+
+    def evaluate(self, batches: Iterable[Batch], precision: PrecisionPolicy) -> dict[str, float]:
+        total = torch.zeros((), dtype=torch.float32, device=precision.device)
+        count = 0
+        with eval_mode(*self.pipeline.models), precision.autocast():
+            for batch in batches:
+                out = self.pipeline.eval_loss(batch.inputs, batch.targets, batch.doc_ids)
+                if out is not None:
+                    total += out[0].float()
+                count += int((batch.targets != -100).sum())
+        dist.all_reduce(total, group=self.pipeline.group)
+        return {"val_loss": float(total) / max(count, 1)}
+
+    def inspect_forward(self, batch: Batch, precision: PrecisionPolicy) -> bool:
+        return False  # no rank runs the whole network
+
+    def take_metrics(self) -> dict[str, float]:
+        """The bubble of the step's last schedule step, measured on this rank, and the formula's."""
+        p = self.pipeline
+        return {"pp_bubble": p.last_bubble, "pp_bubble_formula": p.expected_bubble}
+
+
+class DPOModule(ModelState):
+    """Direct preference optimisation (``posttrain/dpo.py::DPOObjective``: the pair losses, the reference,
+    the metrics); ``sync``: the data-parallel controls of the transformed policy; ``group``: the
+    data-parallel process group the metrics are summed over (None: one rank)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        objective: DPOObjective,
+        sync: GradientSync,
+        group: dist.ProcessGroup | None = None,
+        whole: bool = True,
+    ):
+        self.model, self.objective, self.sync, self.group, self.whole = model, objective, sync, group, whole
+
+    def micro_batch(self, index: int, count: int) -> contextlib.AbstractContextManager:
+        return self.sync.micro_batch(index, count)
+
+    def forward_backward(self, batch, n_targets: int, dp: int, precision: PrecisionPolicy) -> torch.Tensor:
+        return self.objective.forward_backward(batch, n_targets, dp, precision)
+
+    def finish_backward(self) -> None:
+        return None
+
+    def evaluate(self, batches: Iterable, precision: PrecisionPolicy) -> dict[str, float]:
+        return self.objective.evaluate(batches, precision, self.group)
+
+    @torch.no_grad()
+    def inspect_forward(self, batch, precision: PrecisionPolicy) -> bool:
+        if not self.whole:
+            return False
+        policy = self.objective.eval_policy
+        batch = batch.to(precision.device)
+        with eval_mode(policy), torch.compiler.set_stance("force_eager"), precision.autocast():
+            policy(batch.inputs, batch.targets, batch.doc_ids)
+        return True
+
+    def take_metrics(self) -> dict[str, float]:
+        return self.objective.take_metrics(self.group)
