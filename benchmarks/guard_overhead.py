@@ -25,7 +25,7 @@ from lmforge.data.loader import Batch
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper
 from lmforge.precision import PrecisionPolicy
-from lmforge.train.build import build_model, training_objective
+from lmforge.train.build import training_module
 from lmforge.train.guard import Guard, GuardObserver, LastGood
 from lmforge.train.step import train_step
 
@@ -47,8 +47,8 @@ def main() -> None:
     cfg, device = Config(), torch.device("cpu")
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
     vocab, seq = cfg.data.vocab_size, cfg.data.seq_len
-    model = build_model(cfg, vocab, device)
-    objective, fp32 = training_objective(model, cfg, device), PrecisionPolicy("fp32", device)
+    objective, fp32 = training_module(cfg, vocab, device), PrecisionPolicy("fp32", device)
+    model = objective.model
     opt = build_optimizer(model, cfg.optim, device)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (args.batch, seq + 1), generator=g)

@@ -233,7 +233,7 @@ def measured_step(run, lr: float) -> dict:
     """One optimizer step in its pieces (lmforge's functions), measuring this rank's bytes on the way."""
     from torch.distributed.tensor import DTensor
 
-    from lmforge.train.step import forward_backward, set_lr
+    from lmforge.train.step import set_lr
 
     params = list(run.model.parameters())  # at rest (FSDP2: the sharded DTensors); tied ones once
     sharded = run.layout.kind == "fsdp"
@@ -249,17 +249,19 @@ def measured_step(run, lr: float) -> dict:
             out["gathered"], out["grads_between"] = gathered, grads
 
     batches = [run.loader.next_batch() for _ in range(run.accum)]
-    handle = run.objective.register_forward_hook(after_forward)
+    wrapped = run.module.train_fn  # the model and loss as the layout wrapped them (DDP, FSDP2, compiled)
+    handle = wrapped.register_forward_hook(after_forward)
     try:
         reduce, precision = run.reduce, run.precision
         n_targets = reduce.total_targets(sum(b.n_targets for b in batches), precision.device)
         for i, batch in enumerate(batches):
-            with reduce.micro_batch(run.objective, last=i == len(batches) - 1):
-                forward_backward(run.objective, batch.to(precision.device), n_targets, reduce.dp, precision)
+            with run.module.micro_batch(i, len(batches)):
+                run.module.forward_backward(batch.to(precision.device), n_targets, reduce.dp, precision)
+        run.module.finish_backward()
     finally:
         handle.remove()
     out["grads"] = sum(local_bytes(p.grad) for p in params if p.grad is not None)
-    out["buckets"] = bucket_bytes(run.objective)
+    out["buckets"] = bucket_bytes(wrapped)
     precision.unscale_(run.optimizer)
     groups = [g["params"] for g in run.optimizer.param_groups]
     run.clipper.clip(groups, run.clipper.measure(groups))
@@ -289,7 +291,7 @@ def worker(args: argparse.Namespace, extra: list[str]) -> None:
         if run.layout.distributed:
             dist.barrier()
         t0 = time.perf_counter()
-        train_step(run.objective, run.optimizer, batches, lr, run.clipper, run.precision, reduce=run.reduce)
+        train_step(run.module, run.optimizer, batches, lr, run.clipper, run.precision, reduce=run.reduce)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     mem = measured_step(run, lr)

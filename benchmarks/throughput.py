@@ -42,7 +42,7 @@ from lmforge.parallel.apply import can_compile, compile_like_training
 from lmforge.plan.flops import flops_per_token, mfu
 from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_config, parse_overrides
-from lmforge.train.build import build_model, training_objective
+from lmforge.train.build import training_module
 from lmforge.train.runtime import pick_device
 from lmforge.train.step import train_step
 
@@ -132,8 +132,8 @@ def main() -> None:
 
     def ours(compile_it: bool):
         run_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": compile_it})})
-        model = build_model(run_cfg, vocab, device)
-        objective = training_objective(model, run_cfg, device)
+        module = training_module(run_cfg, vocab, device, compute_dtype=precision.compute_dtype)
+        model = module.model
         opt = build_optimizer(model, cfg.optim, device)
         clipper = Clipper("norm", cfg.train.grad_clip)
         i = 0
@@ -142,7 +142,7 @@ def main() -> None:
             nonlocal i
             b = batches[i % len(batches)]
             i += 1
-            train_step(objective, opt, [b], cfg.optim.lr, clipper, precision)
+            train_step(module, opt, [b], cfg.optim.lr, clipper, precision)
 
         return model, step
 

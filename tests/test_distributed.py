@@ -367,3 +367,21 @@ def test_fsdp_accumulation_gathers_once_under_zero2_and_defers_reduce_scatters(c
             assert a == pytest.approx(b, rel=1e-6)
         for name, norm in plain["param_norms"].items():
             assert deferred["param_norms"][name] == pytest.approx(norm, rel=1e-6), name
+
+
+def test_sharded_build_peaks_at_the_shards_plus_the_largest_parameter(corpus_dir, cache):
+    """The same measurement on a small model and 2 ranks (seconds): MemTracker's peak while building is
+    the rank's shards plus the largest parameter (within 10%; rope tables and FSDP2's padded copies are
+    the rest). That the values equal one process's is every layout test's business."""
+    over = _overrides(corpus_dir, cache, **{"parallel.dp_shard": 2, "model.d_model": 128, "train.steps": 3})
+    over.update({"data.seq_len": 16, "train.micro_batch_size": 1})
+    over.pop("train.tokens_per_step")
+    done = torchrun(
+        2, [worker("big_model_worker.py"), json.dumps(over)], env={"MALLOC_MMAP_THRESHOLD_": "1048576"}
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout.split("BIG ", 1)[1].splitlines()[0])
+    for rank in out["ranks"]:
+        held = rank["local_bytes"] + out["largest_param"]
+        assert rank["local_bytes"] <= out["model_bytes"] / 2 + out["largest_param"]
+        assert held <= rank["build_peak"] <= 1.1 * held, (rank, held)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ from lmforge.train.step import train_step
 
 def status_kib(key: str) -> int:
     """A field of ``/proc/self/status`` in KiB (``VmRSS``: resident now; ``VmHWM``: its high-water mark)."""
-    for line in open("/proc/self/status"):
+    for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):
             return int(line.split()[1])
     raise KeyError(key)
