@@ -176,11 +176,11 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.embed is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed.weight
 
-    def reset_buffers(self) -> None:
-        """(Re)compute the non-persistent buffers (RoPE tables) on the model's device."""
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the non-persistent buffers (RoPE tables) on ``device`` (default: the parameters')."""
         if self.cfg.arch != "llama":
             return
-        device = next(self.parameters()).device
+        device = device if device is not None else next(self.parameters()).device
         cos, sin = rope_cache(self.cfg.d_model // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)

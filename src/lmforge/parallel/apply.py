@@ -41,6 +41,7 @@ FSDP2, DDP and tensor parallelism stay at block boundaries, outside the compiled
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import shutil
 from collections.abc import Callable
@@ -246,7 +247,10 @@ def materialize(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Mo
     on the real parameters (tensor hooks do not survive ``to_empty``)."""
     if ctx.init is None or not is_meta(module):
         return module
-    materialize_model(module, model, ctx.init)
+    init = ctx.init
+    if ctx.layout.offload:  # FSDP2's CPU offload: the shards live in host memory from the start
+        init = dataclasses.replace(init, storage=torch.device("cpu"))
+    materialize_model(module, model, init)
     if ctx.layout.degrees["tp"] > 1:
         from lmforge.parallel.tensor import register_grad_layout_hooks
 

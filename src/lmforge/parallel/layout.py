@@ -14,6 +14,7 @@ mesh. A single process without ``torchrun`` gets :data:`SINGLE`, with no process
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -195,10 +196,13 @@ def start_process_group(backend: str, rank: int, world: int) -> None:
 
 
 def close_layout(layout: Layout, finished: bool = True) -> None:
-    """End the process group. After a run that ended normally every rank first waits for the others to be
-    past their last message, so none tears its connections down while a peer still uses them; after an
-    error it does not wait (the peers may never arrive)."""
+    """End the process group. What used it (DDP's reducer, FSDP2's state, a pipeline's stages, pending
+    works) should be unreferenced by then: a collection runs first, so those objects are destroyed while
+    their groups still exist rather than during interpreter shutdown. After a run that ended normally
+    every rank then waits for the others to be past their last message, so none tears its connections
+    down while a peer still uses them; after an error it does not wait (the peers may never arrive)."""
     if layout.distributed and dist.is_initialized():
+        gc.collect()
         if finished:
             dist.barrier()
         dist.destroy_process_group()

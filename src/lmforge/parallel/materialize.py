@@ -41,13 +41,16 @@ from lmforge.model.init import InitStep
 
 @dataclass(frozen=True)
 class Init:
-    """How a meta-built model gets its values: on ``device``, by ``plan`` (the *whole* model's
-    initialisation plan) from ``seed``; ``seed = None`` leaves the storage uninitialised for a checkpoint
-    to fill."""
+    """How a meta-built model gets its values: drawn on ``device`` (the run's: one process draws there
+    too, so the random stream is the same) by ``plan`` (the *whole* model's initialisation plan) from
+    ``seed``; ``seed = None`` leaves the storage uninitialised for a checkpoint to fill. ``storage``: where
+    the parameters live when not on ``device`` (host memory under FSDP2's CPU offload: then the GPU only
+    ever holds the temporary of one parameter)."""
 
     device: torch.device
     plan: tuple[InitStep, ...] = ()
     seed: int | None = None
+    storage: torch.device | None = None
 
 
 def is_meta(module: nn.Module) -> bool:
@@ -84,12 +87,13 @@ def initialize(params: dict[str, torch.Tensor], plan: Sequence[InitStep], device
 
 def materialize(module: nn.Module, model: nn.Module, init: Init) -> None:
     """Allocate this rank's part of every parameter of ``module`` (the outermost, transformed module) on
-    ``init.device`` and initialise it by ``init.plan`` from ``init.seed`` (see the module docstring).
-    ``model``: the plain network inside ``module`` (parameter names as in the whole model; it provides
-    ``reset_buffers`` and, when its storage is shared between modules, ``tie_weights``)."""
-    module.to_empty(device=init.device)
+    ``init.storage`` (default ``init.device``) and initialise it by ``init.plan`` from ``init.seed`` (see
+    the module docstring); buffers are computed on ``init.device``. ``model``: the plain network inside
+    ``module`` (parameter names as in the whole model; it provides ``reset_buffers`` and, when its
+    storage is shared between modules, ``tie_weights``)."""
+    module.to_empty(device=init.storage or init.device)
     model.tie_weights()
-    model.reset_buffers()
+    model.reset_buffers(init.device)
     if init.seed is None:
         return
     torch.manual_seed(init.seed)

@@ -111,12 +111,14 @@ def train(
         report_changes(changes, state["config"], cfg, state)
         history = read_history(run_dir / "config.toml") + [c.line(step) for c in changes]
     run = build_run(cfg, run_dir=run_dir)
+    layout = run.layout
     try:
         out = _train(run, run_dir, ckpt_path, history, callbacks, progress_bar)
     except BaseException:
-        close_layout(run.layout, finished=False)
+        close_layout(layout, finished=False)
         raise
-    close_layout(run.layout)
+    del run  # the modules that use the process groups go before the groups (close_layout)
+    close_layout(layout)
     return out
 
 

@@ -1,0 +1,125 @@
+"""The training modules: every kind of objective behind one protocol, driven by one step that never asks
+what it was given."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lmforge
+from lmforge.config import ModelConfig
+from lmforge.data.loader import Batch
+from lmforge.model.loss import NextTokenLoss
+from lmforge.model.transformer import Transformer
+from lmforge.optim.clip import Clipper
+from lmforge.parallel.data_parallel import GradientSync
+from lmforge.parallel.pipeline import Pipeline
+from lmforge.posttrain.dpo import DPOObjective, SequenceLogps
+from lmforge.posttrain.dpo_data import reference_logps, stack_pairs, tokenize_pairs
+from lmforge.precision import PrecisionPolicy
+from lmforge.train import modules
+from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, TrainModule
+from lmforge.train.step import Action, train_step
+from tests.test_dpo import SEQ, render, tiny_model, toy_pairs
+
+SRC = Path(lmforge.__file__).parent
+FP32 = PrecisionPolicy("fp32", torch.device("cpu"))
+PROTOCOL = [n for n, v in vars(TrainModule).items() if callable(v) and not n.startswith("_")]
+
+
+def implementations() -> set[type]:
+    """Every class of ``train/modules.py`` that has all the protocol's methods."""
+    return {
+        cls
+        for _, cls in inspect.getmembers(modules, inspect.isclass)
+        if cls.__module__ == modules.__name__
+        and cls is not TrainModule
+        and all(callable(getattr(cls, name, None)) for name in PROTOCOL)
+    }
+
+
+def test_the_protocol_is_what_the_step_and_callbacks_use():
+    assert set(PROTOCOL) >= {"micro_batch", "forward_backward", "finish_backward", "evaluate", "state_dict"}
+    assert implementations() == {LanguageModelModule, PipelineModule, DPOModule}
+
+
+def test_the_step_never_asks_what_it_was_given():
+    tree = ast.parse((SRC / "train" / "step.py").read_text())
+    calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert not calls & {"hasattr", "getattr", "isinstance"}
+
+
+def _batch(vocab: int, seed: int, rows: int = 2, t: int = 16) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (rows, t + 1), generator=g)
+    return Batch(x[:, :-1], x[:, 1:], torch.zeros(rows, t, dtype=torch.long))
+
+
+def _step(module: TrainModule, batches: list) -> float:
+    before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    opt = torch.optim.SGD(module.model.parameters(), lr=0.1)
+    result = train_step(module, opt, batches, 0.1, Clipper("norm", 0.0), FP32)
+    assert result.action is Action.STEP and torch.isfinite(result.loss)
+    moved = [n for n, p in module.model.named_parameters() if not torch.equal(p, before[n])]
+    assert moved, "the step changed no parameter"
+    return float(result.loss)
+
+
+def test_language_model_module_takes_a_step_and_evaluates():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(n_layers=2, d_model=32, n_heads=4), 64, 16)
+    model.init_weights()
+    module = LanguageModelModule.of(NextTokenLoss(model))
+    held = [_batch(64, 9)]
+    want, n = NextTokenLoss(model)(held[0].inputs, held[0].targets)
+    assert module.evaluate(held, FP32)["val_loss"] == pytest.approx(float(want / n), rel=1e-6)
+    loss = _step(module, [_batch(64, 1), _batch(64, 2)])
+    assert loss == pytest.approx(float(want / n), rel=0.2)  # the same model on other tokens
+    assert module.inspect_forward(_batch(64, 3), FP32) and module.take_metrics() == {}
+    assert set(module.state_dict()) >= {"embed.weight", "blocks.0.attn.q_proj.weight"}
+
+
+def test_dpo_module_takes_a_step_and_reports_its_metrics():
+    model = tiny_model(0)
+    policy = SequenceLogps(model, chunk=16)
+    pairs, _ = tokenize_pairs(toy_pairs(4), render, SEQ, "skip")
+    ref = reference_logps(policy, pairs, SEQ, 2, FP32)
+    with torch.no_grad():
+        model.blocks[0].attn.o_proj.weight.mul_(1.5)  # policy != reference: a gradient to follow
+    module = DPOModule(model, DPOObjective(policy, beta=0.5), GradientSync())
+    batch = stack_pairs(pairs[:2], SEQ, ref=ref[:2])
+    _step(module, [batch])
+    assert set(module.take_metrics()) >= {"rewards/margins", "logps/chosen"}
+    assert set(module.evaluate([stack_pairs(pairs[2:], SEQ, ref=ref[2:])], FP32)) >= {"val_loss"}
+
+
+def test_pipeline_module_takes_a_step_on_one_rank(tmp_path):
+    """One pipeline rank holding every stage (gloo, world 1): the schedule's step, the module's figures,
+    and the same loss as the plain module on the same model."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, tie_embeddings=False)
+
+        def build() -> Transformer:
+            return Transformer(cfg, 64, 16)
+
+        pipe = Pipeline(build, None, "gpipe", microbatches=2, seed=3)
+        module = PipelineModule(pipe, pipe.models[0])
+        whole = build()
+        torch.manual_seed(3)
+        whole.init_weights()
+        batch = _batch(64, 5, rows=4)
+        plain = LanguageModelModule.of(NextTokenLoss(whole))
+        assert module.evaluate([batch], FP32)["val_loss"] == pytest.approx(
+            plain.evaluate([batch], FP32)["val_loss"], rel=1e-6
+        )
+        assert module.inspect_forward(batch, FP32) is False  # no rank runs the whole network
+        _step(module, [batch])
+        assert set(module.take_metrics()) == {"pp_bubble", "pp_bubble_formula"}
+    finally:
+        dist.destroy_process_group()
