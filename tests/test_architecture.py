@@ -18,7 +18,7 @@ from lmforge.model.transformer import Transformer, keep_stage
 from lmforge.parallel.apply import STAGES, ApplyContext, apply
 from lmforge.recipe import load_config
 from lmforge.train.build import build_model, build_run
-from lmforge.train.callbacks.stop import StopAfter
+from lmforge.train.callbacks.control import StopAfter
 from lmforge.train.launch import train
 from lmforge.train.lr_find import sweep, sweep_run
 from tests.conftest import model_of

@@ -24,8 +24,8 @@ from lmforge.data.shards import Shard
 from lmforge.errors import ConfigError
 from lmforge.recipe import load_config, to_toml
 from lmforge.train.build import build_run
+from lmforge.train.callbacks.control import StopAfter
 from lmforge.train.callbacks.metrics import MEASURED_KEYS
-from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
 from lmforge.train.launch import train
 from lmforge.train.lr_find import sweep, sweep_run

@@ -16,7 +16,7 @@ from lmforge.plan import hardware
 from lmforge.plan.flops import flops_per_token
 from lmforge.recipe import load_config
 from lmforge.train.build import build_run
-from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks import Callback
 from lmforge.train.callbacks.metrics import StepMetrics, memory_record
 from lmforge.train.launch import train
 from lmforge.train.peak_flops import cpu_peak_flops

@@ -9,27 +9,26 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lmforge.config import Config
+from lmforge.data.preflight import preflight
 from lmforge.errors import UserError
 from lmforge.parallel.layout import close_layout, launch_env
 from lmforge.train.build import Run, build_run, validate
-from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
+from lmforge.train.callbacks.control import StopOnSignal
 from lmforge.train.callbacks.detail import DetailMetrics
-from lmforge.train.callbacks.early_stop import EarlyStopping
-from lmforge.train.callbacks.evaluation import Evaluation
+from lmforge.train.callbacks.evaluation import EarlyStopping, Evaluation
 from lmforge.train.callbacks.guard import StabilityGuard
-from lmforge.train.callbacks.metrics import Console, MetricsFile, StepMetrics
+from lmforge.train.callbacks.metrics import StepMetrics
 from lmforge.train.callbacks.profile import Profile
 from lmforge.train.callbacks.sample import Sample
-from lmforge.train.callbacks.signals import StopOnSignal
-from lmforge.train.callbacks.wandb_sink import WandbSink, require_wandb
+from lmforge.train.callbacks.sinks import Console, MetricsFile, WandbSink, require_wandb
 from lmforge.train.checkpoint import (
     latest_checkpoint,
     load_training_state,
     read_trainer_state,
     remove_partial,
 )
-from lmforge.train.preflight import preflight
 from lmforge.train.resume import check_changes, config_changes, config_text, read_history, report_changes
 from lmforge.train.trainer import Trainer
 
