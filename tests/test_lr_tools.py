@@ -24,9 +24,9 @@ from lmforge.optim.clip import Clipper
 from lmforge.optim.schedules import Schedule, lr_curve
 from lmforge.plan.lr_finder import diverged, smooth, suggest, sweep_lr
 from lmforge.precision import PrecisionPolicy
+from lmforge.probes.lr_find import range_test
 from lmforge.recipe import load_config
 from lmforge.train.build import build_model
-from lmforge.train.lr_find import range_test
 from lmforge.train.modules import LanguageModelModule
 from lmforge.train.step import train_step
 from tests.conftest import cli_args, tiny_overrides

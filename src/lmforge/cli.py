@@ -432,7 +432,7 @@ def cmd_plot_schedule(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_lr_find(args: argparse.Namespace, extra: list[str]) -> int:
-    from lmforge.train.lr_find import run_lr_find
+    from lmforge.probes.lr_find import run_lr_find
 
     cfg = load_config(args.recipe, parse_overrides(extra))
     out = Path(args.out)
@@ -447,7 +447,7 @@ def cmd_lr_find(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_mup_check(args: argparse.Namespace, extra: list[str]) -> int:
-    from lmforge.train.mup_check import run_mup_check, spread
+    from lmforge.probes.mup_check import run_mup_check, spread
 
     cfg = load_config(args.recipe, parse_overrides(extra))
     try:
@@ -640,7 +640,7 @@ def _add_tokenizer_commands(sub: argparse._SubParsersAction) -> None:
 
 def cmd_tokenizers_compare(args: argparse.Namespace, extra: list[str]) -> int:
     from lmforge.data.tokenizer_compare import CompareSettings, format_table
-    from lmforge.train.tokenizer_bpb import run_compare
+    from lmforge.probes.tokenizer_bpb import run_compare
 
     try:
         sizes = [int(v) for v in args.vocab_sizes.split(",") if v.strip()]

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from lmforge.plan.flops import mfu, model_flops_per_token
+from lmforge.probes.peak_flops import Peak, device_peak
 from lmforge.train.build import Run
 from lmforge.train.callbacks import Callback
-from lmforge.train.peak_flops import Peak, device_peak
 from lmforge.train.step import Action, StepResult
 from lmforge.train.trainer import Trainer
 
@@ -93,7 +93,7 @@ class StepMetrics(Callback):
     the steps done, so the ETA does not jump after them.
 
     MFU: ``tokens_per_s * flops_per_token / (peak * world)`` (``plan/flops.py``), the peak of one device
-    in the run's precision (``train/peak_flops.py``: the data sheet of a known GPU, a measured float32
+    in the run's precision (``probes/peak_flops.py``: the data sheet of a known GPU, a measured float32
     matmul on a CPU), logged once at the start; an unknown GPU gets no ``mfu``.
 
     Gradient noise scale (:class:`NoiseScale`, module docstring): with two or more micro-batches a step, the squared
