@@ -117,7 +117,7 @@ def test_no_precision_strings_in_library_signatures():
 
 def test_commands_share_the_build_path():
     """train, lr-find, mup-check, eval and generate build models through train/build.py only."""
-    for module in ("train/launch.py", "probes/lr_find.py", "probes/mup_check.py", "train/run_loading.py"):
+    for module in ("train/launch.py", "probes/lr_find.py", "probes/mup_check.py", "evaluate/run_loading.py"):
         text = (SRC / module).read_text()
         assert "lmforge.train.build import" in text, module
         assert "Transformer(" not in text and "PackedLoader(" not in text, module

@@ -24,7 +24,7 @@ FORBIDDEN = ("lmforge.data", "lmforge.train")
 # The one exception: a model-based stage scores with a trained run, loaded by ``lmforge eval``'s loader
 # (not a second copy of it). The import sits inside functions, so importing corpus still loads no
 # training module (the run-time test below) until such a stage scores.
-INSIDE_FUNCTIONS = {"corpus/lm_scorer.py": {"lmforge.train.run_loading"}}
+INSIDE_FUNCTIONS = {"corpus/lm_scorer.py": {"lmforge.evaluate.run_loading"}}
 
 
 def _module_name(path: Path) -> str:

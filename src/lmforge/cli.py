@@ -116,7 +116,7 @@ def _finish(summary: dict, run_dir: Path, command: str) -> int:
 
 def cmd_posttrain(args: argparse.Namespace, extra: list[str]) -> int:
     """``lmforge sft`` / ``lmforge dpo``: start a post-training run from --from RUN, or --resume one."""
-    from lmforge.train.finetune import start
+    from lmforge.posttrain.finetune import start
     from lmforge.train.launch import train
     from lmforge.train.resume import resume_config
 
@@ -166,7 +166,7 @@ def _device(name: str):
 
 
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
-    from lmforge.train.run_loading import evaluate_run
+    from lmforge.evaluate.run_loading import evaluate_run
 
     if args.tokens < 0:
         raise UserError(
@@ -179,7 +179,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _eval_data(args: argparse.Namespace) -> int:
-    from lmforge.train.eval_data import check_files, evaluate_files
+    from lmforge.evaluate.files import check_files, evaluate_files
 
     check_files(args.data, args.text_field)  # before loading the model
     result = evaluate_files(args.run, args.data, _device(args.device), args.text_field)
@@ -261,10 +261,10 @@ def check_sampling_args(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.evaluate.run_loading import load_run
     from lmforge.model.sampling import generate
     from lmforge.posttrain.records import Turn
     from lmforge.posttrain.template import read_template
-    from lmforge.train.run_loading import load_run
 
     check_sampling_args(args)
     device = _device(args.device)

@@ -5,7 +5,7 @@ schedule and ``train.seed`` are :data:`MODEL_OVERRIDES` and the flags. Each run 
 ``lmforge train`` run (:func:`lmforge.train.launch.train`) in ``OUT/runs/<kind>-<vocab>`` on every
 document of the comparison, whose validation split is the comparison's held-out split
 (:func:`lmforge.data.tokenizer_compare.write_jsonl`); after N steps every held-out document is scored
-as ``lmforge eval --data`` scores files (:func:`lmforge.train.eval_data.evaluate_files`) and the summed
+as ``lmforge eval --data`` scores files (:func:`lmforge.evaluate.files.evaluate_files`) and the summed
 loss is turned into bits per byte (:func:`lmforge.data.tokenizer_compare.bits_per_byte`).
 """
 
@@ -28,8 +28,8 @@ from lmforge.data.tokenizer_compare import (
     docs_folder,
     held_out_folder,
 )
+from lmforge.evaluate.files import evaluate_files
 from lmforge.recipe import load_config
-from lmforge.train.eval_data import evaluate_files
 from lmforge.train.launch import train
 
 MODEL_OVERRIDES: dict = {

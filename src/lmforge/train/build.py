@@ -52,16 +52,16 @@ from lmforge.parallel.reduce import StepReduce
 from lmforge.parallel.tensor import check_tensor_parallel
 from lmforge.plan.micro_batch import auto_candidates
 from lmforge.posttrain.dpo import SequenceLogps
-from lmforge.precision import PrecisionPolicy, check_precision
-from lmforge.probes.auto_batch import probe, resolve_micro_batch
-from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, TrainModule
-from lmforge.train.posttrain import (
+from lmforge.posttrain.run import (
     PostTrainData,
     check_posttrain,
     dpo_objective,
     posttrain_loader,
     prepare_posttrain,
 )
+from lmforge.precision import PrecisionPolicy, check_precision
+from lmforge.probes.auto_batch import probe, resolve_micro_batch
+from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, TrainModule
 from lmforge.train.runtime import configure_determinism, pick_device, seed_all
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ def local_processes() -> int:
 def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | None = None) -> Run:
     """Build every part of a run of ``cfg`` (``data``: already prepared data, else prepared here).
     ``train.micro_batch_size = "auto"`` is resolved first (``probes/auto_batch.py``); the run's ``cfg``
-    holds the number chosen. A post-training objective (``sft``, ``dpo``: ``train/posttrain.py``) reads its
+    holds the number chosen. A post-training objective (``sft``, ``dpo``: ``posttrain/run.py``) reads its
     records instead of ``data.sources`` and finds its DPO reference in ``run_dir``."""
     device = validate(cfg)
     layout = init_layout(cfg, device.type)

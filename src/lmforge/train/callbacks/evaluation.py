@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from lmforge.data.loader import eval_batches
+from lmforge.evaluate.validation import eval_targets, perplexity, unigram_loss
+from lmforge.posttrain.run import posttrain_validation
 from lmforge.train.callbacks import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.checkpoint import write_best
-from lmforge.train.evaluate import eval_targets, perplexity, unigram_loss
-from lmforge.train.posttrain import posttrain_validation
 from lmforge.train.step import Action, StepResult
 from lmforge.train.trainer import Trainer
 

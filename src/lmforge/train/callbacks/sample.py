@@ -11,9 +11,9 @@ from lmforge.data.preflight import default_sample_prompt
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.sampling import generate
 from lmforge.model.transformer import Transformer
+from lmforge.posttrain.run import chat_sample
 from lmforge.train.build import Run, build_model
 from lmforge.train.callbacks import Callback
-from lmforge.train.posttrain import chat_sample
 from lmforge.train.trainer import Trainer
 
 log = logging.getLogger(__name__)

@@ -36,12 +36,12 @@ import torch
 
 from lmforge.config import POSTTRAIN_DEFAULTS, Config, ParallelConfig
 from lmforge.errors import UserError
+from lmforge.evaluate.run_loading import pick_checkpoint
 from lmforge.posttrain.template import SPECIAL_TOKENS, add_chat_tokens, write_template_file
 from lmforge.posttrain.vocab import grow_vocab
 from lmforge.recipe import load_config, load_saved_config
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from lmforge.train.resume import config_text
-from lmforge.train.run_loading import pick_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +82,10 @@ def start(
 ) -> tuple[Config, Path]:
     """Make ``run_dir`` a post-training run (``kind``: ``"sft"`` or ``"dpo"``) of ``from_run``'s checkpoint
     (``step``: default the newest); returns its config and checkpoint ``step_00000000``."""
+    from lmforge.posttrain.run import write_reference
     from lmforge.train.build import build_run, validate  # the run's machinery: only once inputs are checked
     from lmforge.train.callbacks.checkpointing import config_state
     from lmforge.train.launch import default_callbacks
-    from lmforge.train.posttrain import write_reference
     from lmforge.train.trainer import Trainer
 
     from_run, run_dir = Path(from_run), Path(run_dir)
