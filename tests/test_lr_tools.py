@@ -13,7 +13,6 @@ import matplotlib.image
 import pytest
 import torch
 
-from lmforge.charts import schedule_chart
 from lmforge.config import ScheduleConfig
 from lmforge.data.loader import PackedLoader, TokenStream
 from lmforge.data.prepare import prepare_data
@@ -26,6 +25,7 @@ from lmforge.plan.lr_finder import diverged, smooth, suggest, sweep_lr
 from lmforge.precision import PrecisionPolicy
 from lmforge.probes.lr_find import range_test
 from lmforge.recipe import load_config
+from lmforge.report.charts import schedule_chart
 from lmforge.train.build import build_model
 from lmforge.train.modules import LanguageModelModule
 from lmforge.train.step import train_step

@@ -419,7 +419,7 @@ def _shown(value: object) -> str:
 
 
 def cmd_plot_schedule(args: argparse.Namespace, extra: list[str]) -> int:
-    from lmforge.charts import write_schedule
+    from lmforge.report.charts import write_schedule
 
     cfg = load_config(args.recipe, parse_overrides(extra))
     out = Path(args.out)
@@ -474,7 +474,7 @@ GIB = 2**30
 
 
 def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
-    from lmforge.planning import EstimateRequest, run_estimate
+    from lmforge.plan.request import EstimateRequest, run_estimate
 
     req = EstimateRequest(
         args.recipe,
@@ -501,7 +501,7 @@ def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
         elif not est.fits:
             print("does not fit: lmforge estimate ... --search lists the layouts that do, fastest first")
     if args.plot:
-        from lmforge.charts import memory_chart
+        from lmforge.report.charts import memory_chart
 
         bars = [(f"asked: {est.layout.describe()}", est.rows())] + [
             (e.layout.describe(), e.rows()) for e in found
@@ -832,8 +832,8 @@ def build_sweep_parser() -> argparse.ArgumentParser:
 
 
 def cmd_data_sweep(args: argparse.Namespace, extra: list[str]) -> int:
-    from lmforge.cleaning_sweep import parse_levels, pick_reference, run_sweep, sweep_table
     from lmforge.corpus.config import load_pipeline_config
+    from lmforge.corpus.sweep import parse_levels, pick_reference, run_sweep, sweep_table
 
     cfg = load_pipeline_config(args.config)
     levels = parse_levels(args.levels)

@@ -114,7 +114,7 @@ def _row(nll: float, targets: int, n_bytes: int) -> dict:
 
 def run_compare(s: CompareSettings, say: Callable[[str], None]) -> dict:
     """The whole command: :func:`compare` (with the model when ``s.train_steps``), then ``compare.png``."""
-    from lmforge.charts import tokenizer_compare_chart
+    from lmforge.report.charts import tokenizer_compare_chart
 
     result = compare(s, train_and_score if s.train_steps else None, say)
     tokenizer_compare_chart(result, s.out / "compare.png")

@@ -1,7 +1,10 @@
 """``lmforge estimate`` from its inputs to its result, shared by the command and the web planners
 (``web/pages/``), so a page shows exactly the figures ``lmforge estimate --json`` prints for the same
 inputs. Overrides are given as the command line gives them (``--SECTION.KEY=VALUE``) and parsed by the same
-code."""
+code.
+
+Unlike the rest of ``plan/`` this module sits above the measurements: ``--gpu cpu`` measures this host's
+peak FLOP/s (``probes/peak_flops.py``) as a run's MFU does."""
 
 from __future__ import annotations
 
