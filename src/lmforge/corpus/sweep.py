@@ -221,6 +221,8 @@ def run_sweep(
     levels = [check_level(x) for x in levels]
     if ngram < 1:
         raise ConfigError(f"--ngram: {ngram} is below 1")
+    if tokenizer and not Path(tokenizer).is_file():
+        raise ConfigError(f"--tokenizer: {tokenizer} does not exist; give a tokenizer.json or leave it out")
     kind, path = reference if reference is not None else pick_reference(cfg, None, None)
     if reference_tokens < 1:
         raise ConfigError(f"--reference-tokens: {reference_tokens} is below 1")
