@@ -1,4 +1,4 @@
-"""The gradient noise scale estimators (train/noise_scale.py) on synthetic gradients of known noise."""
+"""The gradient noise scale estimators (``train/callbacks/metrics.py``) on synthetic gradients of known noise."""
 
 from __future__ import annotations
 
