@@ -74,9 +74,8 @@ def _eval_data(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
-    from lmforge.evaluate.generation import check_sampling, samples
+    from lmforge.evaluate.generation import samples
 
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.num_samples)
     texts = samples(
         args.run, args.prompt, device(args.device), args.max_new_tokens, args.temperature, args.top_k,
         args.top_p, args.num_samples, args.seed,

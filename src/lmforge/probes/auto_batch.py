@@ -2,10 +2,10 @@
 
 The optimizer step keeps ``train.tokens_per_step`` (required with ``auto``: it is what the user fixes);
 the candidates are the micro-batch sizes that split it evenly, ``tokens_per_step / (seq_len * dp)`` and its
-divisors (multiples of the pipeline's micro-batches under ``parallel.pp``; ``plan/micro_batch.py``). The chosen one is the largest
-whose :func:`lmforge.plan.estimate.estimate` per-device total stays under the planner's margin (80% of the
-device memory) on this run's device: a CUDA GPU's total memory, or on a CPU the host's RAM shared by the
-processes of this host. Accumulation makes up the rest of the step.
+divisors (multiples of the pipeline's micro-batches under ``parallel.pp``; ``plan/micro_batch.py``). The
+chosen one is the largest whose :func:`lmforge.plan.estimate.estimate` per-device total stays under the
+planner's margin (80% of the device memory) on this run's device: a CUDA GPU's total memory, or on a CPU
+the host's RAM shared by the processes of this host. Accumulation makes up the rest of the step.
 
 On a single CUDA device the choice is then probed (:func:`probe`): one forward and backward of a
 micro-batch of that size; an out-of-memory error moves to the next smaller candidate. Several processes
