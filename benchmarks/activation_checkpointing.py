@@ -6,7 +6,7 @@ under each policy of ``train.activation_checkpointing``, set on the same model b
 function (``lmforge.parallel.apply.set_activation_checkpointing``). For each policy:
 
 * saved bytes: what the forward keeps alive for backward
-  (``lmforge.train.activation_memory.saved_activation_bytes``: storages, each once; deterministic);
+  (``lmforge.probes.activation_memory.saved_activation_bytes``: storages, each once; deterministic);
 * step time: forward + backward (no optimizer step), the median over ``--rounds`` rounds of ``--steps``
   steps each after one warm-up step; policies interleave within each round (the order rotating), so drift
   in the speed of a shared machine hits all alike. Wall time and the process's CPU time (all its threads)
@@ -40,7 +40,7 @@ from lmforge.config import ModelConfig
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.apply import set_activation_checkpointing
-from lmforge.train.activation_memory import saved_activation_bytes
+from lmforge.probes.activation_memory import saved_activation_bytes
 
 POLICIES = ["none", "full", "every:2", "every:3", "every:4", "selective"]
 CLAIMS = {

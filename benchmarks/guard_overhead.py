@@ -26,7 +26,7 @@ from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper
 from lmforge.precision import PrecisionPolicy
 from lmforge.train.build import training_module
-from lmforge.train.guard import Guard, GuardObserver, LastGood
+from lmforge.train.callbacks.guard import Guard, GuardObserver, LastGood
 from lmforge.train.step import train_step
 
 VARIANTS = {

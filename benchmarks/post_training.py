@@ -28,13 +28,12 @@ from pathlib import Path
 
 import torch
 
+from lmforge.evaluate.run_loading import evaluate_posttrain, pick_checkpoint
 from lmforge.posttrain.records import Turn, read_examples
 from lmforge.posttrain.template import read_template
 from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_saved_config
 from lmforge.train.checkpoint import load_checkpoint
-from lmforge.train.posttrain import evaluate_posttrain
-from lmforge.train.run_loading import pick_checkpoint
 
 
 def lmforge(*args: str) -> float:

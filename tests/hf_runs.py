@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from lmforge.corpus.pystdlib import stdlib_root
+from lmforge.evaluate.run_loading import load_run
 from lmforge.hf.import_ import FROM_FOLDER
 from lmforge.model.sampling import generate
 from lmforge.recipe import load_config
 from lmforge.train.launch import train
-from lmforge.train.run_loading import load_run
 from tests.conftest import tiny_overrides
 
 SEQ_LEN = 96  # prompt + 50 generated tokens fit: no sliding window in lmforge's generate, none in HF's

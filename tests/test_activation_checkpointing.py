@@ -16,9 +16,9 @@ from lmforge.config import ModelConfig
 from lmforge.errors import UserError
 from lmforge.model.loss import NextTokenLoss
 from lmforge.parallel.apply import FULL, SELECTIVE, block_runner, set_activation_checkpointing
-from lmforge.train.activation_memory import saved_activation_bytes
+from lmforge.probes.activation_memory import saved_activation_bytes
 from lmforge.train.build import validate
-from lmforge.train.callbacks.stop import StopAfter
+from lmforge.train.callbacks.control import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
 from lmforge.train.launch import train
 from lmforge.train.resume import fixed_reason

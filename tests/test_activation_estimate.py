@@ -1,5 +1,5 @@
 """The planner's activation-memory formula (lmforge/plan/activations.py) against the bytes a real forward
-keeps alive for backward (lmforge/train/activation_memory.py: storages created by the forward and still
+keeps alive for backward (lmforge/probes/activation_memory.py: storages created by the forward and still
 held by its graph, checkpoint frames included). The two are independent: the formula is arithmetic on the
 config, the measurement runs lmforge's model, loss and checkpointing stage on the CPU and counts storages.
 """
@@ -20,7 +20,7 @@ from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import keep_stage
 from lmforge.parallel.apply import ApplyContext, activation_checkpointing
 from lmforge.plan.activations import activation_bytes, attention_kind
-from lmforge.train.activation_memory import saved_activation_bytes
+from lmforge.probes.activation_memory import saved_activation_bytes
 from tests.conftest import model_of
 
 # The planner's requirement is 10%; the formula is exact on this torch (2.13), so the tests ask for the

@@ -16,11 +16,11 @@ from lmforge.errors import ConfigError
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer, keep_stage
 from lmforge.parallel.apply import STAGES, ApplyContext, apply
+from lmforge.probes.lr_find import sweep, sweep_run
 from lmforge.recipe import load_config
 from lmforge.train.build import build_model, build_run
-from lmforge.train.callbacks.stop import StopAfter
+from lmforge.train.callbacks.control import StopAfter
 from lmforge.train.launch import train
-from lmforge.train.lr_find import sweep, sweep_run
 from tests.conftest import model_of
 
 V, T = 97, 16
@@ -117,7 +117,7 @@ def test_no_precision_strings_in_library_signatures():
 
 def test_commands_share_the_build_path():
     """train, lr-find, mup-check, eval and generate build models through train/build.py only."""
-    for module in ("train/launch.py", "train/lr_find.py", "train/mup_check.py", "train/run_loading.py"):
+    for module in ("train/launch.py", "probes/lr_find.py", "probes/mup_check.py", "evaluate/run_loading.py"):
         text = (SRC / module).read_text()
         assert "lmforge.train.build import" in text, module
         assert "Transformer(" not in text and "PackedLoader(" not in text, module

@@ -14,8 +14,9 @@ from lmforge.errors import ConfigError
 from lmforge.plan.activations import attention_kind
 from lmforge.plan.estimate import estimate, layout_from_config, workload_from_config
 from lmforge.plan.hardware import cpu
+from lmforge.plan.micro_batch import candidates, largest
+from lmforge.probes.auto_batch import resolve_micro_batch
 from lmforge.recipe import load_config
-from lmforge.train.auto_batch import candidates, largest, resolve_micro_batch
 from lmforge.train.build import accumulation_steps
 from lmforge.train.launch import train
 from tests.conftest import tiny_overrides

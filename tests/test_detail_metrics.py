@@ -13,13 +13,14 @@ from lmforge.model.attention import apply_rope, document_causal_mask
 from lmforge.model.loss import NextTokenLoss
 from lmforge.recipe import load_config
 from lmforge.train.build import build_run
-from lmforge.train.callbacks.base import Callback
-from lmforge.train.callbacks.detail import DetailMetrics, is_detail_step
-from lmforge.train.callbacks.stop import StopAfter
-from lmforge.train.detail_metrics import (
+from lmforge.train.callbacks import Callback
+from lmforge.train.callbacks.control import StopAfter
+from lmforge.train.callbacks.detail import (
     KINDS,
+    DetailMetrics,
     attention_entropy,
     group_by_part,
+    is_detail_step,
     param_kind,
     part_keys,
     part_norms,

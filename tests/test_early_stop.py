@@ -1,5 +1,6 @@
-"""Early stopping (callbacks/early_stop.py): the run ends after ``train.early_stop_patience`` evaluations
-without a new best validation loss, keeps the best checkpoint out of rotation and says so."""
+"""Early stopping (``train/callbacks/evaluation.py::EarlyStopping``): the run ends after
+``train.early_stop_patience`` evaluations without a new best validation loss, keeps the best checkpoint
+out of rotation and says so."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from lmforge.errors import ConfigError
 from lmforge.recipe import load_config
-from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks import Callback
 from lmforge.train.checkpoint import list_checkpoints
 from lmforge.train.launch import train
 from tests.conftest import tiny_overrides

@@ -116,14 +116,14 @@ def test_estimate_activations_equal_what_lmforge_objective_saves(arch: str, prec
     """The estimate's activations row (saved part, without the backward's recomputation) equals the bytes
     lmforge's own training objective keeps for backward, built from the same recipe as ``lmforge train``
     builds it (``training_module``: the model and loss through the transformations), measured by
-    ``train/activation_memory.py``: the wiring of recipe -> workload -> layout -> activation formula,
+    ``probes/activation_memory.py``: the wiring of recipe -> workload -> layout -> activation formula,
     including autocast's weight copies under bf16, GQA and the document mask."""
     from lmforge.plan import hardware
     from lmforge.plan.activations import attention_kind
     from lmforge.plan.estimate import estimate, layout_from_config, workload_from_config
     from lmforge.precision import PrecisionPolicy
+    from lmforge.probes.activation_memory import saved_activation_bytes
     from lmforge.recipe import load_config
-    from lmforge.train.activation_memory import saved_activation_bytes
     from lmforge.train.build import training_module
 
     over = {

@@ -18,12 +18,12 @@ from lmforge.data.loader import TokenStream
 from lmforge.data.prepare import prepare_data
 from lmforge.data.shards import Shard
 from lmforge.data.sources import is_validation, read_source
+from lmforge.evaluate.files import score, tokenize_file
+from lmforge.evaluate.run_loading import evaluate_run, load_run
 from lmforge.model.loss import NextTokenLoss
 from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_config
-from lmforge.train.eval_data import score, tokenize_file
 from lmforge.train.launch import train
-from lmforge.train.run_loading import evaluate_run, load_run
 from tests.conftest import tiny_overrides
 
 CPU = torch.device("cpu")

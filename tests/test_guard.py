@@ -20,10 +20,10 @@ from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper
 from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_config
-from lmforge.train.callbacks.base import Callback
-from lmforge.train.callbacks.stop import StopAfter
+from lmforge.train.callbacks import Callback
+from lmforge.train.callbacks.control import StopAfter
+from lmforge.train.callbacks.guard import Action, Guard, GuardObserver, TrainingDiverged, spike_limit
 from lmforge.train.checkpoint import load_checkpoint
-from lmforge.train.guard import Action, Guard, GuardObserver, TrainingDiverged, spike_limit
 from lmforge.train.launch import train
 from lmforge.train.modules import LanguageModelModule
 from lmforge.train.step import train_step
@@ -222,7 +222,7 @@ def test_without_the_guard_nan_gradients_ruin_the_run(guard_overrides, tmp_path)
 def test_nan_gradients_are_skipped(guard_overrides, undisturbed, tmp_path, caplog):
     base, base_lines = undisturbed
     run = tmp_path / "run"
-    with caplog.at_level(logging.WARNING, logger="lmforge.train.guard"):
+    with caplog.at_level(logging.WARNING, logger="lmforge.train.callbacks.guard"):
         summary = train(
             load_config(None, guard_overrides),
             run,

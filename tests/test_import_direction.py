@@ -1,9 +1,11 @@
-"""Data flows one way: ``lmforge.corpus`` (``lmforge data``) never imports ``lmforge.data`` or ``lmforge.train``.
+"""Data flows one way: every import in ``src/lmforge`` goes down the layers of the house
+(``docs/architecture.md``, "Layers"), never up or sideways into another package of the same layer.
 
-Checked twice: statically (every import statement in ``src/lmforge/corpus``, also those inside
-functions) and at run time (importing every corpus module, and every registered stage, in a fresh
-interpreter loads no module of ``lmforge.data`` or ``lmforge.train``). The modules of ``corpus/`` and
-``data/`` also import each other without cycles.
+Checked twice: statically (every import statement, also those inside functions and under
+``TYPE_CHECKING``, against :data:`LAYERS`, with the short list of :data:`EXCEPTIONS`; and no import cycle
+among the modules) and at run time (in a fresh interpreter, importing the modules layer by layer from the
+bottom loads no module of a higher layer; importing every corpus module and every registered stage loads
+nothing of ``data/`` or ``train/``).
 """
 
 from __future__ import annotations
@@ -20,11 +22,47 @@ import lmforge
 from lmforge.corpus.stages import registry
 
 SRC = Path(lmforge.__file__).parent
-FORBIDDEN = ("lmforge.data", "lmforge.train")
-# The one exception: a model-based stage scores with a trained run, loaded by ``lmforge eval``'s loader
-# (not a second copy of it). The import sits inside functions, so importing corpus still loads no
-# training module (the run-time test below) until such a stage scores.
-INSIDE_FUNCTIONS = {"corpus/lm_scorer.py": {"lmforge.train.run_loading"}}
+
+# The layers, lowest first. A module is placed by the longest name that matches it (``probes.auto_batch``
+# before ``probes``). It may import any module of a lower layer and its own package's modules of its own
+# layer; another package of its own layer (they are independent) or anything higher, never.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors",),
+    ("config",),
+    ("recipe", "precision"),
+    ("corpus",),  # `lmforge data`: never data/ or train/
+    ("data",),
+    ("model", "optim"),  # the model never imports optimizers, nor optimizers the model
+    ("parallel",),
+    ("plan",),  # pure formulas: nothing that allocates
+    # what the loop uses and which imports nothing of train/: post-training's records, loaders, losses and
+    # what the build adds for sft/dpo; the validation loops; the measurements the build, its callbacks and
+    # the planner call
+    (
+        "posttrain",
+        "evaluate.validation",
+        "probes.auto_batch",
+        "probes.peak_flops",
+        "probes.activation_memory",
+    ),
+    ("train",),  # the loop
+    ("evaluate", "report"),  # run folders read back: scored, loaded, drawn
+    # short real runs through the one build path, runs started from runs, and the planner's request (which
+    # measures a CPU's peak FLOP/s as a run's MFU does)
+    ("probes", "posttrain.finetune", "hf", "plan.request"),
+    ("web",),
+    ("cli",),
+    ("__main__",),  # python -m lmforge
+)
+
+# (importing module, imported module): allowed although it goes up, each inside a function only (so that
+# importing the first module never loads the second), each with its reason.
+EXCEPTIONS = {
+    # a `perplexity` stage scores with a trained run, loaded by `lmforge eval`'s loader (not a copy of it)
+    ("lmforge.corpus.lm_scorer", "lmforge.evaluate.run_loading"),
+    # the sweep counts the tokens each level kept with training's tokenizer (the one `lmforge data` shards with)
+    ("lmforge.corpus.sweep", "lmforge.data.tokenizer"),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -32,52 +70,152 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> Iterator[tuple[int, str]]:
-    """``(line, module)`` for every import in ``path``; ``from P import n`` gives ``P.n`` when that is a module."""
+def _is_module(name: str) -> bool:
+    base = SRC.parent / name.replace(".", "/")
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def _imports(path: Path) -> Iterator[tuple[int, str, bool]]:
+    """``(line, module, at module level)`` for every lmforge import in ``path``; ``from P import n`` gives
+    ``P.n`` when that is a module. At module level: run when the module is imported (not in a function)."""
     package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    in_functions = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        for inner in ast.walk(node)
+    }
+    for node in ast.walk(tree):
+        names: list[str] = []
         if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name
+            names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join([*anchor, *([base] if base else [])])
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                is_module = (SRC.parent / sub.replace(".", "/")).with_suffix(".py").is_file() or (
-                    SRC.parent / sub.replace(".", "/") / "__init__.py"
-                ).is_file()
-                yield node.lineno, sub if is_module else base
+            names = [f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base for a in node.names]
+        for name in names:
+            if name.startswith("lmforge.") or name == "lmforge":
+                yield node.lineno, name, id(node) not in in_functions
 
 
-def _forbidden(module: str) -> bool:
-    return any(module == f or module.startswith(f + ".") for f in FORBIDDEN)
+def _type_checking_lines(path: Path) -> set[int]:
+    """Lines of imports under ``if TYPE_CHECKING:`` (never run)."""
+    lines = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            lines |= {n.lineno for n in ast.walk(node) if isinstance(n, ast.Import | ast.ImportFrom)}
+    return lines
 
 
-def _top_level_lines(path: Path) -> set[int]:
-    """Lines of the imports at module level (run when the module is imported)."""
-    body = ast.parse(path.read_text(), str(path)).body
-    return {node.lineno for node in body if isinstance(node, ast.Import | ast.ImportFrom)}
-
-
-def test_corpus_never_imports_data_or_train():
-    files = sorted((SRC / "corpus").rglob("*.py"))
-    assert len(files) > 15  # the walk found the package
-    bad = [
-        f"{path.relative_to(SRC)}:{line}: {module}"
-        for path in files
-        for line, module in _imports(path)
-        if _forbidden(module)
-        and not (
-            module in INSIDE_FUNCTIONS.get(str(path.relative_to(SRC)), ())
-            and line not in _top_level_lines(path)
-        )
+def _place(module: str) -> tuple[int, str]:
+    """``(layer, the matching name)`` of a module, by the longest name of :data:`LAYERS` that matches. A
+    package whose modules sit in several layers (``probes``) is itself in the lowest of them: importing
+    any of its modules runs its ``__init__``."""
+    rel = module.removeprefix("lmforge.")
+    found = [
+        (len(name), layer, name)
+        for layer, names in enumerate(LAYERS)
+        for name in names
+        if rel == name or rel.startswith(name + ".")
     ]
-    assert not bad, "corpus/ must not import data/ or train/:\n" + "\n".join(bad)
-    outside = [t for t in registry.STAGES.values() if not t.startswith("lmforge.corpus.stages.")]
-    assert not outside, f"registered stages outside lmforge.corpus.stages: {outside}"
+    assert found, f"{module} is in no layer of LAYERS: add its package there"
+    _, layer, name = max(found)
+    inside = [i for i, names in enumerate(LAYERS) for n in names if n.startswith(rel + ".")]
+    return min([layer, *inside]), name
+
+
+def _package(module: str) -> str:
+    return module.split(".")[1]
+
+
+def _files() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
+
+
+def _all_imports() -> Iterator[tuple[Path, int, str, str, bool]]:
+    for path in _files():
+        me = _module_name(path)
+        if me == "lmforge":
+            continue
+        for line, module, top in _imports(path):
+            if module != "lmforge":
+                yield path, line, me, module, top
+
+
+def test_every_import_goes_down_the_layers():
+    bad, used = [], set()
+    for path, line, me, module, top in _all_imports():
+        (mine, _), (theirs, _) = _place(me), _place(module)
+        if theirs < mine or (theirs == mine and _package(module) == _package(me)):
+            continue
+        pair = next((p for p in EXCEPTIONS if me == p[0] and module.startswith(p[1])), None)
+        if pair is not None and not top:
+            used.add(pair)
+            continue
+        where = "up" if theirs > mine else "sideways"
+        bad.append(f"{path.relative_to(SRC)}:{line}: {module} ({where}: layer {theirs} from layer {mine})")
+    assert not bad, "imports against the layers (tests/test_import_direction.py::LAYERS):\n" + "\n".join(bad)
+    assert used == EXCEPTIONS, f"exceptions no longer needed: {EXCEPTIONS - used}"
+
+
+def test_layers_name_real_packages_and_cover_every_module():
+    for names in LAYERS:
+        for name in names:
+            assert _is_module(f"lmforge.{name}"), f"LAYERS names {name}, which is no module of lmforge"
+    for path in _files():
+        if _module_name(path) != "lmforge":
+            _place(_module_name(path))
+
+
+def test_no_import_cycles():
+    """No cycle among the modules, counting the imports inside functions (only ``TYPE_CHECKING`` imports,
+    never run, are left out)."""
+    graph: dict[str, set[str]] = {}
+    for path in _files():
+        me, hidden = _module_name(path), _type_checking_lines(path)
+        graph.setdefault(me, set())
+        for line, module, _ in _imports(path):
+            if line not in hidden and module not in (me, "lmforge"):
+                graph[me].add(module)
+    try:
+        order = list(TopologicalSorter(graph).static_order())
+    except CycleError as exc:
+        raise AssertionError(f"import cycle: {' -> '.join(exc.args[1])}") from None
+    assert order.index("lmforge.corpus.readers") < order.index("lmforge.data.sources")
+    assert order.index("lmforge.train.build") < order.index("lmforge.probes.lr_find")
+
+
+def test_importing_layer_by_layer_loads_nothing_above():
+    """In a fresh interpreter, the modules of each layer are imported from the bottom up; after each
+    layer, every lmforge module loaded belongs to that layer or a lower one."""
+    plan = [[] for _ in LAYERS]
+    for path in _files():
+        name = _module_name(path)
+        if name not in ("lmforge", "lmforge.__main__"):
+            plan[_place(name)[0]].append(name)
+    code = (
+        "import importlib, json, sys\n"
+        f"plan = {plan!r}\n"
+        "seen = []\n"
+        "for names in plan:\n"
+        "    for name in names:\n"
+        "        importlib.import_module(name)\n"
+        "    seen.append(sorted(m for m in sys.modules if m.startswith('lmforge.')))\n"
+        "print(json.dumps(seen))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = json.loads(out.stdout.splitlines()[-1])
+    above = [
+        f"after layer {layer} {LAYERS[layer]}: {m} (layer {_place(m)[0]})"
+        for layer, modules in enumerate(loaded)
+        for m in modules
+        if _place(m)[0] > layer
+    ]
+    assert not above, "\n".join(above)
+    assert "lmforge.train.build" in loaded[LAYERS.index(("train",))]
 
 
 def test_importing_corpus_loads_no_training_module():
@@ -94,19 +232,7 @@ def test_importing_corpus_loads_no_training_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = json.loads(out.stdout)
     assert "lmforge.corpus.pipeline" in loaded and "lmforge.corpus.stages.dedup_minhash" in loaded
-    assert [m for m in loaded if _forbidden(m)] == []
-
-
-def test_corpus_and_data_have_no_import_cycles():
-    graph: dict[str, set[str]] = {}
-    for folder in ("corpus", "data"):
-        for path in sorted((SRC / folder).rglob("*.py")):
-            name = _module_name(path)
-            graph[name] = {
-                m for _, m in _imports(path) if m.startswith(("lmforge.corpus", "lmforge.data")) and m != name
-            }
-    try:
-        order = list(TopologicalSorter(graph).static_order())
-    except CycleError as exc:
-        raise AssertionError(f"import cycle: {' -> '.join(exc.args[1])}") from None
-    assert order.index("lmforge.corpus.readers") < order.index("lmforge.data.sources")
+    assert "lmforge.corpus.sweep" in loaded
+    assert [m for m in loaded if m.startswith(("lmforge.data", "lmforge.train"))] == []
+    outside = [t for t in registry.STAGES.values() if not t.startswith("lmforge.corpus.stages.")]
+    assert not outside, f"registered stages outside lmforge.corpus.stages: {outside}"

@@ -10,8 +10,9 @@ import torch
 from lmforge.cli import main
 from lmforge.errors import UserError
 from lmforge.parallel.layout import check_layout, data_parallel_kind
+from lmforge.parallel.model_layout import check_model_layout
 from lmforge.recipe import load_config
-from lmforge.train.build import check_model_layout, validate
+from lmforge.train.build import validate
 from lmforge.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from lmforge.train.launch import train
 from tests.conftest import tiny_overrides

@@ -17,16 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from lmforge.cli import main
-from lmforge.data.prepare import prepare_data
-from lmforge.errors import ConfigError, Interrupted, UserError
-from lmforge.recipe import load_config
-from lmforge.train.callbacks.base import Callback
-from lmforge.train.callbacks.checkpointing import config_state
-from lmforge.train.callbacks.metrics import eta_seconds, format_duration
-from lmforge.train.callbacks.signals import StopOnSignal, any_rank
-from lmforge.train.checkpoint import latest_checkpoint
-from lmforge.train.launch import train
-from lmforge.train.preflight import (
+from lmforge.data.preflight import (
     check_epochs,
     check_sample_prompt,
     check_validation,
@@ -34,6 +25,16 @@ from lmforge.train.preflight import (
     default_sample_prompt,
     preflight,
 )
+from lmforge.data.prepare import prepare_data
+from lmforge.errors import ConfigError, Interrupted, UserError
+from lmforge.recipe import load_config
+from lmforge.train.callbacks import Callback
+from lmforge.train.callbacks.checkpointing import config_state
+from lmforge.train.callbacks.control import StopOnSignal, any_rank
+from lmforge.train.callbacks.metrics import eta_seconds
+from lmforge.train.callbacks.sinks import format_duration
+from lmforge.train.checkpoint import latest_checkpoint
+from lmforge.train.launch import train
 from lmforge.train.resume import Change, check_changes, config_changes, read_history, resume_config
 from tests.conftest import cli_args, tiny_overrides
 
@@ -96,7 +97,7 @@ def test_resume_reads_the_runs_own_config(corpus_dir, tmp_path, capsys, caplog):
     ],
 )
 def test_resume_refuses_changes_that_cannot_continue(tiny_config, tmp_path, capsys, flag, key):
-    from lmforge.train.callbacks.stop import StopAfter
+    from lmforge.train.callbacks.control import StopAfter
 
     run = tmp_path / "run"
     train(tiny_config, run, progress_bar=False, callbacks=[StopAfter(10)])
@@ -108,7 +109,7 @@ def test_resume_refuses_changes_that_cannot_continue(tiny_config, tmp_path, caps
 
 
 def test_resume_allows_safe_changes_and_keeps_their_history(tiny_config, tmp_path, capsys):
-    from lmforge.train.callbacks.stop import StopAfter
+    from lmforge.train.callbacks.control import StopAfter
 
     run = tmp_path / "run"
     train(tiny_config, run, progress_bar=False, callbacks=[StopAfter(10)])
@@ -129,7 +130,7 @@ def test_resume_allows_safe_changes_and_keeps_their_history(tiny_config, tmp_pat
 def test_extending_a_wsd_run_before_its_decay_equals_planning_it_longer(tiny_config, tmp_path, capsys):
     """WSD's stable phase does not depend on the length of the run, so a 20-step WSD run stopped at step
     10 and extended to 30 steps (its decay moved from step 16 to 24) trains exactly as a 30-step run."""
-    from lmforge.train.callbacks.stop import StopAfter
+    from lmforge.train.callbacks.control import StopAfter
 
     def wsd(steps: int):
         t = tiny_config.train.model_copy(update={"steps": steps, "eval_interval": 0, "log_interval": 1})

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from lmforge.corpus.lm_scorer import LMScorer, windows
 from lmforge.errors import ConfigError
-from lmforge.train.run_loading import load_run
+from lmforge.evaluate.run_loading import load_run
 from tests.conftest import training_texts
 
 SEQ = 32  # tiny_overrides' data.seq_len

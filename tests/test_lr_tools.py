@@ -13,7 +13,6 @@ import matplotlib.image
 import pytest
 import torch
 
-from lmforge.charts import schedule_chart
 from lmforge.config import ScheduleConfig
 from lmforge.data.loader import PackedLoader, TokenStream
 from lmforge.data.prepare import prepare_data
@@ -24,9 +23,10 @@ from lmforge.optim.clip import Clipper
 from lmforge.optim.schedules import Schedule, lr_curve
 from lmforge.plan.lr_finder import diverged, smooth, suggest, sweep_lr
 from lmforge.precision import PrecisionPolicy
+from lmforge.probes.lr_find import range_test
 from lmforge.recipe import load_config
+from lmforge.report.charts import schedule_chart
 from lmforge.train.build import build_model
-from lmforge.train.lr_find import range_test
 from lmforge.train.modules import LanguageModelModule
 from lmforge.train.step import train_step
 from tests.conftest import cli_args, tiny_overrides

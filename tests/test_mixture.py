@@ -22,13 +22,13 @@ from lmforge.data.mixture import (
 from lmforge.data.prepare import prepare_data
 from lmforge.data.shards import Shard
 from lmforge.errors import ConfigError
+from lmforge.probes.lr_find import sweep, sweep_run
 from lmforge.recipe import load_config, to_toml
 from lmforge.train.build import build_run
+from lmforge.train.callbacks.control import StopAfter
 from lmforge.train.callbacks.metrics import MEASURED_KEYS
-from lmforge.train.callbacks.stop import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
 from lmforge.train.launch import train
-from lmforge.train.lr_find import sweep, sweep_run
 from tests.conftest import tiny_overrides
 
 BASE = {"a": 0, "b": 100_000, "c": 200_000}  # token values encode the domain: value // 100_000

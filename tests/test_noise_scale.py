@@ -1,4 +1,4 @@
-"""The gradient noise scale estimators (train/noise_scale.py) on synthetic gradients of known noise."""
+"""The gradient noise scale estimators (``train/callbacks/metrics.py``) on synthetic gradients of known noise."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lmforge.train.noise_scale import NoiseScale, critical_batch, noise_trace, true_grad_sq
+from lmforge.train.callbacks.metrics import NoiseScale, critical_batch, noise_trace, true_grad_sq
 
 
 def _two_batches(trials: int, b_small: int, b_big: int, dim: int, seed: int = 0):

@@ -18,7 +18,7 @@ from lmforge.optim.lion import Lion
 from lmforge.optim.muon import NS_COEFFICIENTS, Muon, MuonWithAdamW, newton_schulz, update_scale
 from lmforge.optim.state_size import state_bytes, state_bytes_per_param, tensor_bytes
 from lmforge.recipe import load_config
-from lmforge.train.callbacks.stop import StopAfter
+from lmforge.train.callbacks.control import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
 from lmforge.train.launch import train
 from tests.conftest import loss_of, model_of

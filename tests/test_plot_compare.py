@@ -17,7 +17,7 @@ from lmforge.recipe import load_config
 from lmforge.report.compare import compare, differences, table_text
 from lmforge.report.plots import PANELS, draw_panel, matching_keys, panel_keys, select_panels
 from lmforge.report.runs import open_run, read_metrics
-from lmforge.train.callbacks.stop import StopAfter
+from lmforge.train.callbacks.control import StopAfter
 from lmforge.train.launch import train
 from tests.conftest import tiny_overrides
 

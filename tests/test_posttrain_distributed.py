@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lmforge.train.finetune import start
+from lmforge.posttrain.finetune import start
 from lmforge.train.launch import train
 from tests.test_posttrain_runs import _pairs, _sft_overrides, pretrained  # noqa: F401 (fixture)
 from tests.torchrun import torchrun

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from lmforge.cli import main
+from lmforge.posttrain.finetune import start
 from lmforge.posttrain.records import Turn
 from lmforge.posttrain.template import SPECIAL_TOKENS, read_template
 from lmforge.recipe import load_saved_config
-from lmforge.train.callbacks.stop import StopAfter
+from lmforge.train.callbacks.control import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
-from lmforge.train.finetune import start
 from lmforge.train.launch import train
 from tests.conftest import cli_args, tiny_overrides
 

@@ -22,9 +22,9 @@ from lmforge.parallel.apply import ApplyContext, apply
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.precision import PrecisionPolicy, check_precision, fp8_refusal, fp8_takes
 from lmforge.recipe import load_config
-from lmforge.train.callbacks.base import Callback
-from lmforge.train.callbacks.stop import StopAfter
-from lmforge.train.guard import Guard, GuardObserver
+from lmforge.train.callbacks import Callback
+from lmforge.train.callbacks.control import StopAfter
+from lmforge.train.callbacks.guard import Guard, GuardObserver
 from lmforge.train.launch import train
 from lmforge.train.modules import LanguageModelModule
 from lmforge.train.step import Action, train_step

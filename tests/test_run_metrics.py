@@ -14,12 +14,12 @@ from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
 from lmforge.plan import hardware
 from lmforge.plan.flops import flops_per_token
+from lmforge.probes.peak_flops import cpu_peak_flops
 from lmforge.recipe import load_config
 from lmforge.train.build import build_run
-from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks import Callback
 from lmforge.train.callbacks.metrics import StepMetrics, memory_record
 from lmforge.train.launch import train
-from lmforge.train.peak_flops import cpu_peak_flops
 from lmforge.train.step import Action
 from lmforge.train.trainer import Trainer
 from tests.conftest import tiny_overrides

@@ -7,10 +7,10 @@ from collections import Counter
 
 import pytest
 
-from lmforge.cleaning_sweep import distinct_ngrams, distinct_ngrams_in, parse_levels, vocab_entropy, words_of
 from lmforge.corpus.config import build_pipeline_config
 from lmforge.corpus.stages.registry import STAGES, stage_class
 from lmforge.corpus.strictness import config_at, knob_table, spec_at
+from lmforge.corpus.sweep import distinct_ngrams, distinct_ngrams_in, parse_levels, vocab_entropy, words_of
 from lmforge.errors import ConfigError
 
 NEEDS = {"classifier": "model", "perplexity": "run"}  # stages whose Params need a path

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.cleaning_sweep import optimum
 from lmforge.cli import main
 from lmforge.corpus.quality_model import train_quality_model
+from lmforge.corpus.sweep import optimum
 
 STORY = (
     "the river carried a stone past the old mill and the children of the town watched it with wonder "

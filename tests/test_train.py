@@ -17,7 +17,7 @@ from lmforge.optim.schedules import lr_multiplier
 from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_config
 from lmforge.train.build import accumulation_steps
-from lmforge.train.callbacks.stop import StopAfter
+from lmforge.train.callbacks.control import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from lmforge.train.launch import train
 from lmforge.train.modules import LanguageModelModule

@@ -9,8 +9,8 @@ import pytest
 
 from lmforge.errors import UserError
 from lmforge.recipe import load_config
-from lmforge.train.callbacks.stop import StopAfter
-from lmforge.train.callbacks.wandb_sink import wandb_values
+from lmforge.train.callbacks.control import StopAfter
+from lmforge.train.callbacks.sinks import wandb_values
 from lmforge.train.launch import train
 from tests.conftest import tiny_overrides
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.cleaning_sweep import optimum
 from lmforge.cli import main
+from lmforge.corpus.sweep import optimum
 from lmforge.web.app import create_app
 from lmforge.web.figures_cleaning import find_sweeps
 from tests.conftest import figure, renders, screenshot, wait_render

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.planning import EstimateRequest, estimate_json
+from lmforge.plan.request import EstimateRequest, estimate_json
 from lmforge.web.app import create_app
 from tests.conftest import estimate_cli, figure, renders, screenshot, wait_render
 

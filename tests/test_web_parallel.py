@@ -13,7 +13,7 @@ import pytest
 from lmforge.parallel.pipeline import bubble_fraction, stage_layers
 from lmforge.plan import comm, models
 from lmforge.plan.memory import param_count
-from lmforge.planning import EstimateRequest, estimate_json
+from lmforge.plan.request import EstimateRequest, estimate_json
 from lmforge.web.app import create_app
 from lmforge.web.figures_parallel import ring_all_reduce_steps
 from tests.conftest import figure, renders, screenshot, wait_render

@@ -334,7 +334,7 @@ class MetricsConfig(_Section):
 class GuardConfig(_Section):
     """Stability guard: skip steps with a non-finite or spiking loss, roll back after repeated ones.
 
-    Each event is a line of ``metrics.jsonl``; the logic is in ``lmforge/train/guard.py``.
+    Each event is a line of ``metrics.jsonl``; the logic is in ``lmforge/train/callbacks/guard.py``.
     """
 
     enabled: bool = Field(

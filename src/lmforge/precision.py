@@ -58,7 +58,7 @@ A :class:`PrecisionPolicy` is built once per run (:meth:`PrecisionPolicy.resolve
 * :meth:`~PrecisionPolicy.discard`: a step vetoed by an observer (the guard) leaves the scaler as it was;
 * :attr:`~PrecisionPolicy.eval_dtype`: the dtype evaluation computes in.
 
-Loss scaling and the stability guard (``train/guard.py``) agree as follows (``train/step.py``): after
+Loss scaling and the stability guard (``train/callbacks/guard.py``) agree as follows (``train/step.py``): after
 unscaling, a step whose gradients hold Inf/NaN while its loss is finite is an *overflow*: the scaler's
 business. It is skipped once (no optimizer step; the scale backs off), the guard is not asked (so it is
 neither a ``skip_nonfinite`` nor one of the ``guard.max_bad_steps`` that lead to a rollback), and it is

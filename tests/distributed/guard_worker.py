@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lmforge.recipe import load_config
-from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks import Callback
 from lmforge.train.launch import train
 
 

@@ -14,7 +14,7 @@ previous one and counts only the targets the earlier windows did not (its last o
 after the first is predicted exactly once, each with at least ``C + 1 - stride`` tokens of left context
 (all of them where fewer precede it) and as much as its window gives.
 
-Loading reuses ``lmforge eval`` / ``generate``'s path (:func:`lmforge.train.run_loading.load_run`),
+Loading reuses ``lmforge eval`` / ``generate``'s path (:func:`lmforge.evaluate.run_loading.load_run`),
 imported when the weights are first needed: ``lmforge data`` stays free of the training packages until
 a model-based stage runs. Scoring runs on the CPU in FP32 under ``torch.inference_mode``; windows of
 several documents are batched (right-padded: attention is causal, so padding after a window's tokens
@@ -60,7 +60,7 @@ def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
 def checkpoint_of(run_dir: str | Path, step: int | None = None) -> Path:
     """The checkpoint of ``step`` (None: the newest complete one) of ``run_dir``; a ConfigError starting
     ``run:`` (not a run, no complete checkpoint) or ``step:`` (no checkpoint of that step)."""
-    from lmforge.train.run_loading import pick_checkpoint
+    from lmforge.evaluate.run_loading import pick_checkpoint
 
     try:
         return pick_checkpoint(Path(run_dir), step)
@@ -109,7 +109,7 @@ class LMScorer:
         if self._loaded is None:
             import torch
 
-            from lmforge.train.run_loading import load_run
+            from lmforge.evaluate.run_loading import load_run
 
             if self.threads is not None:
                 torch.set_num_threads(self.threads)

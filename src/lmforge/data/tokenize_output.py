@@ -1,4 +1,5 @@
-"""The token shards of a ``lmforge data`` output: a tokenizer and shards per domain in ``OUT/tokens``.
+"""The token shards of a ``lmforge data`` output: a tokenizer and shards per domain in ``OUT/tokens``;
+and ``lmforge data`` itself (:func:`clean_and_tokenize`: the corpus pipeline, then these shards).
 
 The corpus pipeline (:mod:`lmforge.corpus.pipeline`) leaves kept documents in ``OUT/kept``; this turns
 them into what training reads (``data.prepared = OUT``), with the same writer as training's own cache
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.corpus.config import PipelineConfig
-from lmforge.corpus.pipeline import Layout, iter_kept, kept_fingerprint
+from lmforge.corpus.pipeline import Layout, iter_kept, kept_fingerprint, run_pipeline, write_report
 from lmforge.data.prepare import write_token_shards
 from lmforge.data.shards import read_meta
 from lmforge.data.tokenizer import Tokenizer
@@ -57,3 +58,20 @@ def tokenize_output(cfg: PipelineConfig, out: str | Path) -> dict[str, Any]:
     else:
         log.info("data: token shards in %s are current", lay.tokens)
     return {"vocab_size": meta["vocab_size"], "documents": meta["documents"], "tokens": meta["tokens"]}
+
+
+def clean_and_tokenize(
+    cfg: PipelineConfig,
+    out: str | Path,
+    executor: str | None = None,
+    workers: int | None = None,
+    tokenize: bool = True,
+) -> dict[str, Any]:
+    """``lmforge data``: the pipeline of ``cfg`` into ``out`` (:func:`lmforge.corpus.pipeline.run_pipeline`),
+    then, when ``[tokenize]`` is enabled and ``tokenize``, the token shards (:func:`tokenize_output`),
+    whose figures join the report (``report["tokens"]``, ``OUT/report.json``). Returns the report."""
+    report = run_pipeline(cfg, out, executor=executor, workers=workers)
+    if cfg.tokenize.enabled and tokenize:
+        report["tokens"] = tokenize_output(cfg, out)
+        write_report(Layout(out).report, report)
+    return report

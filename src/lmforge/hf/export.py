@@ -15,12 +15,12 @@ import torch
 
 from lmforge.config import ModelConfig
 from lmforge.data.tokenizer import Tokenizer
+from lmforge.evaluate.run_loading import pick_checkpoint
 from lmforge.hf import gpt2, llama
 from lmforge.hf.files import write_json, write_tokenizer, write_weights
 from lmforge.posttrain.template import ChatTemplate, read_template
 from lmforge.recipe import load_saved_config
 from lmforge.train.checkpoint import load_checkpoint
-from lmforge.train.run_loading import pick_checkpoint
 
 MAPS = {"llama": llama, "gpt2": gpt2}
 

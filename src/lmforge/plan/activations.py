@@ -3,7 +3,7 @@
 :func:`activation_bytes` counts, part by part, every tensor lmforge's forward saves for backward (autograd's
 saved tensors, non-reentrant checkpoint's saved block inputs, selective checkpointing's stored op outputs),
 deduplicated by storage, parameters and buffers excluded: the quantity measured by
-``lmforge.train.activation_memory.saved_activation_bytes``. It never allocates. The formulas follow what
+``lmforge.probes.activation_memory.saved_activation_bytes``. It never allocates. The formulas follow what
 the eager ops of ``lmforge/model`` save, read from their saved tensors on torch 2.13 (CPU). Notation:
 
 * ``B`` micro-batch, ``T`` sequence, ``N = B*T`` tokens, ``d`` model width, ``h`` query heads, ``g`` key /

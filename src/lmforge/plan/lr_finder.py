@@ -1,7 +1,7 @@
 """The learning-rate range test (L. N. Smith, "Cyclical Learning Rates for Training Neural Networks",
 2017): train a few steps while the learning rate grows geometrically, watch where the loss falls fastest.
 
-Pure rules only (this module allocates nothing); ``lmforge/train/lr_find.py`` runs the sweep.
+Pure rules only (this module allocates nothing); ``lmforge/probes/lr_find.py`` runs the sweep.
 
 * Sweep: step ``i`` of ``n`` uses ``lr_i = a * (b / a) ^ (i / (n - 1))`` from ``a = start_lr`` to
   ``b = end_lr``.

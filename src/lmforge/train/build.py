@@ -46,20 +46,22 @@ from lmforge.parallel.apply import ApplyContext, apply, can_compile
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.parallel.layout import SINGLE, Layout, check_layout, init_layout, launch_env
 from lmforge.parallel.materialize import Init
-from lmforge.parallel.pipeline import Pipeline, check_pipeline, pipeline_settings, rank_model
+from lmforge.parallel.model_layout import check_model_layout
+from lmforge.parallel.pipeline import Pipeline, pipeline_settings, rank_model
 from lmforge.parallel.reduce import StepReduce
 from lmforge.parallel.tensor import check_tensor_parallel
+from lmforge.plan.micro_batch import auto_candidates
 from lmforge.posttrain.dpo import SequenceLogps
-from lmforge.precision import PrecisionPolicy, check_precision
-from lmforge.train.auto_batch import auto_candidates, probe, resolve_micro_batch
-from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, TrainModule
-from lmforge.train.posttrain import (
+from lmforge.posttrain.run import (
     PostTrainData,
     check_posttrain,
     dpo_objective,
     posttrain_loader,
     prepare_posttrain,
 )
+from lmforge.precision import PrecisionPolicy, check_precision
+from lmforge.probes.auto_batch import probe, resolve_micro_batch
+from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, TrainModule
 from lmforge.train.runtime import configure_determinism, pick_device, seed_all
 
 log = logging.getLogger(__name__)
@@ -103,31 +105,6 @@ def validate(cfg: Config) -> torch.device:
     else:
         check_posttrain(cfg)
     return device
-
-
-def check_model_layout(cfg: Config) -> None:
-    """The model and batch must divide as the layout cuts them (pipeline stages, tensor-parallel shards)."""
-    p = cfg.parallel
-    if p.pp > 1:
-        microbatches, v = pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)
-        check_pipeline(
-            cfg.model.n_layers, p.pp, p.pp_schedule, microbatches,
-            None if cfg.train.micro_batch_size == "auto" else cfg.train.micro_batch_size,
-            cfg.model.tie_embeddings, v,
-        )  # fmt: skip
-        if p.pp_schedule in ("zero_bubble", "zbv") and cfg.train.activation_checkpointing == "selective":
-            raise ConfigError(
-                f"train.activation_checkpointing: selective checkpointing allows one backward through a "
-                f"block, and the {p.pp_schedule} schedule runs two (input, then weight gradients); use full "
-                "or every:K with this schedule, or another parallel.pp_schedule"
-            )
-        if cfg.train.clip_mode == "group_norm":
-            raise ConfigError(
-                "train.clip_mode: group_norm clips per optimizer group, and pipeline stages hold different "
-                "groups; use --train.clip_mode=norm with parallel.pp"
-            )
-    if p.tp > 1:
-        check_tensor_parallel(cfg.model, cfg.data.vocab_size, cfg.data.seq_len, p.tp)
 
 
 def build_model(cfg: Config, vocab_size: int, device: torch.device, init: bool = True) -> Transformer:
@@ -206,8 +183,8 @@ def local_processes() -> int:
 
 def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | None = None) -> Run:
     """Build every part of a run of ``cfg`` (``data``: already prepared data, else prepared here).
-    ``train.micro_batch_size = "auto"`` is resolved first (``train/auto_batch.py``); the run's ``cfg``
-    holds the number chosen. A post-training objective (``sft``, ``dpo``: ``train/posttrain.py``) reads its
+    ``train.micro_batch_size = "auto"`` is resolved first (``probes/auto_batch.py``); the run's ``cfg``
+    holds the number chosen. A post-training objective (``sft``, ``dpo``: ``posttrain/run.py``) reads its
     records instead of ``data.sources`` and finds its DPO reference in ``run_dir``."""
     device = validate(cfg)
     layout = init_layout(cfg, device.type)

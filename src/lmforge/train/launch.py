@@ -1,39 +1,91 @@
-"""``lmforge train``: a run folder, the run built from the config, the trainer with its callbacks."""
+"""``lmforge train``: a run folder and its config (:func:`run_folder`), the run built from the config,
+the trainer with its callbacks (:func:`train`)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from lmforge.config import Config
+from lmforge.data.preflight import preflight
 from lmforge.errors import UserError
 from lmforge.parallel.layout import close_layout, launch_env
+from lmforge.recipe import load_config
 from lmforge.train.build import Run, build_run, validate
-from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
+from lmforge.train.callbacks.control import StopOnSignal
 from lmforge.train.callbacks.detail import DetailMetrics
-from lmforge.train.callbacks.early_stop import EarlyStopping
-from lmforge.train.callbacks.evaluation import Evaluation
+from lmforge.train.callbacks.evaluation import EarlyStopping, Evaluation
 from lmforge.train.callbacks.guard import StabilityGuard
-from lmforge.train.callbacks.metrics import Console, MetricsFile, StepMetrics
+from lmforge.train.callbacks.metrics import StepMetrics
 from lmforge.train.callbacks.profile import Profile
 from lmforge.train.callbacks.sample import Sample
-from lmforge.train.callbacks.signals import StopOnSignal
-from lmforge.train.callbacks.wandb_sink import WandbSink, require_wandb
+from lmforge.train.callbacks.sinks import Console, MetricsFile, WandbSink, require_wandb
 from lmforge.train.checkpoint import (
     latest_checkpoint,
     load_training_state,
     read_trainer_state,
     remove_partial,
 )
-from lmforge.train.preflight import preflight
-from lmforge.train.resume import check_changes, config_changes, config_text, read_history, report_changes
+from lmforge.train.resume import (
+    check_changes,
+    config_changes,
+    config_text,
+    read_history,
+    report_changes,
+    resume_config,
+)
 from lmforge.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
+
+
+def newest_run(runs: Path) -> Path | None:
+    """The run folder under ``runs`` written last (None: there is none)."""
+    found = sorted(
+        (p for p in runs.glob("*") if (p / "config.toml").is_file()), key=lambda p: p.stat().st_mtime
+    )
+    return found[-1] if found else None
+
+
+def run_folder(
+    recipe: str | None, run_dir: str | None, resume: bool, overrides: dict
+) -> tuple[Config, Path, bool]:
+    """``lmforge train``'s ``(config, run folder, resume)``. The folder: ``run_dir`` (required under
+    ``torchrun``, so every process and every restart uses the same one), else with ``resume`` the newest
+    run under ``runs/``, else ``runs/<timestamp>``. A job ``torchrun`` restarted resumes from its newest
+    complete checkpoint. The config: resumed, the run's own ``config.toml`` under ``recipe`` and
+    ``overrides`` (``train/resume.py``); new, ``recipe`` under ``overrides``."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if "WORLD_SIZE" in os.environ and not run_dir:
+        raise UserError(
+            "--run-dir: required under torchrun, so that every process (and every restart) uses the same "
+            "folder; pass --run-dir runs/NAME"
+        )
+    if run_dir:
+        folder = Path(run_dir)
+    elif resume:
+        found = newest_run(Path("runs"))
+        if found is None:
+            raise UserError("--resume: no run under runs/; pass --run-dir DIR of the run to continue")
+        folder = found
+    else:
+        folder = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if restarted and latest_checkpoint(folder) is not None:  # torchrun brought the job back: continue it
+        log.warning(
+            "torchrun restart %s: resuming from the newest complete checkpoint",
+            os.environ["TORCHELASTIC_RESTART_COUNT"],
+        )
+        resume = True
+    if resume:  # the run's own config.toml is the base; the recipe and flags change it
+        return resume_config(folder, recipe, overrides), folder, True
+    return load_config(recipe, overrides), folder, False
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> Path | None:

@@ -18,7 +18,7 @@ import torch
 from lmforge.data.loader import Batch
 from lmforge.parallel.apply import activation_offload
 from lmforge.train.build import Run
-from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks import Callback
 from lmforge.train.checkpoint import load_optimizer_state, optimizer_state
 from lmforge.train.runtime import check_runtime_state, rng_state, runtime_state, set_rng_state
 from lmforge.train.step import SEVERITY, Action, StepResult, train_step

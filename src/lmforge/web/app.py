@@ -11,6 +11,7 @@ from pathlib import Path
 
 from flask import Flask, abort, render_template, send_file
 
+from lmforge.errors import UserError
 from lmforge.web.paths import PathRefused, resolve_under
 from lmforge.web.registry import pages
 
@@ -27,7 +28,12 @@ def plotly_js() -> Path:
 
 
 def create_app(runs_dir: Path, poll_ms: int = 1000) -> Flask:
-    """The app serving ``runs_dir`` (read-only); the dashboard polls running runs every ``poll_ms``."""
+    """The app serving ``runs_dir`` (read-only); the dashboard polls running runs every ``poll_ms``.
+    UserError for a ``runs_dir`` that is no folder and a ``poll_ms`` under 100."""
+    if not Path(runs_dir).is_dir():
+        raise UserError(f"RUNS_DIR: {runs_dir} is not a folder; give the folder that holds your run folders")
+    if poll_ms < 100:
+        raise UserError(f"--poll-ms: {poll_ms} is too small; give at least 100")
     app = Flask(__name__)
     app.config["RUNS_DIR"] = Path(runs_dir).resolve()
     app.config["POLL_MS"] = poll_ms

@@ -1,7 +1,7 @@
 """The cleaning trade-off page's figures: the ``sweep.json`` files ``lmforge data sweep`` wrote under RUNS_DIR
-(``cleaning_sweep.run_sweep``), read as they are, and the level this page marks as the optimum.
+(``corpus/sweep.py::run_sweep``), read as they are, and the level this page marks as the optimum.
 
-The optimum is ``cleaning_sweep.optimum``: the rule ``lmforge data sweep`` itself marks in ``sweep.json``,
+The optimum is ``corpus/sweep.py::optimum``: the rule ``lmforge data sweep`` itself marks in ``sweep.json``,
 ``sweep.png`` and its table (weights 1, 1, 1), here with weights the user can change.
 """
 

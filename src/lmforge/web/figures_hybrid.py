@@ -1,5 +1,5 @@
 """The hybrid-parallelism planner's figures: ``lmforge estimate --json`` for a DP x TP x PP layout on
-``nodes x GPUS_PER_NODE`` devices (``planning.estimate_json``, the same code and flags as the command), and
+``nodes x GPUS_PER_NODE`` devices (``plan/request.py::estimate_json``, the same code and flags as the command), and
 where every GPU sits in the device mesh.
 
 The mesh is the one ``parallel/layout.py`` builds: ``init_device_mesh`` lays the ranks ``0 .. world - 1``
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from lmforge.parallel.layout import DIMS
 from lmforge.plan.estimate import GPUS_PER_NODE
-from lmforge.planning import EstimateRequest, estimate_json
+from lmforge.plan.request import EstimateRequest, estimate_json
 
 GROUP_DIMS = {"tp": ("tp",), "pp": ("pp",), "dp": ("dp_replicate", "dp_shard")}
 

@@ -1,5 +1,5 @@
 """The planner pages' inputs as ``lmforge estimate``'s: one place that turns a page's controls into an
-:class:`~lmforge.planning.EstimateRequest` (flags and ``--SECTION.KEY=VALUE`` overrides) and into the
+:class:`~lmforge.plan.request.EstimateRequest` (flags and ``--SECTION.KEY=VALUE`` overrides) and into the
 command line that prints the same figures, so every page figure is the one ``lmforge estimate --json``
 gives for the command the page shows."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from lmforge.planning import EstimateRequest, run_estimate
+from lmforge.plan.request import EstimateRequest, run_estimate
 
 PRECISIONS = ("fp16", "bf16", "fp32", "fp8")
 OPTIMIZERS = ("adam", "adamw", "sgd", "lion", "adafactor", "adamw8bit", "muon")

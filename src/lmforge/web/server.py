@@ -15,7 +15,9 @@ from lmforge.errors import UserError
 
 def bind(app: Flask, host: str, port: int) -> BaseWSGIServer:
     """A threaded WSGI server for ``app`` on ``host:port`` (port 0: a free one); UserError when the address
-    cannot be bound (in use, not this machine's)."""
+    cannot be bound (out of range, in use, not this machine's)."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port: {port} is out of range; give 0..65535 (0: any free port)")
     try:
         with socket.create_server((host, port)):  # werkzeug would print and exit on a port in use
             pass

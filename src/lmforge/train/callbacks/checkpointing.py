@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lmforge.config import Config
-from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks import Callback
 from lmforge.train.checkpoint import PendingSave, save_checkpoint
 from lmforge.train.step import Action, StepResult
 from lmforge.train.trainer import Trainer

@@ -1,11 +1,32 @@
-"""Periodic and final evaluation on the validation stream, and the summary's loss figures."""
+"""Periodic and final evaluation on the validation stream and the summary's loss figures
+(:class:`Evaluation`); early stopping on the validation loss, keeping the best checkpoint
+(:class:`EarlyStopping`).
+
+Early stopping: every validation loss the ``Evaluation`` callback logs is judged: a new best (strictly
+lower) resets the count and makes sure a checkpoint of that step exists (written now unless the
+checkpoint interval just wrote one) and is named in ``RUN/best.json``, which checkpoint rotation never
+removes (``train/checkpoint.py::prune``); otherwise the count grows, and at ``train.early_stop_patience``
+evaluations in a row without a new best the run ends like a finished one (``trainer.request_end``):
+the final evaluation, checkpoint and sample, ``summary.json`` with ``early_stopped``, ``best_step``,
+``best_val_loss`` and ``best_checkpoint``, and the event ``{"event": "early_stop", ...}`` in
+``metrics.jsonl``. Under several processes rank 0's loss is the one judged, so every rank decides alike.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
 from lmforge.data.loader import eval_batches
-from lmforge.train.callbacks.base import Callback
-from lmforge.train.evaluate import eval_targets, perplexity, unigram_loss
-from lmforge.train.posttrain import posttrain_validation
+from lmforge.evaluate.validation import eval_targets, perplexity, unigram_loss
+from lmforge.posttrain.run import posttrain_validation
+from lmforge.train.callbacks import Callback
+from lmforge.train.callbacks.checkpointing import Checkpointing
+from lmforge.train.checkpoint import write_best
 from lmforge.train.step import Action, StepResult
 from lmforge.train.trainer import Trainer
 
@@ -70,3 +91,101 @@ class Evaluation(Callback):
             record["val_ppl"] = perplexity(val_loss)
         trainer.log(record)  # Console shows it
         return val_loss
+
+
+log = logging.getLogger(__name__)
+
+
+class EarlyStopping(Callback):
+    """Ends the run after ``patience`` evaluations in a row without a new best validation loss; keeps
+    the best step's checkpoint. Place it after ``Evaluation`` and ``Checkpointing``."""
+
+    state_key = "early_stop"
+
+    def __init__(self, run_dir: Path, patience: int):
+        self.run_dir, self.patience = Path(run_dir), patience
+        self.best = math.inf
+        self.best_step = -1
+        self.bad = 0  # evaluations since the best
+        self.stopped = False
+        self._pending: tuple[int, float] | None = None  # an evaluation logged during this hook
+        self._saved_step = -1  # step of the newest checkpoint written
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        if self.stopped and self.bad >= self.patience:  # a resumed run that had stopped early stays stopped
+            log.info(
+                "early stop: this run stopped at step %d; raise train.early_stop_patience above %d (or set it "
+                "to 0) to train on",
+                trainer.progress.step, self.bad,
+            )  # fmt: skip
+            trainer.request_end("early stop")
+        else:
+            self.stopped = False
+
+    def on_log(self, trainer: Trainer, record: dict) -> None:
+        if "val_loss" in record and "event" not in record:
+            self._pending = (record["step"], record["val_loss"])
+
+    def on_checkpoint(self, trainer: Trainer, state: dict) -> None:
+        self._saved_step = state["progress"]["step"]
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if self._pending is None:
+            return
+        step, val_loss = self._pending
+        self._pending = None
+        self._judge(trainer, step, val_loss)
+        if self.bad >= self.patience and not self.stopped:
+            self.stopped = True
+            event = {
+                "step": step,
+                "event": "early_stop",
+                "evaluations_without_improvement": self.bad,
+                "best_step": self.best_step,
+                "best_val_loss": self.best,
+            }
+            trainer.log(event)
+            log.info(
+                "early stop at step %d: %d evaluations without a new best (best %.4f at step %d)",
+                step, self.bad, self.best, self.best_step,
+            )  # fmt: skip
+            trainer.request_end("early stop")
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        if self._pending is not None:  # the final evaluation (the final checkpoint is already written)
+            step, val_loss = self._pending
+            self._pending = None
+            self._judge(trainer, step, val_loss)
+        trainer.summary.update(
+            {"early_stopped": self.stopped, "best_step": self.best_step, "best_val_loss": self.best}
+        )
+        if self.best_step >= 0:
+            trainer.summary["best_checkpoint"] = str(self.run_dir / f"checkpoints/step_{self.best_step:08d}")
+
+    def _judge(self, trainer: Trainer, step: int, val_loss: float) -> None:
+        val_loss = _agreed(val_loss, trainer.run.device)
+        if not val_loss < self.best:  # NaN never improves
+            self.bad += 1
+            return
+        self.best, self.best_step, self.bad = val_loss, step, 0
+        if self._saved_step != step:
+            checkpointing = next(cb for cb in trainer.callbacks if isinstance(cb, Checkpointing))
+            checkpointing.save(trainer)
+        if trainer.run.layout.is_main:
+            write_best(self.run_dir, step, val_loss)
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "best_step": self.best_step, "bad": self.bad, "stopped": self.stopped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.best_step = state["best"], state["best_step"]
+        self.bad, self.stopped = state["bad"], state["stopped"]
+
+
+def _agreed(value: float, device: torch.device) -> float:
+    """Rank 0's ``value`` on every rank (one broadcast; a plain process: ``value``)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return float(t.item())

@@ -1,4 +1,21 @@
-"""Metrics callbacks: the per-step record, its sinks (``metrics.jsonl`` + TensorBoard) and the console."""
+"""The per-step metrics record (:class:`StepMetrics`; its sinks: ``callbacks/sinks.py``) and the gradient
+noise scale it carries.
+
+The gradient noise scale comes from two batch sizes a step already has (McCandlish et al. 2018, "An
+Empirical Model of Large-Batch Training", appendix A.1).
+
+With ``G`` the true gradient and ``Sigma`` the per-example gradient covariance, the mean gradient of a
+batch of ``B`` independent examples has ``E|G_B|^2 = |G|^2 + tr(Sigma) / B``. Two batch sizes
+``B_small < B_big`` give unbiased estimates of both terms (:func:`true_grad_sq`, :func:`noise_trace`);
+their ratio is the simple noise scale ``B_simple = tr(Sigma) / |G|^2`` (:func:`critical_batch`), the batch
+size around which larger batches stop paying off. Each single-step estimate is very noisy, so the
+numerator and the denominator are each smoothed (an exponential moving average) before dividing, as the
+paper recommends (:class:`NoiseScale`).
+
+In a training step, ``B_small`` is the first micro-batch's target tokens and ``G_small`` its mean-per-token
+gradient; ``B_big`` is the step's target tokens and ``G_big`` the step's gradient, so the unit of
+``B_simple`` is tokens.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +27,9 @@ from pathlib import Path
 import torch
 
 from lmforge.plan.flops import mfu, model_flops_per_token
+from lmforge.probes.peak_flops import Peak, device_peak
 from lmforge.train.build import Run
-from lmforge.train.callbacks.base import Callback
-from lmforge.train.metrics import MetricsWriter, ProgressBar
-from lmforge.train.noise_scale import NoiseScale, critical_batch
-from lmforge.train.peak_flops import Peak, device_peak
+from lmforge.train.callbacks import Callback
 from lmforge.train.step import Action, StepResult
 from lmforge.train.trainer import Trainer
 
@@ -78,10 +93,10 @@ class StepMetrics(Callback):
     the steps done, so the ETA does not jump after them.
 
     MFU: ``tokens_per_s * flops_per_token / (peak * world)`` (``plan/flops.py``), the peak of one device
-    in the run's precision (``train/peak_flops.py``: the data sheet of a known GPU, a measured float32
+    in the run's precision (``probes/peak_flops.py``: the data sheet of a known GPU, a measured float32
     matmul on a CPU), logged once at the start; an unknown GPU gets no ``mfu``.
 
-    Gradient noise scale (``train/noise_scale.py``): with two or more micro-batches a step, the squared
+    Gradient noise scale (:class:`NoiseScale`, module docstring): with two or more micro-batches a step, the squared
     norm of the gradient after the first micro-batch (one fused norm per step on the device, no host
     sync) and of the step's gradient feed the moving averages every step; the ratio is read only when a
     record is written. Layouts where the first micro-batch's gradient is not whole on the rank are
@@ -240,82 +255,54 @@ def memory_record(device: torch.device) -> dict:
     return {} if rss is None else {"mem_rss_gib": rss / GIB}
 
 
-class MetricsFile(Callback):
-    """Writes every record to ``RUN/metrics.jsonl`` and TensorBoard; on resume, first drops the lines an
-    interrupted process wrote after its last checkpoint."""
-
-    def __init__(self, run_dir: Path):
-        self.run_dir = run_dir
-        self.writer: MetricsWriter | None = None
-
-    def on_train_start(self, trainer: Trainer) -> None:
-        resume_step = trainer.progress.step if trainer.resumed else None
-        self.writer = MetricsWriter(self.run_dir, resume_step=resume_step)
-
-    def on_log(self, trainer: Trainer, record: dict) -> None:
-        if self.writer is not None:
-            self.writer.write(record)
-
-    def on_close(self, trainer: Trainer) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+Number = float | torch.Tensor
 
 
-def format_duration(seconds: float) -> str:
-    """``3725`` -> ``"1h02m"``, ``125`` -> ``"2m05s"``, ``7`` -> ``"7s"``."""
-    s = round(seconds)
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    if s >= 60:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s}s"
+def true_grad_sq(b_small: float, sq_small: Number, b_big: float, sq_big: Number) -> Number:
+    """Unbiased ``|G|^2``: ``(B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)``."""
+    return (b_big * sq_big - b_small * sq_small) / (b_big - b_small)
 
 
-class Console(Callback):
-    """What the user sees while a run trains, each message once: on an interactive terminal a progress
-    bar (step lines update it, validation lines are printed above it); otherwise (piped, ``nohup``, a
-    scheduler's log) a plain log line per step record (every ``train.log_interval`` steps) and per
-    evaluation. Guard events are logged by the guard itself, checkpoints by the checkpoint writer."""
+def noise_trace(b_small: float, sq_small: Number, b_big: float, sq_big: Number) -> Number:
+    """Unbiased ``S = tr(Sigma)``: ``(|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)``."""
+    return (sq_small - sq_big) / (1.0 / b_small - 1.0 / b_big)
 
-    def __init__(self, enabled: bool | None = None):
-        self.enabled = enabled  # the progress bar: None = when stdout is a terminal
-        self.bar: ProgressBar | None = None
-        self.total = 0
 
-    def on_train_start(self, trainer: Trainer) -> None:
-        self.total = trainer.total_steps
-        self.bar = ProgressBar(trainer.total_steps, trainer.progress.step, self.enabled)
-        if not self.bar.enabled:
-            self.bar = None
+def critical_batch(trace: float, grad_sq: float) -> float:
+    """The simple noise scale ``B_simple = S / |G|^2`` (NaN when ``|G|^2`` is not above 0: with small
+    batches the estimate of ``|G|^2`` can come out negative while noise dominates)."""
+    return trace / grad_sq if grad_sq > 0 else float("nan")
 
-    def on_log(self, trainer: Trainer, record: dict) -> None:
-        if "event" in record:
-            return
-        if "tokens_per_s" in record:
-            info = (
-                f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s"
-                f" | eta {format_duration(record['eta_s'])}"
-            )
-            if self.bar is not None:
-                self.bar.update(record["step"], info)
-            else:
-                log.info("step %d/%d | %s", record["step"], self.total, info)
-        elif "val_loss" in record:
-            text = f"step {record['step']}/{self.total} | val_loss {record['val_loss']:.4f}"
-            if "val_ppl" in record:
-                text += f" (ppl {record['val_ppl']:.2f})"
-            if "val_rewards/accuracies" in record:  # DPO's held-out pairs
-                text += (
-                    f" | reward accuracy {record['val_rewards/accuracies']:.3f}, "
-                    f"margin {record['val_rewards/margins']:.3f}"
-                )
-            if self.bar is not None:
-                self.bar.print(text)
-            else:
-                log.info("%s", text)
 
-    def on_close(self, trainer: Trainer) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+class NoiseScale:
+    """Exponential moving averages (weight ``1 - beta`` for the newest step) of ``S`` and ``|G|^2``; kept
+    on the gradients' device, so updating never waits for it. Both averages start at 0 and carry the same
+    ``1 - beta^n`` bias, which cancels in :meth:`value`'s ratio."""
+
+    def __init__(self, beta: float = 0.95):
+        self.beta = beta
+        self.trace: Number = 0.0
+        self.grad_sq: Number = 0.0
+        self.count = 0
+
+    def update(self, b_small: float, sq_small: Number, b_big: float, sq_big: Number) -> None:
+        """One step's two squared gradient norms (``|G_small|^2`` over ``b_small`` examples, ``|G_big|^2``
+        over ``b_big > b_small``)."""
+        if not b_big > b_small > 0:
+            raise ValueError(f"noise scale: need 0 < B_small < B_big, got {b_small} and {b_big}")
+        a = self.beta
+        self.trace = a * self.trace + (1 - a) * noise_trace(b_small, sq_small, b_big, sq_big)
+        self.grad_sq = a * self.grad_sq + (1 - a) * true_grad_sq(b_small, sq_small, b_big, sq_big)
+        self.count += 1
+
+    def smoothed(self) -> tuple[float, float]:
+        """The averages ``(S, |G|^2)``, each divided by ``1 - beta^n`` (unbiased for a constant input;
+        synchronises with the device); NaN before the first update."""
+        if not self.count:
+            return float("nan"), float("nan")
+        debias = 1 - self.beta**self.count
+        return float(self.trace) / debias, float(self.grad_sq) / debias
+
+    def value(self) -> float:
+        """``B_simple`` of the averages (synchronises with the device); NaN before the first update."""
+        return critical_batch(*self.smoothed())

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks import Callback
 from lmforge.train.step import Action, StepResult
 from lmforge.train.trainer import Trainer
 

@@ -7,13 +7,13 @@ import logging
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from lmforge.data.preflight import default_sample_prompt
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.sampling import generate
 from lmforge.model.transformer import Transformer
+from lmforge.posttrain.run import chat_sample
 from lmforge.train.build import Run, build_model
-from lmforge.train.callbacks.base import Callback
-from lmforge.train.posttrain import chat_sample
-from lmforge.train.preflight import default_sample_prompt
+from lmforge.train.callbacks import Callback
 from lmforge.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def whole_model(run: Run) -> Transformer | None:
 
 class Sample(Callback):
     """``train.sample_prompt``, or when unset the first words of the first validation document
-    (``train/preflight.py``), continued by the trained model into ``trainer.summary["sample"]``. Under
+    (``data/preflight.py``), continued by the trained model into ``trainer.summary["sample"]``. Under
     pipeline parallelism no rank holds the whole model: ``lmforge generate RUN`` samples from the final
     checkpoint instead."""
 

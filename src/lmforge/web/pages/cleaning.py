@@ -8,7 +8,7 @@ from pathlib import Path
 
 from flask import Blueprint, current_app, render_template, request
 
-from lmforge.cleaning_sweep import optimum
+from lmforge.corpus.sweep import optimum
 from lmforge.web.api import BadInput, arg_float, json_api
 from lmforge.web.figures_cleaning import HOW_TO, find_sweeps, level_knobs, load_sweep
 from lmforge.web.registry import Page

@@ -1,7 +1,7 @@
 """GPU memory planner: the per-device breakdown of ``lmforge estimate`` (parameters, gradients, master
 weights, optimizer states, activations, temporaries, overhead; total against ``margin x memory``) and how
 the total and its parts scale with the micro-batch and the sequence length, every point a call of the
-planner (``lmforge.planning``) with the page's inputs. Seed defaults: a 6.7B model (``llama-7b``, 6.74B
+planner (``lmforge.plan.request``) with the page's inputs. Seed defaults: a 6.7B model (``llama-7b``, 6.74B
 parameters), batch 32, sequence 512, fp16, Adam."""
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from lmforge.charts import coord_check_chart
 from lmforge.config import Config, ModelConfig
 from lmforge.data.loader import Batch
 from lmforge.data.mixture import build_train_loader
@@ -32,6 +31,7 @@ from lmforge.data.prepare import PreparedData, prepare_data
 from lmforge.errors import ConfigError
 from lmforge.model.transformer import Transformer
 from lmforge.precision import PrecisionPolicy
+from lmforge.report.charts import coord_check_chart
 from lmforge.train.build import build_run, validate
 from lmforge.train.step import train_step
 

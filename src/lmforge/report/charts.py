@@ -173,3 +173,18 @@ def tokenizer_compare_chart(result: dict[str, Any], path: Path) -> Figure:
             ax.set_title("tokenizers on the held-out documents (domain / vocabulary size)", fontsize=10)
     _save(fig, path)
     return fig
+
+
+def estimate_chart(result: Any, path: Path, gpus: int, margin: float, weights: str) -> Figure:
+    """``lmforge estimate --plot``: one stacked bar of the asked layout, then one per layout the search
+    found (``result``: ``plan/request.py::EstimateResult``)."""
+    est, hw = result.estimate, result.hw
+    bars = [(f"asked: {est.layout.describe()}", est.rows())] + [
+        (e.layout.describe(), e.rows()) for e in result.found
+    ]
+    title = (
+        f"{result.name} on {gpus} x {hw.name}, {result.precision}, {result.workload.optimizer} "
+        f"({weights} accounting)"
+    )
+    labelled = [(label.replace(", ", "\n"), rows) for label, rows in bars]
+    return memory_chart(labelled, hw.memory_bytes, margin, Path(path), title)

@@ -5,7 +5,7 @@ per line under ``text_field``, parquet = a text column) and tokenised with the r
 ``data/prepare.py`` stores documents: ``<|endoftext|>`` then the document's tokens, documents back to
 back. A file's stream of ``N`` tokens is scored like the validation split (``data/loader.py``): windows
 of ``seq_len + 1`` tokens at stride ``seq_len`` (the first ``(N - 1) // seq_len`` windows, the same
-batches as :func:`~lmforge.train.evaluate.evaluate`), then the remaining ``r = (N - 1) mod seq_len``
+batches as :func:`~lmforge.evaluate.validation.evaluate`), then the remaining ``r = (N - 1) mod seq_len``
 targets as one shorter window, so every token but the first is a target once. Loss per file and overall
 is the mean next-token cross-entropy over those targets (nats), in the run's precision.
 """
@@ -27,10 +27,10 @@ from lmforge.data.shards import Shard
 from lmforge.data.sources import FORMATS, read_source
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
+from lmforge.evaluate.run_loading import load_run
+from lmforge.evaluate.validation import loss_sum, perplexity
 from lmforge.model.loss import NextTokenLoss
 from lmforge.precision import PrecisionPolicy
-from lmforge.train.evaluate import loss_sum, perplexity
-from lmforge.train.run_loading import load_run
 
 
 @dataclass

@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,12 @@ import torch
 
 from lmforge.config import POSTTRAIN_DEFAULTS, Config, ParallelConfig
 from lmforge.errors import UserError
+from lmforge.evaluate.run_loading import pick_checkpoint
 from lmforge.posttrain.template import SPECIAL_TOKENS, add_chat_tokens, write_template_file
 from lmforge.posttrain.vocab import grow_vocab
 from lmforge.recipe import load_config, load_saved_config
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from lmforge.train.resume import config_text
-from lmforge.train.run_loading import pick_checkpoint
+from lmforge.train.resume import config_text, resume_config
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +83,10 @@ def start(
 ) -> tuple[Config, Path]:
     """Make ``run_dir`` a post-training run (``kind``: ``"sft"`` or ``"dpo"``) of ``from_run``'s checkpoint
     (``step``: default the newest); returns its config and checkpoint ``step_00000000``."""
+    from lmforge.posttrain.run import write_reference
     from lmforge.train.build import build_run, validate  # the run's machinery: only once inputs are checked
     from lmforge.train.callbacks.checkpointing import config_state
     from lmforge.train.launch import default_callbacks
-    from lmforge.train.posttrain import write_reference
     from lmforge.train.trainer import Trainer
 
     from_run, run_dir = Path(from_run), Path(run_dir)
@@ -126,3 +127,37 @@ def start(
     saved = trainer.state_dict()
     saved["config"] = config_state(cfg)
     return cfg, save_checkpoint(run_dir, 0, saved, toml, cfg.train.keep_checkpoints).final
+
+
+def open_run(
+    kind: str,
+    from_run: str | None,
+    run_dir: str | None,
+    recipe: str | None,
+    overrides: dict[str, Any],
+    step: int | None = None,
+    resume: bool = False,
+) -> tuple[Config, Path, Path | None]:
+    """``lmforge sft`` / ``dpo``: ``(config, run folder, checkpoint started from)`` of a new run of ``kind``
+    started from ``from_run`` (:func:`start`; default folder ``runs/<kind>-<timestamp>``), or, with
+    ``resume``, of the run in ``run_dir`` to continue (started-from checkpoint None)."""
+    if resume:
+        if not run_dir:
+            raise UserError(f"--run-dir: --resume needs the folder of the {kind} run to continue")
+        if from_run:
+            raise UserError(
+                "--from: a resumed run keeps its start; drop --from (or drop --resume for a new run)"
+            )
+        folder = Path(run_dir)
+        cfg = resume_config(folder, recipe, overrides)
+        if cfg.train.objective != kind:
+            raise UserError(
+                f"--run-dir: {folder} is a train.objective = {cfg.train.objective} run; continue it with "
+                f"lmforge {'train' if cfg.train.objective == 'lm' else cfg.train.objective} --resume"
+            )
+        return cfg, folder, None
+    if not from_run:
+        raise UserError(f"--from: give the run to start from (lmforge {kind} --from runs/NAME)")
+    folder = Path(run_dir) if run_dir else Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg, ckpt = start(kind, from_run, folder, recipe, overrides, step)
+    return cfg, folder, ckpt

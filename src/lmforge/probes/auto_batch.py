@@ -2,10 +2,10 @@
 
 The optimizer step keeps ``train.tokens_per_step`` (required with ``auto``: it is what the user fixes);
 the candidates are the micro-batch sizes that split it evenly, ``tokens_per_step / (seq_len * dp)`` and its
-divisors (multiples of the pipeline's micro-batches under ``parallel.pp``). The chosen one is the largest
-whose :func:`lmforge.plan.estimate.estimate` per-device total stays under the planner's margin (80% of the
-device memory) on this run's device: a CUDA GPU's total memory, or on a CPU the host's RAM shared by the
-processes of this host. Accumulation makes up the rest of the step.
+divisors (multiples of the pipeline's micro-batches under ``parallel.pp``; ``plan/micro_batch.py``). The
+chosen one is the largest whose :func:`lmforge.plan.estimate.estimate` per-device total stays under the
+planner's margin (80% of the device memory) on this run's device: a CUDA GPU's total memory, or on a CPU
+the host's RAM shared by the processes of this host. Accumulation makes up the rest of the step.
 
 On a single CUDA device the choice is then probed (:func:`probe`): one forward and backward of a
 micro-batch of that size; an out-of-memory error moves to the next smaller candidate. Several processes
@@ -25,32 +25,15 @@ from torch import nn
 
 from lmforge.config import Config
 from lmforge.errors import ConfigError
-from lmforge.parallel.pipeline import pipeline_settings
 from lmforge.plan.activations import attention_kind
 from lmforge.plan.estimate import Estimate, estimate, layout_from_config, workload_from_config
 from lmforge.plan.hardware import Hardware, cpu, host_memory_bytes
+from lmforge.plan.micro_batch import auto_candidates, largest
 from lmforge.precision import native_bf16
 
 log = logging.getLogger(__name__)
 
 GIB = 2**30
-
-
-def candidates(tokens_per_step: int, seq_len: int, dp: int, multiple_of: int = 1) -> list[int]:
-    """Micro-batch sizes that split a step evenly, largest first: the divisors ``m`` of
-    ``tokens_per_step / (seq_len * dp)`` with ``m % multiple_of == 0``."""
-    per_rank, rest = divmod(tokens_per_step, seq_len * dp)
-    if rest or per_rank == 0:
-        raise ConfigError(
-            f"train.tokens_per_step: {tokens_per_step} is not a multiple of seq_len * data-parallel ranks "
-            f"= {seq_len * dp}; use a multiple such as {max(1, per_rank) * seq_len * dp}"
-        )
-    return [m for m in range(per_rank, 0, -1) if per_rank % m == 0 and m % multiple_of == 0]
-
-
-def largest(sizes: list[int], fits: Callable[[int], bool]) -> int | None:
-    """The first of ``sizes`` (largest first) for which ``fits`` holds; None when none does."""
-    return next((m for m in sizes if fits(m)), None)
 
 
 def device_hardware(
@@ -67,25 +50,6 @@ def device_hardware(
         flops = dict.fromkeys(("fp32", "tf32", "bf16", "fp16", "fp8"), 1.0)
         return Hardware(f"cuda ({torch.cuda.get_device_name(device)})", memory_bytes, flops)
     return cpu(1.0, memory_bytes)
-
-
-def auto_candidates(cfg: Config) -> list[int]:
-    """The micro-batch sizes ``auto`` chooses among for ``cfg`` (largest first); one-line errors when
-    ``train.tokens_per_step`` is missing or no size splits it."""
-    if cfg.train.tokens_per_step is None:
-        raise ConfigError(
-            'train.micro_batch_size: "auto" keeps train.tokens_per_step and picks the accumulation; set '
-            "train.tokens_per_step too (e.g. --train.tokens_per_step=65536)"
-        )
-    p = cfg.parallel
-    m = pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)[0] if p.pp > 1 else 1
-    sizes = candidates(cfg.train.tokens_per_step, cfg.data.seq_len, p.dp_replicate * p.dp_shard, m)
-    if not sizes:
-        raise ConfigError(
-            f"train.micro_batch_size: no micro-batch size splits train.tokens_per_step into whole micro-batches "
-            f"of a multiple of the {m} pipeline micro-batches; raise train.tokens_per_step"
-        )
-    return sizes
 
 
 def planned_precision(requested: str, device: torch.device) -> str:

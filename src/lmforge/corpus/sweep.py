@@ -17,8 +17,9 @@ kept documents of every level are measured with the same fixed references:
 
 Writes ``OUT/sweep.json`` and ``OUT/sweep.png`` (the three curves against the level).
 
-This module sits above ``corpus/`` (whose pipeline it runs) and ``data/`` (whose tokenizer counts the
-tokens), so it lives outside both: ``corpus/`` never imports ``data/`` or ``train/``.
+The tokens are counted by training's tokenizer (``data/tokenizer.py``), imported inside
+:func:`_reference_tokenizer` only: importing ``corpus`` still loads nothing of ``data/``
+(``tests/test_import_direction.py`` lists this import, with ``lm_scorer.py``'s, as the exceptions).
 """
 
 from __future__ import annotations
@@ -220,6 +221,8 @@ def run_sweep(
     levels = [check_level(x) for x in levels]
     if ngram < 1:
         raise ConfigError(f"--ngram: {ngram} is below 1")
+    if tokenizer and not Path(tokenizer).is_file():
+        raise ConfigError(f"--tokenizer: {tokenizer} does not exist; give a tokenizer.json or leave it out")
     kind, path = reference if reference is not None else pick_reference(cfg, None, None)
     if reference_tokens < 1:
         raise ConfigError(f"--reference-tokens: {reference_tokens} is below 1")
@@ -413,6 +416,6 @@ def sweep_table(result: dict[str, Any]) -> str:
     if best is not None:
         lines.append(
             f"optimum: level {best:g} (size, quality and diversity each scaled to 0..1 across the levels, "
-            "weighted equally; cleaning_sweep.optimum)"
+            "weighted equally; corpus/sweep.py::optimum)"
         )
     return "\n".join(lines)

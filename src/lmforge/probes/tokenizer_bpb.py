@@ -5,7 +5,7 @@ schedule and ``train.seed`` are :data:`MODEL_OVERRIDES` and the flags. Each run 
 ``lmforge train`` run (:func:`lmforge.train.launch.train`) in ``OUT/runs/<kind>-<vocab>`` on every
 document of the comparison, whose validation split is the comparison's held-out split
 (:func:`lmforge.data.tokenizer_compare.write_jsonl`); after N steps every held-out document is scored
-as ``lmforge eval --data`` scores files (:func:`lmforge.train.eval_data.evaluate_files`) and the summed
+as ``lmforge eval --data`` scores files (:func:`lmforge.evaluate.files.evaluate_files`) and the summed
 loss is turned into bits per byte (:func:`lmforge.data.tokenizer_compare.bits_per_byte`).
 """
 
@@ -28,8 +28,8 @@ from lmforge.data.tokenizer_compare import (
     docs_folder,
     held_out_folder,
 )
+from lmforge.evaluate.files import evaluate_files
 from lmforge.recipe import load_config
-from lmforge.train.eval_data import evaluate_files
 from lmforge.train.launch import train
 
 MODEL_OVERRIDES: dict = {
@@ -114,7 +114,7 @@ def _row(nll: float, targets: int, n_bytes: int) -> dict:
 
 def run_compare(s: CompareSettings, say: Callable[[str], None]) -> dict:
     """The whole command: :func:`compare` (with the model when ``s.train_steps``), then ``compare.png``."""
-    from lmforge.charts import tokenizer_compare_chart
+    from lmforge.report.charts import tokenizer_compare_chart
 
     result = compare(s, train_and_score if s.train_steps else None, say)
     tokenizer_compare_chart(result, s.out / "compare.png")

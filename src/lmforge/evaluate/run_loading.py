@@ -1,7 +1,10 @@
-"""Open a finished or running run folder: its config, tokenizer and newest checkpoint's model; score it."""
+"""Open a finished or running run folder: its config, tokenizer and newest checkpoint's model (``lmforge
+eval``, ``generate``, ``export``, a corpus ``perplexity`` stage); score it as training scores it (the
+validation split, or a post-training run's held-out records)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -10,14 +13,24 @@ from lmforge.config import Config
 from lmforge.data.loader import TokenStream
 from lmforge.data.prepare import prepare_data
 from lmforge.data.tokenizer import Tokenizer
-from lmforge.errors import UserError
+from lmforge.errors import DataError, UserError
+from lmforge.evaluate.validation import evaluate, perplexity
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
+from lmforge.parallel.data_parallel import GradientSync
+from lmforge.posttrain.dpo import SequenceLogps
+from lmforge.posttrain.run import (
+    REFERENCE_LOGPS,
+    dpo_objective,
+    load_reference,
+    posttrain_validation,
+    prepare_posttrain,
+)
 from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_saved_config
 from lmforge.train.build import build_model
 from lmforge.train.checkpoint import list_checkpoints, load_checkpoint
-from lmforge.train.evaluate import evaluate, perplexity
+from lmforge.train.modules import DPOModule, LanguageModelModule
 
 
 def load_run(
@@ -60,8 +73,6 @@ def evaluate_run(run_dir: str | Path, device: torch.device, tokens: int = 0) -> 
     cfg, _, model, step = load_run(run_dir, device)
     precision = PrecisionPolicy.resolve(cfg.train.precision, device)
     if cfg.train.objective != "lm":  # post-training: the held-out records
-        from lmforge.train.posttrain import evaluate_posttrain
-
         out = evaluate_posttrain(cfg, model, Path(run_dir), precision)
         return {"step": step, **out, "val_ppl": perplexity(out["val_loss"])}
     data = prepare_data(cfg.data)
@@ -74,3 +85,25 @@ def evaluate_run(run_dir: str | Path, device: torch.device, tokens: int = 0) -> 
         precision,
     )
     return {"step": step, "val_loss": loss, "val_ppl": perplexity(loss)}
+
+
+def evaluate_posttrain(
+    cfg: Config, model: torch.nn.Module, run_dir: Path, precision: PrecisionPolicy
+) -> dict:
+    """``lmforge eval`` of a post-training run: its held-out records scored as training scores them."""
+    data = prepare_posttrain(cfg, None)
+    if cfg.train.objective == "sft":
+        scorer = NextTokenLoss(model, cfg.train.loss_chunk)
+        module = LanguageModelModule(model, scorer, scorer, GradientSync())
+    else:
+        load_reference(cfg, data, run_dir)
+        if cfg.dpo.reference == "cached" and data.val_reference is None:
+            raise DataError(f"--run: {run_dir / REFERENCE_LOGPS} is missing; the DPO run cannot be scored")
+        objective = dpo_objective(
+            cfg, SequenceLogps(model, cfg.train.loss_chunk), lambda: copy.deepcopy(model), run_dir
+        )
+        module = DPOModule(model, objective, GradientSync())
+    loss, extra = posttrain_validation(cfg, data, module, precision)
+    if loss is None:
+        raise DataError("posttrain.val_files: the run has no held-out records to score; give --data FILES")
+    return {"val_loss": loss, **extra}

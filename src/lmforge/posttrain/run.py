@@ -3,12 +3,12 @@
 file:line), the loader, the objective, the held-out evaluation and the DPO reference.
 
 ``posttrain/`` holds the pieces (records, template, loaders, losses); this module reads the config and the
-run folder and puts them together, so ``build.py`` only branches once.
+run folder and puts them together, so ``train/build.py`` only branches once. It imports nothing of
+``train/``: the build calls it (and ``lmforge eval`` of such a run, ``evaluate/run_loading.py``).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from collections.abc import Callable, Iterable
@@ -217,32 +217,6 @@ def posttrain_validation(
         return None, {}
     metrics = module.evaluate(batches, precision)
     return metrics["val_loss"], {k: v for k, v in metrics.items() if k != "val_loss"}
-
-
-def evaluate_posttrain(
-    cfg: Config, model: torch.nn.Module, run_dir: Path, precision: PrecisionPolicy
-) -> dict:
-    """``lmforge eval`` of a post-training run: its held-out records scored as training scores them."""
-    from lmforge.model.loss import NextTokenLoss
-    from lmforge.parallel.data_parallel import GradientSync
-    from lmforge.train.modules import DPOModule, LanguageModelModule
-
-    data = prepare_posttrain(cfg, None)
-    if cfg.train.objective == "sft":
-        scorer = NextTokenLoss(model, cfg.train.loss_chunk)
-        module = LanguageModelModule(model, scorer, scorer, GradientSync())
-    else:
-        load_reference(cfg, data, run_dir)
-        if cfg.dpo.reference == "cached" and data.val_reference is None:
-            raise DataError(f"--run: {run_dir / REFERENCE_LOGPS} is missing; the DPO run cannot be scored")
-        objective = dpo_objective(
-            cfg, SequenceLogps(model, cfg.train.loss_chunk), lambda: copy.deepcopy(model), run_dir
-        )
-        module = DPOModule(model, objective, GradientSync())
-    loss, extra = posttrain_validation(cfg, data, module, precision)
-    if loss is None:
-        raise DataError("posttrain.val_files: the run has no held-out records to score; give --data FILES")
-    return {"val_loss": loss, **extra}
 
 
 def chat_sample(model: torch.nn.Module, data: PostTrainData, prompt: str | None, n: int, seed: int) -> str:

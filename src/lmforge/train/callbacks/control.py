@@ -1,10 +1,12 @@
-"""Stops that lose nothing: SIGINT (Ctrl-C) and SIGTERM (a scheduler's notice before preemption).
+"""Stopping a run early and resumably: on a signal (:class:`StopOnSignal`) or after a given step
+(:class:`StopAfter`, for tests and budgets). Either stop loses nothing.
 
-The first signal lets the current step finish; the run then stops as a callback's ``request_stop`` would:
-a checkpoint of that step is written (``Checkpointing.on_stop``) and ``lmforge train --resume`` continues
-from it. A second signal exits at once (:class:`~lmforge.errors.Interrupted`; an incomplete checkpoint
-folder is removed on the next start). Under ``torchrun`` every rank agrees at each step end on whether any
-rank was signalled (:func:`any_rank`), so all stop after the same step.
+SIGINT (Ctrl-C) and SIGTERM (a scheduler's notice before preemption): the first signal lets the current
+step finish; the run then stops as a callback's ``request_stop`` would: a checkpoint of that step is
+written (``Checkpointing.on_stop``) and ``lmforge train --resume`` continues from it. A second signal
+exits at once (:class:`~lmforge.errors.Interrupted`; an incomplete checkpoint folder is removed on the
+next start). Under ``torchrun`` every rank agrees at each step end on whether any rank was signalled
+(:func:`any_rank`), so all stop after the same step.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.errors import Interrupted
-from lmforge.train.callbacks.base import Callback
+from lmforge.train.callbacks import Callback
 from lmforge.train.step import StepResult
 from lmforge.train.trainer import Trainer
 
@@ -79,3 +81,15 @@ class StopOnSignal(Callback):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+class StopAfter(Callback):
+    """Stop once ``step`` optimizer steps are done, as an interruption would: a checkpoint of that step is
+    written (``on_stop``) and ``--resume`` continues from it; the schedule still spans ``train.steps``."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if trainer.progress.step >= self.step:
+            trainer.request_stop()

@@ -1,7 +1,10 @@
 """``lmforge estimate`` from its inputs to its result, shared by the command and the web planners
 (``web/pages/``), so a page shows exactly the figures ``lmforge estimate --json`` prints for the same
 inputs. Overrides are given as the command line gives them (``--SECTION.KEY=VALUE``) and parsed by the same
-code."""
+code.
+
+Unlike the rest of ``plan/`` this module sits above the measurements: ``--gpu cpu`` measures this host's
+peak FLOP/s (``probes/peak_flops.py``) as a run's MFU does."""
 
 from __future__ import annotations
 
@@ -81,7 +84,7 @@ def estimate_inputs(req: EstimateRequest):
     cfg = load_config(req.recipe, overrides)
     if req.gpu not in hardware.NAMES:
         raise UserError(f"--gpu: unknown device {req.gpu!r}; use one of {', '.join(hardware.NAMES)}")
-    from lmforge.train.peak_flops import cpu_peak_flops
+    from lmforge.probes.peak_flops import cpu_peak_flops
 
     hw = hardware.get(req.gpu, cpu_peak_flops() if req.gpu == "cpu" else None)
     precision = cfg.train.precision
@@ -147,7 +150,7 @@ def auto_micro_batch(cfg, layout, workload, hw, req: EstimateRequest):
     """``train.micro_batch_size = "auto"`` as ``lmforge train`` resolves it: the largest size splitting
     ``train.tokens_per_step`` whose estimate fits (else the smallest)."""
     from lmforge.plan.estimate import estimate
-    from lmforge.train.auto_batch import auto_candidates, largest
+    from lmforge.plan.micro_batch import auto_candidates, largest
 
     parallel = cfg.parallel.model_copy(update={"dp_shard": layout.dp_shard})
     sizes = auto_candidates(cfg.model_copy(update={"parallel": parallel}))
@@ -163,7 +166,7 @@ def auto_micro_batch(cfg, layout, workload, hw, req: EstimateRequest):
 def check_runnable(cfg, layout, gpus: int) -> None:
     """What ``lmforge train`` would refuse of this layout, refused here with the same one line."""
     from lmforge.parallel.layout import check_layout
-    from lmforge.train.build import check_model_layout
+    from lmforge.parallel.model_layout import check_model_layout
 
     parallel = cfg.parallel.model_copy(update={"dp_shard": layout.dp_shard})
     planned = cfg.model_copy(update={"parallel": parallel})

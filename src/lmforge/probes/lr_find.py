@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from lmforge.charts import lr_find_chart
 from lmforge.config import Config, LRFindConfig
 from lmforge.data.loader import Batch
 from lmforge.errors import UserError
 from lmforge.optim.clip import Clipper
 from lmforge.plan.lr_finder import Suggestion, diverged, smooth, suggest, sweep_lr
 from lmforge.precision import PrecisionPolicy
+from lmforge.report.charts import lr_find_chart
 from lmforge.train.build import Run, build_run
 from lmforge.train.modules import TrainModule
 from lmforge.train.runtime import rng_state, set_rng_state

@@ -1,0 +1,43 @@
+"""``lmforge export`` and ``lmforge import``: run folders to and from Hugging Face folders (``hf/``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from lmforge.recipe import parse_overrides
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model folder")
+    p.add_argument("run", help="run folder")
+    p.add_argument("--out", help="output folder (default: RUN/hf)")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "import",
+        help="a Hugging Face Llama / GPT-2 folder as a run folder",
+        description="Make a run folder of a local LlamaForCausalLM / GPT2LMHeadModel folder; other keys "
+        "(data, train) from --config and --SECTION.KEY=VALUE as for train.",
+    )
+    p.add_argument("hf_dir", metavar="HF_DIR", help="folder with config.json, *.safetensors, tokenizer.json")
+    p.add_argument("--run-dir", required=True, help="the new run folder")
+    p.add_argument("--config", help="TOML recipe for the data and training keys")
+    p.set_defaults(func=cmd_import, overrides=True)
+
+
+def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.hf.export import export_run
+
+    print(f"exported to {export_run(args.run, args.out, args.step)}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace, extra: list[str]) -> int:
+    from lmforge.hf.import_ import import_hf
+
+    ckpt = import_hf(args.hf_dir, args.run_dir, args.config, parse_overrides(extra))
+    print(
+        f"imported to {args.run_dir} ({ckpt.name}); continue with: lmforge train --resume --run-dir {args.run_dir}"
+    )
+    return 0

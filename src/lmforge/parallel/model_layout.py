@@ -1,0 +1,35 @@
+"""The model and the batch against the layout that cuts them: pipeline stages (layers, micro-batches, the
+schedule's limits) and tensor-parallel shards (heads, widths), checked before any work. ``lmforge train``
+(``train/build.py::validate``) and ``lmforge estimate`` (``plan/request.py``) refuse with the same line."""
+
+from __future__ import annotations
+
+from lmforge.config import Config
+from lmforge.errors import ConfigError
+from lmforge.parallel.pipeline import check_pipeline, pipeline_settings
+from lmforge.parallel.tensor import check_tensor_parallel
+
+
+def check_model_layout(cfg: Config) -> None:
+    """The model and batch must divide as the layout cuts them (pipeline stages, tensor-parallel shards)."""
+    p = cfg.parallel
+    if p.pp > 1:
+        microbatches, v = pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)
+        check_pipeline(
+            cfg.model.n_layers, p.pp, p.pp_schedule, microbatches,
+            None if cfg.train.micro_batch_size == "auto" else cfg.train.micro_batch_size,
+            cfg.model.tie_embeddings, v,
+        )  # fmt: skip
+        if p.pp_schedule in ("zero_bubble", "zbv") and cfg.train.activation_checkpointing == "selective":
+            raise ConfigError(
+                f"train.activation_checkpointing: selective checkpointing allows one backward through a "
+                f"block, and the {p.pp_schedule} schedule runs two (input, then weight gradients); use full "
+                "or every:K with this schedule, or another parallel.pp_schedule"
+            )
+        if cfg.train.clip_mode == "group_norm":
+            raise ConfigError(
+                "train.clip_mode: group_norm clips per optimizer group, and pipeline stages hold different "
+                "groups; use --train.clip_mode=norm with parallel.pp"
+            )
+    if p.tp > 1:
+        check_tensor_parallel(cfg.model, cfg.data.vocab_size, cfg.data.seq_len, p.tp)

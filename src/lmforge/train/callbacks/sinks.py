@@ -1,0 +1,242 @@
+"""Where the metrics records go (``trainer.log`` -> each callback's ``on_log``), rank 0 only:
+
+* :class:`MetricsFile`: ``RUN/metrics.jsonl`` (one JSON object per line, :class:`MetricsWriter`) and
+  TensorBoard, truncated on resume;
+* :class:`Console`: what the user sees, each message once: a progress bar (rich, :class:`ProgressBar`) on
+  an interactive terminal, elsewhere a plain log line per record;
+* :class:`WandbSink`: with ``metrics.wandb = true``, every record also to Weights & Biases, offline. The
+  run is written under ``RUN/wandb/`` (``WANDB_MODE=offline``: nothing leaves the machine; ``wandb sync
+  RUN/wandb/offline-run-*`` uploads it later) in project ``metrics.wandb_project`` with the run's config.
+  Its id is kept in ``RUN/wandb/run_id``, so a resumed run appends to the same W&B run. Numbers are logged
+  under their key at the record's step; an event's numbers under ``EVENT/KEY`` (as in TensorBoard). W&B
+  drops records whose step is below one it has seen: after a resume, the lines an interrupted process
+  logged past its last checkpoint stay in W&B's history. Needs the ``wandb`` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from lmforge.config import Config
+from lmforge.errors import UserError
+from lmforge.train.callbacks import Callback
+from lmforge.train.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+class MetricsWriter:
+    """Appends records to ``metrics.jsonl``; on resume from step ``resume_step``, first drops the lines
+    of later steps (written after that checkpoint by the interrupted process), so each step appears once.
+    """
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
+        # TensorBoard: on resume, events of later steps in older files are purged the same way
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            kept = [ln for ln in self.path.read_text().splitlines() if json.loads(ln)["step"] <= resume_step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(ln + "\n" for ln in kept))
+            os.replace(tmp, self.path)
+        self._fh = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=purge)
+
+    def write(self, record: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._fh.write(json.dumps(clean) + "\n")
+        self._fh.flush()
+        if self._tb is not None:
+            step = record["step"]
+            prefix = f"{record['event']}/" if "event" in record else ""  # keep events off the main curves
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self._tb.add_scalar(prefix + key, value, step)
+
+    def close(self) -> None:
+        self._fh.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+class ProgressBar:
+    """Step progress with ETA, loss, lr and tokens/s; a no-op when stdout is not a terminal."""
+
+    def __init__(self, total: int, start: int, enabled: bool | None = None):
+        self.enabled = sys.stdout.isatty() if enabled is None else enabled
+        self._progress = None
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            # the ETA is the run's own (in ``info``): rich's would count evaluations as training time
+            self._progress = Progress(
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}")
+            )
+            self._task = self._progress.add_task("train", total=total, completed=start, info="")
+            self._progress.start()
+
+    def update(self, step: int, info: str = "") -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, info=info)
+
+    def print(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+class MetricsFile(Callback):
+    """Writes every record to ``RUN/metrics.jsonl`` and TensorBoard; on resume, first drops the lines an
+    interrupted process wrote after its last checkpoint."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.writer: MetricsWriter | None = None
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        resume_step = trainer.progress.step if trainer.resumed else None
+        self.writer = MetricsWriter(self.run_dir, resume_step=resume_step)
+
+    def on_log(self, trainer: Trainer, record: dict) -> None:
+        if self.writer is not None:
+            self.writer.write(record)
+
+    def on_close(self, trainer: Trainer) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def format_duration(seconds: float) -> str:
+    """``3725`` -> ``"1h02m"``, ``125`` -> ``"2m05s"``, ``7`` -> ``"7s"``."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+class Console(Callback):
+    """What the user sees while a run trains, each message once: on an interactive terminal a progress
+    bar (step lines update it, validation lines are printed above it); otherwise (piped, ``nohup``, a
+    scheduler's log) a plain log line per step record (every ``train.log_interval`` steps) and per
+    evaluation. Guard events are logged by the guard itself, checkpoints by the checkpoint writer."""
+
+    def __init__(self, enabled: bool | None = None):
+        self.enabled = enabled  # the progress bar: None = when stdout is a terminal
+        self.bar: ProgressBar | None = None
+        self.total = 0
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self.total = trainer.total_steps
+        self.bar = ProgressBar(trainer.total_steps, trainer.progress.step, self.enabled)
+        if not self.bar.enabled:
+            self.bar = None
+
+    def on_log(self, trainer: Trainer, record: dict) -> None:
+        if "event" in record:
+            return
+        if "tokens_per_s" in record:
+            info = (
+                f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s"
+                f" | eta {format_duration(record['eta_s'])}"
+            )
+            if self.bar is not None:
+                self.bar.update(record["step"], info)
+            else:
+                log.info("step %d/%d | %s", record["step"], self.total, info)
+        elif "val_loss" in record:
+            text = f"step {record['step']}/{self.total} | val_loss {record['val_loss']:.4f}"
+            if "val_ppl" in record:
+                text += f" (ppl {record['val_ppl']:.2f})"
+            if "val_rewards/accuracies" in record:  # DPO's held-out pairs
+                text += (
+                    f" | reward accuracy {record['val_rewards/accuracies']:.3f}, "
+                    f"margin {record['val_rewards/margins']:.3f}"
+                )
+            if self.bar is not None:
+                self.bar.print(text)
+            else:
+                log.info("%s", text)
+
+    def on_close(self, trainer: Trainer) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def require_wandb() -> None:
+    """UserError unless ``wandb`` can be imported (checked before any work)."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise UserError('metrics.wandb: the wandb package is missing; pip install -e ".[wandb]"') from None
+
+
+def wandb_values(record: dict[str, Any]) -> dict[str, float]:
+    """The numbers of ``record`` as W&B keys: ``KEY``, or ``EVENT/KEY`` for an event; no ``step``."""
+    prefix = f"{record['event']}/" if "event" in record else ""
+    return {
+        prefix + k: v
+        for k, v in record.items()
+        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+class WandbSink(Callback):
+    """Logs each record to an offline W&B run in ``RUN/wandb`` (resumed by the id stored there)."""
+
+    def __init__(self, run_dir: Path, cfg: Config):
+        require_wandb()
+        self.dir = Path(run_dir) / "wandb"
+        self.cfg = cfg
+        self.run = None
+
+    def run_id(self) -> str:
+        """The stored id, or a new one stored for the next resume."""
+        path = self.dir / "run_id"
+        if path.is_file():
+            return path.read_text().strip()
+        run_id = uuid.uuid4().hex[:12]
+        path.write_text(run_id + "\n")
+        return run_id
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        import wandb
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.environ["WANDB_MODE"] = "offline"
+        self.run = wandb.init(
+            mode="offline",
+            dir=str(self.dir),
+            project=self.cfg.metrics.wandb_project,
+            id=self.run_id(),
+            resume="allow",
+            config=self.cfg.model_dump(mode="json", exclude_none=True),
+        )
+
+    def on_log(self, trainer: Trainer, record: dict) -> None:
+        if self.run is not None:
+            values = wandb_values(record)
+            if values:
+                self.run.log(values, step=record["step"])
+
+    def on_close(self, trainer: Trainer) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
