@@ -50,7 +50,10 @@ parameter held whole as a plain tensor is initialised in place. Peak of a rank::
 
 ``cuts``: ``distribute_tensor(..., src_data_rank=None)`` clones the rank's piece at each sharded mesh
 dimension (data-parallel shard first, then tensor-parallel), so a parameter held in pieces briefly costs
-its whole size plus those pieces.
+its whole size plus those pieces (:func:`init_temporary`; with FSDP2 over a tensor-parallel dim-0 shard,
+twice its whole size). Measured by PyTorch's ``MemTracker`` on 2 and 4 CPU processes
+(``tests/test_estimate_build.py``): exact to the bytes, but for the RoPE tables (``2 * 4 T e``, DDP
+broadcasts them through a copy) and a few scalars.
 """
 
 from __future__ import annotations
@@ -376,17 +379,19 @@ class BuildBytes:
 
 
 def init_temporary(t: ParamTensor, tp: int, shards: int) -> int:
-    """Values alive while a rank initialises ``t`` through a temporary: the whole parameter, plus the clone
-    of the rank's piece that ``distribute_tensor`` takes at each sharded mesh dimension (FSDP2's dim-0
-    cut over ``shards`` ranks first, then the tensor-parallel cut); ``t.numel`` when ``t`` is not cut (a
-    replicated norm weight, another pipeline stage's parameter)."""
-    cuts, shape = [], t.shape
-    if shards > 1:
-        shape = fsdp_shape(shape, shards)
-        cuts.append(math.prod(shape))
-    if tp > 1 and t.tp_dim is not None:
-        cuts.append(math.prod(fsdp_shape(tp_shape(t, tp), shards)))
-    return t.numel + sum(cuts)
+    """Values alive at once while a rank initialises ``t`` through a temporary: the whole parameter, plus
+    the clones ``distribute_tensor(..., src_data_rank=None)`` makes of the rank's piece at each sharded
+    mesh dimension, FSDP2's first (``shards`` ranks, dim 0), then tensor parallelism's. Where both cut
+    dim 0 (column-parallel weights, embeddings, the head), FSDP2's placement is a ``_StridedShard``,
+    which first assembles every rank's piece (a whole copy) and clones this rank's: ``2 whole + whole /
+    shards``. Else ``whole + whole / shards + whole / (shards tp)`` (each cut that applies). ``t.numel``
+    when ``t`` is not cut (a replicated norm weight, another pipeline stage's parameter)."""
+    whole = t.numel
+    fsdp_cut = math.prod(fsdp_shape(t.shape, shards)) if shards > 1 else 0
+    if fsdp_cut and tp > 1 and t.tp_dim == 0:
+        return 2 * whole + fsdp_cut
+    tp_cut = math.prod(fsdp_shape(tp_shape(t, tp), shards)) if tp > 1 and t.tp_dim is not None else 0
+    return whole + fsdp_cut + tp_cut
 
 
 def build_bytes(

@@ -49,6 +49,7 @@ from lmforge.parallel.materialize import Init
 from lmforge.parallel.pipeline import Pipeline, check_pipeline, pipeline_settings, rank_model
 from lmforge.parallel.reduce import StepReduce
 from lmforge.parallel.tensor import check_tensor_parallel
+from lmforge.plan.limit import check_run_memory
 from lmforge.posttrain.dpo import SequenceLogps
 from lmforge.precision import PrecisionPolicy, check_precision
 from lmforge.train.auto_batch import auto_candidates, probe, resolve_micro_batch
@@ -97,6 +98,7 @@ def validate(cfg: Config) -> torch.device:
         auto_candidates(cfg)
     else:
         accumulation_steps(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
+    check_run_memory(cfg, device)  # the planned peak against parallel.max_memory_gb / the device's memory
     if cfg.train.objective == "lm":
         input_files(cfg.data)  # missing inputs fail here
         check_domains(cfg.data)
