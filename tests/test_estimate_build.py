@@ -321,6 +321,14 @@ def test_limit_on_cuda_defaults_to_the_device_memory():
         check_memory(cfg, 1, "cuda", "bf16", device_memory=int(peak) - 1)
 
 
+def test_limit_is_not_checked_for_offloaded_runs_and_says_so_when_asked():
+    """The planner counts every state and activation on the device, which offloading moves to the host."""
+    for key in ("parallel.offload", "train.activation_offload"):
+        assert check_memory(_cfg(**{key: True}), 1, "cuda", "bf16", device_memory=1) is None
+        with pytest.raises(ConfigError, match=rf"^parallel\.max_memory_gb: .*not model {key}.*remove"):
+            check_memory(_cfg(**{key: True, "parallel.max_memory_gb": 1.0}), 1, "cuda", "bf16")
+
+
 def test_limit_plans_auto_micro_batch_at_its_smallest_candidate():
     auto = _cfg(**{"train.micro_batch_size": "auto", "train.tokens_per_step": 8 * T})
     one = _cfg(**{"train.micro_batch_size": 1, "train.tokens_per_step": 8 * T})

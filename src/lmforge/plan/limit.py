@@ -13,7 +13,10 @@ refuses what the planner says cannot fit, and leaves the planner's uncertain las
 What the plan assumes: the recipe's ``data.vocab_size`` (a trained tokenizer's own vocabulary may be
 smaller), the language-model objective (DPO's two rows per pair and its reference model are not
 counted), ``train.micro_batch_size = "auto"`` at its smallest candidate (the pipeline's micro-batches, or
-1: what auto falls back to), ``train.precision = "auto"`` as the device resolves it.
+1: what auto falls back to), ``train.precision = "auto"`` as the device resolves it, eager activations
+(an upper bound of what a compiled run saves, ``docs/activation_memory.md``). Offloading to host memory
+(``parallel.offload``, ``train.activation_offload``) is not modelled: such a run is not checked, and
+refused in one line when the key asks for a check.
 
 :func:`check_memory` is the pure function; :func:`check_run_memory` reads what it needs from this process
 (``torchrun``'s world size, the CUDA device's memory, native BF16) and is what ``train/build.py::validate``
@@ -31,6 +34,11 @@ from lmforge.plan.hardware import Hardware, cpu
 
 GB = 1e9
 KEY = "parallel.max_memory_gb"
+# what moves memory off the device, which the planner does not model: no check with these on
+OFFLOAD = {
+    "parallel.offload": lambda cfg: cfg.parallel.offload,
+    "train.activation_offload": lambda cfg: cfg.train.activation_offload,
+}
 
 
 def planned_peak(cfg: Config, world: int, device_type: str, number_format: str) -> Estimate:
@@ -83,7 +91,17 @@ def check_memory(
 ) -> Estimate | None:
     """The planned peak of ``cfg`` (:func:`planned_peak`) checked against ``parallel.max_memory_gb`` (GB),
     or, unset, ``device_memory`` (bytes; a CUDA device's); ConfigError (:func:`refusal`) when it exceeds
-    the limit. None when there is no limit (CPU without the key): nothing is planned."""
+    the limit. None when there is no limit (CPU without the key) or the run offloads to host memory
+    (``parallel.offload``, ``train.activation_offload``: not modelled; with the key set, a ConfigError):
+    nothing is planned."""
+    offload = [k for k, on in OFFLOAD.items() if on(cfg)]
+    if offload and cfg.parallel.max_memory_gb is not None:
+        raise ConfigError(
+            f"{KEY}: the planner does not model {offload[0]} (it counts everything on the device), so it "
+            f"cannot check the limit; remove {KEY} or --{offload[0]}"
+        )
+    if offload:
+        return None
     if cfg.parallel.max_memory_gb is not None:
         limit, source = cfg.parallel.max_memory_gb * GB, KEY
     elif device_memory is not None:
