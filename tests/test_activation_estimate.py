@@ -168,29 +168,28 @@ def test_policies_order_and_parts():
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_fused_loss_keeps_the_hidden_states_and_two_values_per_token(tp: int):
-    """The fused linear + cross-entropy keeps no logits: besides the head's input (the final norm's, as
-    with the chunked loss) it saves 2 FP32 values per token (log-sum-exp, target logit), whatever the
-    chunk and the vocabulary, and under autocast no copy of the head weight; under tensor parallelism the
-    same on every rank (vocabulary-parallel: nothing of size V). By hand for SHAPES[0] (llama, d 64,
-    batch 2 x 32 = 64 tokens, vocab 96)."""
+def test_fused_loss_keeps_the_two_gradients_and_no_logits(tp: int):
+    """The fused head + cross-entropy of a summed loss computes both gradients in forward and keeps them
+    (FP32): the hidden states' ``4 N d``, whole on every TP rank, and this rank's head rows' ``4 V d /
+    tp``, whatever the chunk; no head input, no logits, no weight cast (the chunked loss keeps all
+    three). By hand for SHAPES[0] (llama, d 64, batch 2 x 32 = 64 tokens, vocab 96)."""
     shape = SHAPES[0]
     args = (shape.model, shape.vocab, shape.seq, shape.batch, "none")
-    tokens, d = 64, 64
+    tokens, d, vocab = 64, 64, 96
     n = tokens // tp  # the sequence-parallel final norm
     for chunk in (0, 7):
         for c in (4, 2):
             fused = activation_bytes(*args, c, "flash", chunk, tp=tp, loss="fused")
             chunked = activation_bytes(*args, c, "flash", chunk, tp=tp, loss="chunked")
-            assert fused.loss == 4 * 2 * tokens == 512
-            # final norm: input 4 n d, rstd 4 n and x_hat 4 n d (CPU RMSNorm); the head's input c N d
-            assert fused.head == chunked.head == 4 * n * d + (4 * n + 4 * n * d) + c * tokens * d
-            assert (
-                chunked.loss - fused.loss == 4 * tokens * 96 + 4 * math.ceil(tokens / (chunk or tokens)) - 512
-            )
+            assert fused.loss == 4 * tokens * d + 4 * vocab * d // tp == 16_384 + 24_576 // tp
+            # the final norm: input 4 n d, rstd 4 n and x_hat 4 n d (CPU RMSNorm); chunked: + the head input
+            assert fused.head == 4 * n * d + (4 * n + 4 * n * d)
+            assert chunked.head - fused.head == c * tokens * d
+            chunks = math.ceil(tokens / (chunk or tokens))
+            assert chunked.loss == 4 * tokens * vocab + 4 * chunks
             blocks = activation_bytes(*args, c, "flash", chunk, tp=tp, loss="fused", layers=1)
             assert fused.weight_casts == 2 * blocks.weight_casts  # the two blocks' casts, no head cast
-            assert chunked.weight_casts - fused.weight_casts == (2 * 96 * 64 // tp if c == 2 else 0)
+            assert chunked.weight_casts - fused.weight_casts == (2 * vocab * d // tp if c == 2 else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

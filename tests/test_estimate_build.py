@@ -140,18 +140,23 @@ def test_cli_shows_the_build_in_text_and_json(cli):
     assert e["peak"] == e["total"]
 
 
-# A tied 131,072 x 1,024 embedding and one small block over 64 ranks: the shards are tiny, the embedding
-# drawn whole is 512 MiB, and a training step of 64 tokens holds much less than that beside its shards.
+# A tied 131,072 x 1,024 embedding and one small block over 32 FSDP2 ranks x 2 TP ranks: the shards are
+# tiny, and FSDP2's _StridedShard over the TP shard costs the embedding twice over while it is drawn,
+# 1 GiB; a training step of 64 tokens (the fused loss keeps the head's half-vocabulary FP32 gradient,
+# 256 MiB) holds less.
 WIDE = ModelConfig(arch="llama", n_layers=1, d_model=1024, n_heads=8, d_ff=2048)
 WIDE_P = 131_072 * 1024 + (4 * 1024 * 1024 + 3 * 2048 * 1024 + 2 * 1024) + 1024  # 144,706,560
-WIDE_BUILD = 4 * WIDE_P / 64 + 4 * 131_072 * 1024 * (1 + 1 / 64)  # 554,303,680 bytes
+# per TP rank: embedding 65,536 x 1,024; q, k, v 512 x 1,024, o 1,024 x 512, gate, up, down 1,024 x 1,024,
+# two norms and the final norm whole: 72,354,816 values; a 32nd of them on each rank (all divide)
+WIDE_SHARDS = 4 * (65_536 * 1024 + 4 * 512 * 1024 + 3 * 1024 * 1024 + 3 * 1024) // 32  # 9,044,352
+WIDE_BUILD = WIDE_SHARDS + 4 * (2 * 131_072 * 1024 + 131_072 * 1024 // 32)  # 1,099,563,392
 
 
 def test_the_build_can_set_the_peak_and_the_estimate_says_so():
     work = Workload(WIDE, 131_072, 64, "bf16", "adamw", "flash", 64, None, "cuda")
-    e = estimate(work, Layout(dp_shard=64), H100)
+    e = estimate(work, Layout(dp_shard=32, tp=2), H100)
     assert param_count(WIDE, 131_072, 64) == WIDE_P
-    assert e.build.total == WIDE_BUILD == 554_303_680
+    assert e.build.total == WIDE_BUILD == 1_099_563_392 and e.build.shards == WIDE_SHARDS
     assert e.peak_source == "build" and e.peak == e.build_total == pytest.approx(WIDE_BUILD * 1.05 + GIB)
     assert e.build_total > e.total
     (warning,) = [w for w in e.warnings if "build" in w]
@@ -159,7 +164,11 @@ def test_the_build_can_set_the_peak_and_the_estimate_says_so():
     assert f"{e.build_total / GIB:.2f} GiB" in warning and f"{e.total / GIB:.2f} GiB" in warning
     # fits compares the peak, the build's here: a margin the step meets but the build does not
     between = (e.total + e.build_total) / 2 / H100.memory_bytes
-    assert not estimate(work, Layout(dp_shard=64), H100, margin=between).fits
+    assert not estimate(work, Layout(dp_shard=32, tp=2), H100, margin=between).fits
+    # FSDP2 alone over 64: the embedding drawn once (+ its clone), under the step, which keeps the
+    # fused loss's whole-vocabulary FP32 head gradient (512 MiB)
+    alone = estimate(work, Layout(dp_shard=64), H100)
+    assert alone.build.temporary == 4 * 131_072 * 1024 * (1 + 1 / 64) and alone.peak_source == "step"
 
 
 def test_no_warning_where_training_sets_the_peak():
@@ -245,21 +254,40 @@ def test_collective_counts():
 
 
 def test_fused_loss_temporaries_and_vocabulary_parallel_traffic():
-    """One chunk of 16 tokens: the fused loss holds its FP32 logits and their gradient, V / tp columns
-    each; the chunked loss its 16-bit logits and their FP32 copy, all V columns on every TP rank. Under
-    TP the fused loss moves the head's input (all-gather, and its gradient back) and 3 FP32 statistics
-    per token (all-reduced), not the logits."""
-    assert loss_temporary("fused", 16, 1000, 1, 2) == 2 * 4 * 16 * 1000
-    assert loss_temporary("fused", 16, 1000, 2, 2) == 2 * 4 * 16 * 500
+    """A micro-batch of 32 tokens (d 64, V 1000), chunks of 16. The fused loss's forward holds one chunk's
+    FP32 logits (and their BF16 copy under autocast), the chunk's product for the head's gradient and,
+    under autocast, BF16 copies of the hidden states and the head; its backward scales the two kept FP32
+    gradients into new tensors, 4 (N d + V d / tp); the larger counts. The chunked loss held the chunk's
+    16-bit logits and their FP32 copy, all V columns on every TP rank. Under TP the fused loss moves the
+    head's FP32 input (all-gathered), its gradient and 3 FP32 statistics per token (all-reduced), not the
+    logits."""
+    n, d = 32, 64
+    assert loss_temporary("fused", 16, 1000, 1, 4, n, d) == 4 * 16 * 1000 + 4 * 1000 * d == 320_000
+    assert loss_temporary("fused", 16, 1000, 2, 4, n, d) == 4 * 16 * 500 + 4 * 500 * d == 160_000
+    bf16 = (4 + 2) * 16 * 1000 + 2 * 1000 * d + 2 * (n * d + 1000 * d)
+    assert loss_temporary("fused", 16, 1000, 1, 2, n, d) == bf16 == 356_096
+    # under FSDP2 the gathered head is BF16 already: no copy in forward, its gradient's BF16 copy in backward,
+    # which is then the larger
+    forward = (4 + 2) * 16 * 1000 + 2 * 1000 * d + 2 * n * d  # 228,096
+    backward = 4 * (n * d + 1000 * d) + 2 * 1000 * d  # 392,192
+    assert loss_temporary("fused", 16, 1000, 1, 2, n, d, fsdp=True) == max(forward, backward) == 392_192
+    # one chunk of 2 tokens: the backward's new gradients are the larger
+    assert loss_temporary("fused", 2, 1000, 1, 4, n, d) == max(
+        4 * 2 * 1000 + 4 * 1000 * d, 4 * (n * d + 1000 * d)
+    )
     assert loss_temporary("chunked", 16, 1000, 2, 2) == (2 + 4) * 16 * 1000
-    tokens, d, frac = 4096, 64, 1 / 2
+    tokens, frac = 4096, 1 / 2
     blocks = comm.tp_volume(2, 2, tokens, d, 1000, 2, head=False)
     fused = comm.tp_volume(2, 2, tokens, d, 1000, 2, loss="fused")
     chunked = comm.tp_volume(2, 2, tokens, d, 1000, 2, loss="chunked")
-    assert fused - blocks == pytest.approx(2 * frac * tokens * d * 2 + 2 * frac * 4 * 3 * tokens)
+    # the FP32 hidden states all-gathered, their FP32 gradient and 3 FP32 statistics per token all-reduced
+    assert fused - blocks == pytest.approx(
+        frac * 4 * tokens * d + 2 * frac * 4 * tokens * d + 2 * frac * 12 * tokens
+    )
     assert chunked - blocks == pytest.approx(2 * frac * tokens * 1000 * 2)
-    e = estimate(_work(), Layout(), H100)
-    assert e.temporaries.loss_chunk == 2 * 4 * 16 * V and e.activation_parts["loss"] == 4 * 2 * T
+    e = estimate(_work(), Layout(), H100)  # FP32, one micro-batch of 32 tokens, chunks of 16
+    assert e.temporaries.loss_chunk == 320_000
+    assert e.activation_parts["loss"] == 4 * T * 64 + 4 * V * 64 == 264_192
 
 
 # -- the memory limit ---------------------------------------------------------------------------------------
@@ -294,15 +322,15 @@ def test_limit_passes_a_fitting_layout_and_refuses_one_over_it_in_one_line():
 
 
 def test_limit_names_the_build_when_the_build_is_the_peak():
-    """The wide model over 64 ranks (the build sets its peak, by hand: 554,303,680 bytes x 1.05 + 1 GiB)
-    against a 1.5 GB limit."""
+    """The wide model over 32 x 2 ranks (the build sets its peak, by hand: 1,099,563,392 bytes x 1.05 +
+    1 GiB) against a 1.5 GB limit."""
     cfg = load_config(
         None,
         {
             "model.n_layers": 1, "model.d_model": 1024, "model.n_heads": 8, "model.d_ff": 2048,
             "data.vocab_size": 131_072, "data.seq_len": 64, "train.loss_chunk": 64,
             "train.micro_batch_size": 1, "train.tokens_per_step": 64 * 64,
-            "parallel.dp_shard": 64, "parallel.max_memory_gb": 1.5,
+            "parallel.dp_shard": 32, "parallel.tp": 2, "parallel.max_memory_gb": 1.5,
         },
     )  # fmt: skip
     with pytest.raises(ConfigError) as err:

@@ -57,20 +57,20 @@ Outside the blocks:
 * embedding: GPT-2's position ids ``arange(T)``, ``8 T`` (the token ids are the caller's input and are
   not counted).
 * head and loss (``loss``): the final norm as a block norm (input ``4 n d``, stats, RMSNorm's ``x_hat``)
-  and the hidden states the head reads (FP32: the norm output ``4 N d``; autocast: its ``c``-byte cast,
-  ``c N d``), all-gathered to full length on every tensor-parallel rank. Then, by loss:
+  on every rank's sequence shard. Then, by loss:
 
-  - ``fused`` (a fused linear + cross-entropy: logits computed chunk by chunk in forward and again in
-    backward, never kept): ``FUSED_LOSS_VALUES`` FP32 values per token (the log-sum-exp over the whole
-    vocabulary and the target's logit), ``4 k N``; no saved weight cast and no logits. Under tensor
-    parallelism the loss is vocabulary-parallel: the per-token values are all-reduced, nothing of size
-    ``V`` is gathered. Derived from that design, not measured (the temporaries, one chunk's logits and
-    their gradient, are ``plan/memory.py::loss_temporary``).
-  - ``chunked`` (``model/loss.py``'s ``ChunkedCrossEntropy``, measured exact): the head input once per
-    chunk under autocast, the autocast copy of the head weight ``c V d`` (``/ tp``), and every chunk's
-    FP32 log-softmax, alive until backward in eager, ``4 N V`` in all (the chunking bounds the temporary
-    logits, not the saved log-probabilities), plus one 4-byte ``total_weight`` per chunk, ``4 ceil(N /
-    chunk)``; under tensor parallelism the logits are all-gathered, full-size on every rank.
+  - ``fused`` (``model/fused_loss.py``: the output head and the cross-entropy fused chunk by chunk; the
+    loss of a training step is a sum, so its forward computes both gradients for an upstream gradient
+    of 1 and backward only scales them): the FP32 gradients of the hidden states and of the head,
+    ``4 N d + 4 V d / tp``; no logits, no head input and no weight cast are kept. Under tensor
+    parallelism the loss is vocabulary-parallel: each rank holds the whole ``N x d`` hidden states'
+    gradient and its ``V / tp`` rows of the head's (temporaries: ``plan/memory.py::loss_temporary``).
+  - ``chunked`` (the chunked loss lmforge had before, a head then ``F.cross_entropy`` per chunk; measured
+    exact): the head input (FP32: the norm output ``4 N d``; autocast: its cast per chunk, ``c N d``),
+    the autocast copy of the head weight ``c V d`` (``/ tp``), and every chunk's FP32 log-softmax,
+    alive until backward in eager, ``4 N V`` in all (the chunking bounds the temporary logits, not the
+    saved log-probabilities), plus one 4-byte ``total_weight`` per chunk, ``4 ceil(N / chunk)``; under
+    tensor parallelism the head input and the logits are all-gathered, full-size on every rank.
 
 The backward peak adds, on top of the saved bytes, one checkpointed block's recomputation: its ``none``
 bytes minus what it kept (``recompute``; gradients and temporaries not included).
@@ -93,7 +93,6 @@ from lmforge.model.transformer import ff_width
 
 ATTENTION_KINDS = ("flash", "flex", "math")
 LOSSES = ("fused", "chunked")
-FUSED_LOSS_VALUES = 2  # FP32 values per token the fused loss keeps for backward: log-sum-exp, target logit
 
 
 def attention_kind(device_type: str, attention: str = "auto", doc_mask: bool = True) -> str:
@@ -241,16 +240,16 @@ def _selective_block(D: _Dims, attention: str) -> dict[str, int]:
 def _head_and_loss(D: _Dims, loss: str, loss_chunk: int) -> dict[str, int]:
     """What the final norm, the head and the loss save (the stage holding the last block)."""
     N, n, d, V, c = D.N, D.n, D.d, D.V, D.c
-    head_in = c * N * d if D.ac else 4 * N * d
-    out = {"head": 4 * n * d + D.norm_stats + head_in}
-    if loss == "fused":
-        out["loss"] = 4 * FUSED_LOSS_VALUES * N
-    elif loss == "chunked":
-        out["weight_casts"] = c * V * d // D.tp if D.ac else 0
-        out["loss"] = 4 * N * V + 4 * math.ceil(N / (loss_chunk or N))
-    else:
-        raise ValueError(f"loss {loss!r}: use one of {', '.join(LOSSES)}")
-    return out
+    final_norm = 4 * n * d + D.norm_stats
+    if loss == "fused":  # the gradients of the hidden states and of this rank's head rows, FP32
+        return {"head": final_norm, "loss": 4 * N * d + 4 * V * d // D.tp}
+    if loss == "chunked":
+        return {
+            "head": final_norm + (c * N * d if D.ac else 4 * N * d),
+            "weight_casts": c * V * d // D.tp if D.ac else 0,
+            "loss": 4 * N * V + 4 * math.ceil(N / (loss_chunk or N)),
+        }
+    raise ValueError(f"loss {loss!r}: use one of {', '.join(LOSSES)}")
 
 
 def activation_bytes(

@@ -30,12 +30,14 @@ micro-batches (:func:`dp_collectives`, ``parallel/data_parallel.py::GradientSync
 
 Tensor parallelism with sequence parallelism (Korthikanti et al. 2022): per block and micro-batch two
 all-gathers and two reduce-scatters of the ``b x T x d`` activations in forward and as many in backward,
-``8 (t - 1)/t * b T d c`` bytes. The output head: with the fused, vocabulary-parallel loss, the final
-norm's output is all-gathered for the head and its gradient reduce-scattered back, ``2 (t - 1)/t * b T d
-c``, and each token's softmax statistics (its maximum, the sum of exponentials and the target's logit,
-``VOCAB_PARALLEL_STATS`` FP32 values) are all-reduced in forward; with the chunked loss the logits are
-all-gathered instead, ``(t - 1)/t * b T V c`` in forward and again for their gradient in backward. A
-full-recompute policy adds the blocks' forward four again.
+``8 (t - 1)/t * b T d c`` bytes. The output head: with the fused, vocabulary-parallel loss
+(``model/fused_loss.py``), the final norm's FP32 output is all-gathered for the head, each token's
+softmax statistics (its maximum, then the sum of exponentials and the target's logit:
+``VOCAB_PARALLEL_STATS`` FP32 values) are all-reduced, and the hidden states' FP32 gradient, a partial sum
+over each rank's vocabulary rows, is all-reduced once: ``(t - 1)/t * 4 b T d + all_reduce(4 b T d) +
+all_reduce(12 b T)``; with the chunked loss the logits were all-gathered instead, ``(t - 1)/t * b T V c``
+in forward and again for their gradient in backward. A full-recompute policy adds the blocks' forward four
+again.
 
 Pipeline parallelism: each micro-batch's ``b x T x d`` activation goes to the next stage and its gradient
 comes back, ``2 * b T d c`` bytes per pipeline micro-batch sent by an inner stage.
@@ -164,8 +166,9 @@ def tp_volume(
 ) -> float:
     """Bytes per device of tensor parallelism for ``tokens`` (= b x T summed over the step's
     micro-batches): ``(8 + 4 r) (t - 1)/t * tokens * d * c`` per block (``r`` the recomputed share of
-    forwards) plus, on the rank holding the head, ``2 (t - 1)/t * tokens * d * c + all_reduce(4 * 3 *
-    tokens, t)`` (``loss="fused"``, vocabulary-parallel) or ``2 (t - 1)/t * tokens * V * c``
+    forwards) plus, on the rank holding the head, ``(t - 1)/t * 4 tokens d + all_reduce(4 tokens d, t) +
+    all_reduce(4 * 3 * tokens, t)`` (``loss="fused"``, vocabulary-parallel: the hidden states gathered in
+    FP32, their gradient and the statistics all-reduced) or ``2 (t - 1)/t * tokens * V * c``
     (``loss="chunked"``, the logits all-gathered)."""
     if tp == 1:
         return 0.0
@@ -175,9 +178,11 @@ def tp_volume(
         return blocks
     if loss == "chunked":
         return blocks + 2 * frac * tokens * vocab_size * compute_bytes
+    hidden = 4 * tokens * d_model
     return (
         blocks
-        + 2 * frac * tokens * d_model * compute_bytes
+        + all_gather(hidden, tp)
+        + all_reduce(hidden, tp)
         + all_reduce(4 * VOCAB_PARALLEL_STATS * tokens, tp)
     )
 

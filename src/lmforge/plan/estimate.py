@@ -476,6 +476,7 @@ def _rank_memory(
         accounting,
         workload.loss,
         layout.pp > 1,
+        tokens,
     )
     accumulating = accumulating_gradients(states, mine, layout, accounting)
     phases = step_phases(states, acts, temps, accum * pipe.m, accumulating)
@@ -654,6 +655,7 @@ def _device_states(
     accounting: str,
     loss: str = "fused",
     pipeline: bool = False,
+    tokens: int = 0,
 ) -> tuple[list[ParamTensor], StateBytes, Temporaries]:
     """The tensors of a pipeline rank owning the block ranges ``owned``, their model states and the
     temporaries (the head's loss chunk on the rank owning the last block only); cached, since the layouts
@@ -680,6 +682,7 @@ def _device_states(
         accounting,
         loss,
         pipeline,
+        tokens,
     )
     return mine, states, temps
 

@@ -430,7 +430,7 @@ class Temporaries:
     fsdp_gathered: float = 0.0  # unsharded parameter copies FSDP2 holds
     fsdp_grad_reduce: float = 0.0  # one unit's unsharded gradient and its FP32 reduce copy
     ddp_buckets: float = 0.0  # DDP's flat gradient buckets (gradient_as_bucket_view=False)
-    loss_chunk: float = 0.0  # one chunk's logits and their gradient (fused loss; chunked: 16-bit and FP32)
+    loss_chunk: float = 0.0  # the loss's own buffers at their largest (loss_temporary)
     optimizer_step: float = 0.0  # the optimizer step's own scratch (after backward)
 
     @property
@@ -439,20 +439,41 @@ class Temporaries:
         return self.fsdp_gathered + self.fsdp_grad_reduce + self.ddp_buckets + self.loss_chunk
 
 
-def loss_temporary(loss: str, loss_tokens: int, vocab_size: int, tp: int, c: int) -> int:
-    """Bytes of one loss chunk of ``loss_tokens`` tokens while it is computed.
+def loss_temporary(
+    loss: str,
+    chunk_tokens: int,
+    vocab_size: int,
+    tp: int,
+    c: int,
+    tokens: int = 0,
+    d_model: int = 0,
+    fsdp: bool = False,
+) -> int:
+    """Bytes the loss of one micro-batch of ``tokens`` tokens (``d_model`` wide) holds beyond what it
+    keeps for backward, at its largest, computed ``chunk_tokens`` at a time.
 
-    ``fused`` (a fused linear + cross-entropy: the logits are computed chunk by chunk in forward and again
-    in backward): one chunk's FP32 logits and their FP32 gradient, ``2 * 4 * chunk * V / tp``; under
-    tensor parallelism the loss is vocabulary-parallel, so each rank holds its ``V / tp`` columns only.
-    ``chunked`` (``model/loss.py``'s ``ChunkedCrossEntropy``): the chunk's logits in ``c`` bytes and their
-    FP32 copy (``.float()`` before the softmax), all-gathered over the vocabulary under TP: ``(c + 4) *
-    chunk * V``.
+    ``fused`` (``model/fused_loss.py``; ``v = V / tp``, this rank's vocabulary rows): the larger of its
+    forward, one chunk's FP32 logits, their compute-dtype copy under autocast, and the chunk's product for
+    the head's gradient, ``(4 + c [c < 4]) * chunk * v + c * v * d``, plus under autocast the
+    compute-dtype copies of the hidden states and of the head, ``c (N d + v d)`` (under FSDP2, ``fsdp``,
+    the gathered head already is in ``c`` bytes: ``c N d``); and its backward, which scales the two kept
+    gradients into new FP32 tensors, ``4 (N d + v d)`` (under FSDP2 and autocast, plus the head
+    gradient's ``c``-byte copy for the ``c``-byte parameter, ``c v d``). Read from the code; the
+    per-chunk slope (``4 v`` bytes per token in FP32, ``6 v`` in BF16) measured with PyTorch's
+    ``MemTracker`` on CPU. ``chunked`` (a head then ``F.cross_entropy`` per chunk): the chunk's logits in
+    ``c`` bytes and their FP32 copy (``.float()`` before the softmax), all-gathered over the vocabulary
+    under TP: ``(c + 4) * chunk * V``.
     """
     if loss == "fused":
-        return 2 * 4 * loss_tokens * split(vocab_size, tp)
+        v, autocast = split(vocab_size, tp), c < 4
+        forward = (4 + (c if autocast else 0)) * chunk_tokens * v + c * v * d_model
+        backward = 4 * (tokens * d_model + v * d_model)
+        if autocast:
+            forward += c * tokens * d_model + (0 if fsdp else c * v * d_model)
+            backward += c * v * d_model if fsdp else 0
+        return max(forward, backward)
     if loss == "chunked":
-        return (c + 4) * loss_tokens * vocab_size
+        return (c + 4) * chunk_tokens * vocab_size
     raise ValueError(f"loss {loss!r}: use one of {', '.join(LOSSES)}")
 
 
@@ -468,6 +489,7 @@ def temporaries(
     accounting: str = "lmforge",
     loss: str = "fused",
     pipeline: bool = False,
+    tokens: int = 0,
 ) -> Temporaries:
     """Temporary buffers of one device (``c`` compute bytes, ``g`` gradient bytes: 4, or 2 in zero-paper):
 
@@ -482,7 +504,8 @@ def temporaries(
       ``c`` is 2, its FP32 copy (``reduce_dtype``): ``(c + 4 [c < 4]) * unit``;
     * DDP and ZeRO-1 (lmforge's DDP defaults: 25 MiB buckets, ``gradient_as_bucket_view=False``): flat
       bucket copies of every gradient, ``g * P``;
-    * the loss: :func:`loss_temporary` of one chunk (``loss``: ``fused`` or ``chunked``);
+    * the loss: :func:`loss_temporary` (``loss``: ``fused`` or ``chunked``) of a micro-batch of
+      ``tokens`` tokens, ``loss_tokens`` at a time;
     * the optimizer step (after backward, apart from activations): Lion's ``foreach`` update copy ``4n``,
       Adafactor's squared gradient ``4n``, AdamW8bit's two dequantised FP32 moments of the largest tensor.
     """
@@ -505,7 +528,10 @@ def temporaries(
         out["ddp_buckets"] = (4 if accounting == "lmforge" else 2) * sum(local)
     has_head = any(t.name == "lm_head.weight" or (t.name == "embed.weight" and t.linear) for t in tensors)
     if has_head and loss_tokens:
-        out["loss_chunk"] = loss_temporary(loss, loss_tokens, vocab_size, tp, c)
+        d = next(t.shape[1] for t in tensors if t.name in ("lm_head.weight", "embed.weight"))
+        out["loss_chunk"] = loss_temporary(
+            loss, loss_tokens, vocab_size, tp, c, tokens or loss_tokens, d, fsdp
+        )
     held = [math.prod(fsdp_shape(tp_shape(t, tp), shards)) for t in tensors] if fsdp else local
     n_opt, total_opt = max(held, default=0), sum(held)
     if optimizer in ("lion", "adafactor"):
