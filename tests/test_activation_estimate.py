@@ -27,6 +27,9 @@ from tests.conftest import model_of
 # exact byte count: a tolerance would let the small parts (the log-sum-exp, RoPE's casts, the per-chunk
 # loss weights) go wrong unnoticed. An op-level change in a later torch shows here first.
 TOLERANCE = 0.0
+# The loss these tests measure: lmforge.model.loss's NextTokenLoss computes ChunkedCrossEntropy here, so
+# the formula is asked for that loss ("fused" is the planner's default: the fused linear + cross-entropy).
+MEASURED_LOSS = "chunked"
 POLICIES = ("none", "full", "every:2", "selective")
 
 
@@ -90,7 +93,16 @@ def measure(shape: Shape, policy: str, autocast: bool = False, math: bool = Fals
 
 def predict(shape: Shape, policy: str, compute_bytes: int = 4, attention: str = "flash", **kw) -> int:
     return activation_bytes(
-        shape.model, shape.vocab, shape.seq, shape.batch, policy, compute_bytes, attention, shape.chunk, **kw
+        shape.model,
+        shape.vocab,
+        shape.seq,
+        shape.batch,
+        policy,
+        compute_bytes,
+        attention,
+        shape.chunk,
+        loss=MEASURED_LOSS,
+        **kw,
     ).total
 
 
@@ -143,7 +155,7 @@ def test_policies_order_and_parts():
     for chunk in (0, 7, 64):
         tokens = shape.batch * shape.seq
         chunks = math.ceil(tokens / (chunk or tokens))
-        loss = activation_bytes(*args, "none", 4, "flash", chunk).loss
+        loss = activation_bytes(*args, "none", 4, "flash", chunk, loss="chunked").loss
         assert loss == 4 * tokens * shape.vocab + 4 * chunks
     mha = shape.model.model_copy(update={"n_kv_heads": None})
     assert activation_bytes(mha, *args[1:], "none", 4, "flash", 0).attention_kernel == none.attention_kernel
@@ -153,6 +165,31 @@ def test_policies_order_and_parts():
     cuda = activation_bytes(*args, "none", 4, "flash", shape.chunk, device_type="cuda")
     tokens, norms = shape.batch * shape.seq, 2 * shape.model.n_layers + 1
     assert none.total - cuda.total == norms * 4 * tokens * shape.model.d_model
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_loss_keeps_the_two_gradients_and_no_logits(tp: int):
+    """The fused head + cross-entropy of a summed loss computes both gradients in forward and keeps them
+    (FP32): the hidden states' ``4 N d``, whole on every TP rank, and this rank's head rows' ``4 V d /
+    tp``, whatever the chunk; no head input, no logits, no weight cast (the chunked loss keeps all
+    three). By hand for SHAPES[0] (llama, d 64, batch 2 x 32 = 64 tokens, vocab 96)."""
+    shape = SHAPES[0]
+    args = (shape.model, shape.vocab, shape.seq, shape.batch, "none")
+    tokens, d, vocab = 64, 64, 96
+    n = tokens // tp  # the sequence-parallel final norm
+    for chunk in (0, 7):
+        for c in (4, 2):
+            fused = activation_bytes(*args, c, "flash", chunk, tp=tp, loss="fused")
+            chunked = activation_bytes(*args, c, "flash", chunk, tp=tp, loss="chunked")
+            assert fused.loss == 4 * tokens * d + 4 * vocab * d // tp == 16_384 + 24_576 // tp
+            # the final norm: input 4 n d, rstd 4 n and x_hat 4 n d (CPU RMSNorm); chunked: + the head input
+            assert fused.head == 4 * n * d + (4 * n + 4 * n * d)
+            assert chunked.head - fused.head == c * tokens * d
+            chunks = math.ceil(tokens / (chunk or tokens))
+            assert chunked.loss == 4 * tokens * vocab + 4 * chunks
+            blocks = activation_bytes(*args, c, "flash", chunk, tp=tp, loss="fused", layers=1)
+            assert fused.weight_casts == 2 * blocks.weight_casts  # the two blocks' casts, no head cast
+            assert chunked.weight_casts - fused.weight_casts == (2 * vocab * d // tp if c == 2 else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -35,6 +35,29 @@ def _cfg(**parallel):
         ({"dp_shard": 2, "zero": 1, "pp": 2}, 4, TORCHRUN, "parallel.zero:", "pipeline"),
         ({"dp_replicate": 2, "pp": 2}, 4, TORCHRUN, "parallel.dp_replicate:", "pipeline"),
         ({}, 1, {"SLURM_NTASKS": "4"}, "lmforge train:", "srun without torchrun"),
+        # defer_grad_sync defers FSDP2's reduce-scatters: meaningless for one process, DDP, ZeRO-1, a pipeline
+        ({"defer_grad_sync": True}, 1, {}, "parallel.defer_grad_sync:", "dp_shard above 1"),
+        (
+            {"dp_replicate": 4, "defer_grad_sync": True},
+            4,
+            TORCHRUN,
+            "parallel.defer_grad_sync:",
+            "zero=2 or 3",
+        ),
+        (
+            {"dp_shard": 4, "zero": 1, "defer_grad_sync": True},
+            4,
+            TORCHRUN,
+            "parallel.defer_grad_sync:",
+            "ZeRO-1",
+        ),
+        (
+            {"dp_shard": 2, "pp": 2, "defer_grad_sync": True},
+            4,
+            TORCHRUN,
+            "parallel.defer_grad_sync:",
+            "pipeline",
+        ),
     ],
 )
 def test_wrong_layouts_are_refused_in_one_line(parallel, world, env, key, words):
@@ -50,6 +73,9 @@ def test_layouts_name_their_machinery():
     assert data_parallel_kind(_cfg(dp_shard=2, zero=1)) == "zero1"
     assert data_parallel_kind(_cfg(dp_shard=2, zero=2)) == "fsdp"
     check_layout(_cfg(dp_replicate=2, dp_shard=2, tp=2, pp=1), 8, {**TORCHRUN, "WORLD_SIZE": "8"})
+    for zero in (2, 3):  # FSDP2, also with tensor parallelism and hybrid sharding
+        deferred = _cfg(dp_replicate=2, dp_shard=2, tp=2, zero=zero, defer_grad_sync=True)
+        check_layout(deferred, 8, {**TORCHRUN, "WORLD_SIZE": "8"})
 
 
 @pytest.mark.parametrize(

@@ -395,8 +395,16 @@ class ParallelConfig(_Section):
     )
     defer_grad_sync: bool = Field(
         False,
-        description="FSDP2 with accumulation: keep unsharded gradients over a step's micro-batches and "
-        "reduce-scatter them once per step (more memory, fewer collectives)",
+        description="FSDP2 (dp_shard > 1, zero 2 or 3, no pp) with accumulation: keep unsharded FP32 "
+        "gradients over a step's micro-batches and reduce-scatter them once per step (more memory, fewer "
+        "collectives; with one micro-batch per step it changes nothing)",
+    )
+    max_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="per-device memory in GB (1e9 bytes) the run must fit: a layout whose planned peak "
+        "(lmforge estimate's, the larger of the build and a training step) exceeds it is refused before any "
+        "work (unset: the device's memory on CUDA, nothing checked on CPU)",
     )
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"] = Field(
         "1f1b", description="pipeline schedule"

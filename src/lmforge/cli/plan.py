@@ -104,6 +104,8 @@ def _estimate_text(e, name: str, optimizer: str, hw) -> str:
     grads_note = (
         ""
         if e.gradients_at_peak == e.states.grads
+        else f"unsharded while micro-batches accumulate; {e.states.grads / GIB:.2f} GiB reduce-scattered"
+        if e.gradients_at_peak > e.states.grads
         else f"{e.states.grads / GIB:.2f} GiB by the end of backward"
     )
     acts_note = (
@@ -121,15 +123,33 @@ def _estimate_text(e, name: str, optimizer: str, hw) -> str:
         lines.append(
             f"  (optimizer step scratch {t.optimizer_step / GIB:.2f} GiB, after the activations are freed)"
         )
-    verdict = "fits" if e.fits else "DOES NOT FIT"
-    lines.append(
-        f"  {'total':<18s} {e.total / GIB:10.2f}   {verdict}: {e.total / e.memory_bytes:.0%} of the device; limit "
+    verdict = (
+        f"{'fits' if e.fits else 'DOES NOT FIT'}: {e.peak / e.memory_bytes:.0%} of the device; limit "
         f"{e.margin:.0%} = {limit / GIB:.1f} GiB (Fujii et al. 2024: no OOM in 454 runs under 80%)"
+    )
+    b = e.build
+    build = (
+        f"initialising: FP32 parameters {b.shards / GIB:.2f}"
+        + (
+            f" + the largest whole parameter {b.temporary / GIB:.2f}"
+            if b.temporary
+            else " (each initialised in place)"
+        )
+        + (f" + DDP buckets {b.ddp_buckets / GIB:.2f}" if b.ddp_buckets else "")
+        + f" + overhead {e.build_overhead / GIB:.2f}"
+        + (f", pipeline rank {e.build_pp_rank}" if e.layout.pp > 1 else "")
+    )
+    step_peak = e.peak_source == "step"
+    lines.append(f"  {'total':<18s} {e.total / GIB:10.2f}   " + (verdict if step_peak else "(training step)"))
+    lines.append(
+        f"  {'build':<18s} {e.build_total / GIB:10.2f}   ({build})" + ("" if step_peak else f"; {verdict}")
     )
     if len(e.pp_rank_totals) > 1:
         lines.append(
             "  per pipeline rank: "
             + ", ".join(f"{r}: {t / GIB:.2f}" for r, t in enumerate(e.pp_rank_totals))
+            + " GiB; build "
+            + ", ".join(f"{r}: {t / GIB:.2f}" for r, t in enumerate(e.pp_rank_build_totals))
             + " GiB"
         )
     lines += [

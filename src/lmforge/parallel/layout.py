@@ -89,6 +89,12 @@ def check_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -> 
             "parallel.offload: CPU offload is FSDP2's; it needs --parallel.dp_shard above 1 with "
             "--parallel.zero=2 or 3"
         )
+    if p.defer_grad_sync and (kind != "fsdp" or p.pp > 1):
+        raise ConfigError(
+            "parallel.defer_grad_sync: defers FSDP2's reduce-scatters over a step's micro-batches, so it needs "
+            "--parallel.dp_shard above 1 with --parallel.zero=2 or 3 and no pipeline (DDP and ZeRO-1 already "
+            "reduce once per step, a pipeline's schedule once per micro-batch); remove the key"
+        )
     if kind in ("ddp", "zero1") and p.pp > 1:  # DDP's reducer fails on a stage's per-microbatch backwards
         key = "parallel.zero" if kind == "zero1" else "parallel.dp_replicate"
         raise ConfigError(

@@ -56,13 +56,21 @@ Outside the blocks:
 
 * embedding: GPT-2's position ids ``arange(T)``, ``8 T`` (the token ids are the caller's input and are
   not counted).
-* head and loss: the final norm as a block norm (input ``4 n d``, stats, RMSNorm's ``x_hat``), the head
-  input (FP32: the norm output ``4 N d``; autocast: one cast per chunk, ``c N d``), the autocast copy of
-  the head weight ``c V d`` (``/ tp``), and the chunked loss: every chunk's FP32 log-softmax stays alive
-  until backward in eager, ``4 N V`` in all (the chunking bounds the temporary logits, not the saved
-  log-probabilities), plus one 4-byte ``total_weight`` per chunk, ``4 ceil(N / chunk)``. Under tensor
-  parallelism the head input and the logits are all-gathered (lmforge does not use loss parallelism),
-  so these are full-size on every rank.
+* head and loss (``loss``): the final norm as a block norm (input ``4 n d``, stats, RMSNorm's ``x_hat``)
+  on every rank's sequence shard. Then, by loss:
+
+  - ``fused`` (``model/fused_loss.py``: the output head and the cross-entropy fused chunk by chunk; the
+    loss of a training step is a sum, so its forward computes both gradients for an upstream gradient
+    of 1 and backward only scales them): the FP32 gradients of the hidden states and of the head,
+    ``4 N d + 4 V d / tp``; no logits, no head input and no weight cast are kept. Under tensor
+    parallelism the loss is vocabulary-parallel: each rank holds the whole ``N x d`` hidden states'
+    gradient and its ``V / tp`` rows of the head's (temporaries: ``plan/memory.py::loss_temporary``).
+  - ``chunked`` (the chunked loss lmforge had before, a head then ``F.cross_entropy`` per chunk; measured
+    exact): the head input (FP32: the norm output ``4 N d``; autocast: its cast per chunk, ``c N d``),
+    the autocast copy of the head weight ``c V d`` (``/ tp``), and every chunk's FP32 log-softmax,
+    alive until backward in eager, ``4 N V`` in all (the chunking bounds the temporary logits, not the
+    saved log-probabilities), plus one 4-byte ``total_weight`` per chunk, ``4 ceil(N / chunk)``; under
+    tensor parallelism the head input and the logits are all-gathered, full-size on every rank.
 
 The backward peak adds, on top of the saved bytes, one checkpointed block's recomputation: its ``none``
 bytes minus what it kept (``recompute``; gradients and temporaries not included).
@@ -84,6 +92,7 @@ from lmforge.config import ModelConfig
 from lmforge.model.transformer import ff_width
 
 ATTENTION_KINDS = ("flash", "flex", "math")
+LOSSES = ("fused", "chunked")
 
 
 def attention_kind(device_type: str, attention: str = "auto", doc_mask: bool = True) -> str:
@@ -147,6 +156,102 @@ def _add(parts: dict[str, int], **kw: int) -> None:
         parts[k] += v
 
 
+@dataclass(frozen=True)
+class _Dims:
+    """The notation of the module docstring for one device (heads, MLP width and tokens already divided
+    by ``tp`` where tensor parallelism divides them)."""
+
+    B: int
+    T: int
+    N: int
+    n: int
+    d: int
+    V: int
+    h: int
+    g: int
+    e: int
+    f: int
+    c: int
+    tp: int
+    llama: bool
+    k_mlp: int
+    norm_stats: int  # what one norm saves besides its input
+    m: int  # the math kernel's dtype bytes
+
+    @property
+    def ac(self) -> bool:
+        """Autocast (``c < 4``)."""
+        return self.c < 4
+
+
+def _dims(
+    model: ModelConfig, vocab_size: int, seq_len: int, micro_batch: int, c: int, tp: int, device_type: str
+) -> _Dims:
+    B, T, d = micro_batch, seq_len, model.d_model
+    n = B * T // tp  # tokens of the sequence-parallel norms and residual stream
+    llama = model.arch == "llama"
+    composite_rms = device_type != "cuda"  # CUDA has a fused RMSNorm kernel, CPU decomposes it
+    norm_stats = (4 * n + 4 * n * d if composite_rms else 4 * n) if llama else 8 * n
+    return _Dims(
+        B=B, T=T, N=B * T, n=n, d=d, V=vocab_size,
+        h=model.n_heads // tp, g=(model.n_kv_heads or model.n_heads) // tp, e=d // model.n_heads,
+        f=ff_width(model) // tp, c=c, tp=tp, llama=llama, k_mlp=3 if llama else 2, norm_stats=norm_stats,
+        m=4 if device_type == "cpu" else c,  # the math kernel's dtype: the CPU one upcasts to FP32
+    )  # fmt: skip
+
+
+def _plain_block(D: _Dims, attention: str, doc_mask: bool) -> dict[str, int]:
+    """What one block saves under policy ``none``, by part."""
+    B, T, N, n, d, h, g, e, f, c, m = D.B, D.T, D.N, D.n, D.d, D.h, D.g, D.e, D.f, D.c, D.m
+    if attention == "flash":
+        kernel = 4 * c * B * h * T * e + 4 * B * h * T
+    elif attention == "flex":
+        kernel = 2 * c * B * (h + g) * T * e + 4 * B * h * T
+    else:
+        kernel = 3 * m * B * h * T * e + m * B * h * T * T + c * B * h * T * e
+    return {
+        "residual": 2 * 4 * n * d,
+        "norms": 2 * D.norm_stats,
+        "attention_proj": 3 * c * N * d if D.ac else 4 * N * d,
+        "rotary": 4 * c * T * e if (D.ac and D.llama) else 0,
+        "attention_kernel": kernel,
+        "attention_mask": c * B * T * T if (doc_mask and attention == "flash") else 0,
+        "mlp": ((D.k_mlp - 1) * c * N * d if D.ac else 4 * N * d) + (4 if D.llama else 2) * c * N * f,
+        "weight_casts": c * (d * h * e + 2 * d * g * e + h * e * d + D.k_mlp * d * f) if D.ac else 0,
+    }
+
+
+def _selective_block(D: _Dims, attention: str) -> dict[str, int]:
+    """What one block keeps under ``selective``: its input, the matmul and attention kernel outputs."""
+    B, T, N, n, d, h, g, e, f, c, m = D.B, D.T, D.N, D.n, D.d, D.h, D.g, D.e, D.f, D.c, D.m
+    if attention == "math":
+        kept_kernel = m * B * h * T * T + m * B * h * T * e
+    else:
+        kept_kernel = c * B * h * T * e + 4 * B * h * T
+    reduce_scatter = c * n * d if D.tp > 1 else 0  # the selective policy keeps TP's reduce-scatter outputs
+    return {
+        "residual": 4 * n * d,
+        "attention_proj": c * N * (h + 2 * g) * e + c * N * d + reduce_scatter,
+        "attention_kernel": kept_kernel,
+        "mlp": c * N * (D.k_mlp - 1) * f + c * N * d + reduce_scatter,
+    }
+
+
+def _head_and_loss(D: _Dims, loss: str, loss_chunk: int) -> dict[str, int]:
+    """What the final norm, the head and the loss save (the stage holding the last block)."""
+    N, n, d, V, c = D.N, D.n, D.d, D.V, D.c
+    final_norm = 4 * n * d + D.norm_stats
+    if loss == "fused":  # the gradients of the hidden states and of this rank's head rows, FP32
+        return {"head": final_norm, "loss": 4 * N * d + 4 * V * d // D.tp}
+    if loss == "chunked":
+        return {
+            "head": final_norm + (c * N * d if D.ac else 4 * N * d),
+            "weight_casts": c * V * d // D.tp if D.ac else 0,
+            "loss": 4 * N * V + 4 * math.ceil(N / (loss_chunk or N)),
+        }
+    raise ValueError(f"loss {loss!r}: use one of {', '.join(LOSSES)}")
+
+
 def activation_bytes(
     model: ModelConfig,
     vocab_size: int,
@@ -160,6 +265,7 @@ def activation_bytes(
     layers: int | None = None,
     first_layer: int = 0,
     device_type: str = "cpu",
+    loss: str = "fused",
 ) -> ActivationBytes:
     """Bytes kept alive between forward and backward of one micro-batch of ``micro_batch x seq_len``
     tokens on one device (formulas in the module docstring).
@@ -170,7 +276,7 @@ def activation_bytes(
     on this device (a pipeline stage; default all) starting at block ``first_layer``: the embedding
     counts on the stage holding block 0, the final norm, head and loss on the one holding the last block.
     ``device_type``: ``cpu`` (measured) or ``cuda`` (fused RMSNorm saves no ``x_hat``; the math kernel
-    computes in the compute dtype); see the module docstring.
+    computes in the compute dtype); ``loss``: ``fused`` or ``chunked``; see the module docstring.
     """
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention {attention!r}: use one of {', '.join(ATTENTION_KINDS)}")
@@ -181,50 +287,9 @@ def activation_bytes(
         raise ValueError(
             f"blocks {first_layer}..{first_layer + layers - 1} are not within 0..{model.n_layers - 1}"
         )
-    c, ac = compute_bytes, compute_bytes < 4
-    B, T, d, V = micro_batch, seq_len, model.d_model, vocab_size
-    N = B * T
-    n = N // tp  # tokens of the sequence-parallel norms and residual stream
-    h = model.n_heads // tp
-    g = (model.n_kv_heads or model.n_heads) // tp
-    e = model.d_model // model.n_heads
-    f = ff_width(model) // tp
-    llama = model.arch == "llama"
-    k_mlp = 3 if llama else 2
-
-    # one block, policy none
-    composite_rms = device_type != "cuda"  # CUDA has a fused RMSNorm kernel, CPU decomposes it
-    norm_stats = (4 * n + 4 * n * d if composite_rms else 4 * n) if llama else 8 * n
-    m = 4 if device_type == "cpu" else c  # the math kernel's dtype: the CPU one upcasts to FP32
-    if attention == "flash":
-        kernel = 4 * c * B * h * T * e + 4 * B * h * T
-    elif attention == "flex":
-        kernel = 2 * c * B * (h + g) * T * e + 4 * B * h * T
-    else:
-        kernel = 3 * m * B * h * T * e + m * B * h * T * T + c * B * h * T * e
-    plain = {
-        "residual": 2 * 4 * n * d,
-        "norms": 2 * norm_stats,
-        "attention_proj": 3 * c * N * d if ac else 4 * N * d,
-        "rotary": 4 * c * T * e if (ac and llama) else 0,
-        "attention_kernel": kernel,
-        "attention_mask": c * B * T * T if (model.doc_mask and attention == "flash") else 0,
-        "mlp": ((k_mlp - 1) * c * N * d if ac else 4 * N * d) + (4 if llama else 2) * c * N * f,
-        "weight_casts": c * (d * h * e + 2 * d * g * e + h * e * d + k_mlp * d * f) if ac else 0,
-    }
-    # one block, selective: block input, matmul outputs, attention kernel outputs
-    if attention == "math":
-        kept_kernel = m * B * h * T * T + m * B * h * T * e
-    else:
-        kept_kernel = c * B * h * T * e + 4 * B * h * T
-    reduce_scatter = c * n * d if tp > 1 else 0  # the selective policy keeps TP's reduce-scatter outputs
-    selective = {
-        "residual": 4 * n * d,
-        "attention_proj": c * N * (h + 2 * g) * e + c * N * d + reduce_scatter,
-        "attention_kernel": kept_kernel,
-        "mlp": c * N * (k_mlp - 1) * f + c * N * d + reduce_scatter,
-    }
-    full = {"residual": 4 * n * d}
+    D = _dims(model, vocab_size, seq_len, micro_batch, compute_bytes, tp, device_type)
+    plain = _plain_block(D, attention, model.doc_mask)
+    kept = _selective_block(D, attention) if policy == "selective" else {"residual": 4 * D.n * D.d}
 
     parts = {field.name: 0 for field in fields(ActivationBytes) if field.name != "recompute"}
     recompute, any_checkpointed = 0, False
@@ -233,18 +298,14 @@ def activation_bytes(
             _add(parts, **plain)
             continue
         any_checkpointed = True
-        kept = selective if policy == "selective" else full
         _add(parts, **kept)
         recompute = max(recompute, sum(plain.values()) - sum(kept.values()))
     if any_checkpointed and model.doc_mask and attention != "flex":
-        parts["attention_mask"] += B * T * T  # the boolean mask, an argument of every checkpointed block
-
-    if first_layer == 0 and not llama:
-        parts["embedding"] += 8 * T
+        parts["attention_mask"] += (
+            D.B * D.T * D.T
+        )  # the boolean mask, an argument of every checkpointed block
+    if first_layer == 0 and not D.llama:
+        parts["embedding"] += 8 * D.T
     if first_layer + layers == model.n_layers:
-        head_in = c * N * d if ac else 4 * N * d
-        parts["head"] += 4 * n * d + norm_stats + head_in
-        parts["weight_casts"] += c * V * d // tp if ac else 0
-        chunks = math.ceil(N / (loss_chunk or N))
-        parts["loss"] += 4 * N * V + 4 * chunks
+        _add(parts, **_head_and_loss(D, loss, loss_chunk))
     return ActivationBytes(**parts, recompute=recompute)

@@ -65,15 +65,18 @@ from lmforge.parallel.pipeline import (
     stage_layers,
 )
 from lmforge.plan.activations import activation_bytes
-from lmforge.plan.comm import CommVolume, dp_volume, pp_volume, tp_volume
+from lmforge.plan.comm import CommVolume, dp_collectives, dp_volume, pp_volume, tp_volume
 from lmforge.plan.flops import flops_per_token, lookup_params
 from lmforge.plan.hardware import Hardware
 from lmforge.plan.memory import (
     CPU_OVERHEAD,
     GPU_OVERHEAD,
+    BuildBytes,
+    Overhead,
     ParamTensor,
     StateBytes,
     Temporaries,
+    build_bytes,
     compute_bytes,
     model_states,
     param_tensors,
@@ -82,6 +85,7 @@ from lmforge.plan.memory import (
     tp_shape,
 )
 
+GIB = 2**30
 GPUS_PER_NODE = 8
 CHINCHILLA_TOKENS_PER_PARAM = 20
 DEFAULT_MARGIN = 0.8
@@ -92,7 +96,8 @@ POLICIES = ("none", "selective", "every:2", "full")
 
 @dataclass(frozen=True)
 class Layout:
-    """The ``parallel.*`` keys, micro-batch size and checkpointing policy of one run."""
+    """The ``parallel.*`` keys, micro-batch size and checkpointing policy of one run (``defer_grad_sync``:
+    ``parallel.defer_grad_sync``)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -104,6 +109,7 @@ class Layout:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0
     pp_stages_per_rank: int = 0
+    defer_grad_sync: bool = False
 
     @property
     def world(self) -> int:
@@ -137,14 +143,18 @@ class Layout:
             parts.append(f"pp {self.pp}")
         parts.append(f"mb {self.micro_batch}")
         parts.append(f"ac {self.activation_checkpointing}")
+        if self.defer_grad_sync:
+            parts.append("deferred grad sync")
         return ", ".join(parts)
 
 
 @dataclass(frozen=True)
 class Workload:
     """What is trained: the model, its vocabulary and sequence length, precision, optimizer, the tokens
-    of one optimizer step (None: one micro-batch per data-parallel rank), and the device type
-    (``cuda`` / ``cpu``: which kernels, hence which saved tensors, ``plan/activations.py`` assumes)."""
+    of one optimizer step (None: one micro-batch per data-parallel rank), the device type (``cuda`` /
+    ``cpu``: which kernels, hence which saved tensors, ``plan/activations.py`` assumes) and the loss
+    (``fused``: lmforge's fused linear + cross-entropy; ``chunked``: ``model/loss.py``'s
+    ``ChunkedCrossEntropy``; ``plan/activations.py``)."""
 
     model: ModelConfig
     vocab_size: int
@@ -155,6 +165,7 @@ class Workload:
     loss_chunk: int = 1024
     tokens_per_step: int | None = None
     device_type: str = "cuda"
+    loss: str = "fused"
 
 
 @dataclass(frozen=True)
@@ -198,15 +209,29 @@ class Estimate:
     tokens_per_s: float
     chinchilla_tokens: float
     chinchilla_days: float
+    build: BuildBytes  # the build's peak on ``build_pp_rank`` (lmforge accounting, before overhead)
+    build_overhead: float
+    build_total: float  # ``build.total + build_overhead``
+    build_pp_rank: int
+    dp_collectives: dict[str, int]  # per step and FSDP2 unit (DDP: for all gradients); comm.dp_collectives
     warnings: list[str] = field(default_factory=list)
-    pp_rank_totals: list[float] = field(
-        default_factory=list
-    )  # total per pipeline rank (``pp_rank``'s is ``total``)
+    pp_rank_totals: list[float] = field(default_factory=list)  # the step's total per pipeline rank
+    pp_rank_build_totals: list[float] = field(default_factory=list)  # the build's total per pipeline rank
+
+    @property
+    def peak(self) -> float:
+        """The planned per-device peak: the larger of the training step's (``total``) and the build's."""
+        return max(self.total, self.build_total)
+
+    @property
+    def peak_source(self) -> str:
+        """``build`` when initialising the model sets the peak, else ``step``."""
+        return "build" if self.build_total > self.total else "step"
 
     @property
     def fits(self) -> bool:
-        """``total <= margin * memory``."""
-        return self.total <= self.margin * self.memory_bytes
+        """``peak <= margin * memory``."""
+        return self.peak <= self.margin * self.memory_bytes
 
     @property
     def tokens_per_day(self) -> float:
@@ -247,6 +272,8 @@ class Estimate:
             "temporaries_total": self.temporaries.during_backward,
             "comm_total": self.comm.total,
             "layout_description": self.layout.describe(),
+            "peak": self.peak,
+            "peak_source": self.peak_source,
         }
         return out
 
@@ -306,6 +333,7 @@ def _activations(
             layers=len(r),
             first_layer=r.start,
             device_type=workload.device_type,
+            loss=workload.loss,
         )
         for k, v in asdict(a).items():
             if k == "recompute":  # one block recomputes at a time on a rank, whatever is in flight
@@ -321,6 +349,213 @@ def _link(hw: Hardware, span: int) -> float:
     return hw.link_bytes_per_s if span <= GPUS_PER_NODE else hw.node_link_bytes_per_s
 
 
+@dataclass(frozen=True)
+class _Pipeline:
+    """How the layout cuts a micro-batch and the model: ``m`` pipeline micro-batches per micro-batch of
+    ``micro_batch * m`` sequences, ``v`` stages per rank, the blocks of each stage, the ideal bubble."""
+
+    m: int
+    v: int
+    micro_batch: int
+    ranges: list[range]
+    bubble: float
+
+    def owned(self, layout: Layout, rank: int) -> list[range]:
+        """The block ranges of pipeline rank ``rank`` (every stage without a pipeline)."""
+        if layout.pp == 1:
+            return self.ranges
+        return [self.ranges[s] for s in stage_ids(rank, layout.pp, self.v, layout.pp_schedule)]
+
+    def in_flight(self, layout: Layout, rank: int) -> int:
+        """Pipeline micro-batches whose activations rank ``rank`` holds at once (GPipe ``m``; 1F1B and the
+        others ``min(m, p - rank)``)."""
+        if layout.pp == 1:
+            return 1
+        return self.m if layout.pp_schedule == "gpipe" else min(self.m, layout.pp - rank)
+
+
+def _pipeline(workload: Workload, layout: Layout) -> _Pipeline:
+    m, v, bubble = 1, 1, 0.0
+    if layout.pp > 1:
+        m, v = pipeline_settings(
+            layout.pp, layout.pp_schedule, layout.pp_microbatches, layout.pp_stages_per_rank
+        )
+        bubble = bubble_fraction(layout.pp, m, v)
+    if layout.micro_batch % m:
+        raise ValueError(
+            f"parallel.pp_microbatches: {m} pipeline micro-batches do not divide train.micro_batch_size "
+            f"{layout.micro_batch}; set --train.micro_batch_size to a multiple of {m}"
+        )
+    ranges = stage_layers(workload.model.n_layers, layout.pp * v)
+    return _Pipeline(m, v, layout.micro_batch // m, ranges, bubble)
+
+
+@dataclass(frozen=True)
+class _RankMemory:
+    """One pipeline rank's memory: the training step's peak phase ``(name, gradients, activations,
+    temporaries)`` and total, and the build's."""
+
+    rank: int
+    mine: list[ParamTensor]
+    states: StateBytes
+    activations: float
+    parts: dict
+    temps: Temporaries
+    overhead: float
+    at_peak: tuple[str, float, float, float]
+    total: float
+    build: BuildBytes
+    build_overhead: float
+
+    @property
+    def build_total(self) -> float:
+        return self.build.total + self.build_overhead
+
+
+def accumulating_gradients(
+    states: StateBytes, mine: list[ParamTensor], layout: Layout, accounting: str
+) -> float:
+    """Gradient bytes while micro-batches accumulate: FSDP2's sharded gradients (``states.grads``), or the
+    unsharded ones of the rank's TP/PP part (FP32 in lmforge's accounting) where FSDP2 keeps them
+    unsharded until the step's last backward: ``parallel.defer_grad_sync``, and any pipeline stage (the
+    schedule does so over its pipeline micro-batches)."""
+    if layout.kind not in ("zero2", "zero3") or not (layout.defer_grad_sync or layout.pp > 1):
+        return states.grads
+    per_value = 4 if accounting == "lmforge" else 2
+    return float(per_value * sum(math.prod(tp_shape(t, layout.tp)) for t in mine))
+
+
+def step_phases(
+    states: StateBytes, acts: float, temps: Temporaries, micro_batches: int, accumulating: float
+) -> list[tuple[str, float, float, float]]:
+    """The candidate peaks ``(phase, gradients, activations, temporaries)`` of a training step of
+    ``micro_batches`` (micro-batches times pipeline micro-batches) on one rank (module docstring);
+    ``accumulating``: the gradient bytes while they accumulate (:func:`accumulating_gradients`)."""
+    if micro_batches > 1:  # gradients accumulate over micro-batches: they coexist with the activations
+        name = "backward, gradients accumulating"
+        if accumulating != states.grads:
+            name = "backward, unsharded gradients accumulating"
+        return [
+            (name, accumulating, acts, temps.during_backward),
+            ("optimizer step", states.grads, 0.0, temps.optimizer_step),
+        ]
+    end_temps = max(temps.during_backward - temps.loss_chunk, temps.optimizer_step)
+    return [  # one micro-batch: no gradient before its backward
+        ("start of backward (no gradients yet)", 0.0, acts, temps.during_backward),
+        ("end of backward / optimizer step", states.grads, 0.0, end_temps),
+    ]
+
+
+def _rank_memory(
+    workload: Workload,
+    layout: Layout,
+    pipe: _Pipeline,
+    rank: int,
+    accum: int,
+    accounting: str,
+    overhead_model: Overhead,
+) -> _RankMemory:
+    """The memory of pipeline rank ``rank``: its step's peak phase and its build."""
+    owned = pipe.owned(layout, rank)
+    acts, parts = _activations(
+        workload, layout, owned, pipe.in_flight(layout, rank), pipe.micro_batch, accounting
+    )
+    tokens = pipe.micro_batch * workload.seq_len
+    model_json = workload.model.model_dump_json()
+    mine, states, temps = _device_states(
+        model_json,
+        workload.vocab_size,
+        workload.seq_len,
+        tuple((r.start, r.stop) for r in owned),
+        layout.kind,
+        layout.dp_shard,
+        layout.tp,
+        workload.precision,
+        workload.optimizer,
+        min(workload.loss_chunk or tokens, tokens),
+        accounting,
+        workload.loss,
+        layout.pp > 1,
+        tokens,
+    )
+    accumulating = accumulating_gradients(states, mine, layout, accounting)
+    phases = step_phases(states, acts, temps, accum * pipe.m, accumulating)
+    at_peak = max(phases, key=lambda ph: ph[1] + ph[2] + ph[3])
+    allocated = states.total - states.grads + sum(at_peak[1:])
+    overhead = overhead_model.runtime_bytes + overhead_model.fragmentation * allocated
+    whole = _param_tensors(model_json, workload.vocab_size, workload.seq_len)
+    build = build_bytes(whole, mine, layout.kind, layout.dp_shard, layout.tp)
+    build_overhead = overhead_model.runtime_bytes + overhead_model.fragmentation * build.total
+    return _RankMemory(
+        rank, mine, states, acts, parts, temps, overhead, at_peak, allocated + overhead, build, build_overhead
+    )
+
+
+def _communication(
+    workload: Workload,
+    layout: Layout,
+    pipe: _Pipeline,
+    peak: _RankMemory,
+    tokens: int,
+    accum: int,
+    accounting: str,
+) -> tuple[CommVolume, dict[str, int]]:
+    """Bytes per step of data, tensor and pipeline parallelism for the rank ``peak``, and the data-parallel
+    collectives per step (``plan/comm.py``)."""
+    kind, tp, c = layout.kind, layout.tp, compute_bytes(workload.precision)
+    device_params = sum(math.prod(tp_shape(t, tp)) for t in peak.mine)
+    root = sum(math.prod(tp_shape(t, tp)) for t in peak.mine if t.unit == "root")
+    sharded = kind.startswith("zero")
+    pipeline_mb = pipe.m if layout.pp > 1 else 1
+    device_tokens = tokens // layout.dp  # tokens through this device's layers per step
+    n_layers = workload.model.n_layers
+    comm = CommVolume(
+        dp=dp_volume(
+            kind,
+            device_params,
+            layout.dp_shard if sharded else layout.dp,
+            c,
+            accum,
+            root,
+            layout.dp_replicate if sharded else 1,
+            accounting,
+            layout.defer_grad_sync,
+            pipeline_mb,
+            layout.pp_schedule,
+        ),
+        tp=tp_volume(
+            tp,
+            len({t.layer for t in peak.mine if t.layer is not None}),
+            device_tokens,
+            workload.model.d_model,
+            workload.vocab_size,
+            c,
+            recomputed_forwards(layout.activation_checkpointing),
+            head=any(r.stop == n_layers for r in pipe.owned(layout, peak.rank)),
+            loss=workload.loss,
+        ),
+        pp=pp_volume(layout.pp, device_tokens, workload.model.d_model, c),
+    )
+    counts = dp_collectives(kind, accum, layout.defer_grad_sync, pipeline_mb, layout.pp_schedule)
+    return comm, counts
+
+
+def _warnings(workload: Workload, hw: Hardware, build: _RankMemory, step: _RankMemory) -> list[str]:
+    out = []
+    if workload.precision == "fp8" and "fp8" not in hw.peak_flops:
+        out.append(f"{hw.name} has no FP8 units")
+    if build.build_total > step.total:
+        b = build.build
+        out.append(
+            f"the build sets the peak, not training: {build.build_total / GIB:.2f} GiB per device while the "
+            f"model is initialised (FP32 parameters {b.shards / GIB:.2f}, the largest whole parameter "
+            f"{b.temporary / GIB:.2f}"
+            + (f", DDP buckets {b.ddp_buckets / GIB:.2f}" if b.ddp_buckets else "")
+            + f" GiB) against {step.total / GIB:.2f} GiB for a training step"
+        )
+    return out
+
+
 def estimate(
     workload: Workload,
     layout: Layout,
@@ -334,111 +569,28 @@ def estimate(
     tensors = _param_tensors(cfg.model_dump_json(), workload.vocab_size, workload.seq_len)
     n_params = sum(t.numel for t in tensors)
     tokens, accum = accumulation(workload, layout)
-    m, v = (1, 1)
-    bubble = 0.0
-    if layout.pp > 1:
-        m, v = pipeline_settings(
-            layout.pp, layout.pp_schedule, layout.pp_microbatches, layout.pp_stages_per_rank
-        )
-        bubble = bubble_fraction(layout.pp, m, v)
-    if layout.micro_batch % m:
-        raise ValueError(
-            f"parallel.pp_microbatches: {m} pipeline micro-batches do not divide train.micro_batch_size "
-            f"{layout.micro_batch}; set --train.micro_batch_size to a multiple of {m}"
-        )
-    pipe_mb = layout.micro_batch // m  # sequences of one pipeline micro-batch
-    ranges = stage_layers(cfg.n_layers, layout.pp * v)
-    kind, shards = layout.kind, layout.dp_shard
-    c = compute_bytes(workload.precision)
+    pipe = _pipeline(workload, layout)
     overhead_model = CPU_OVERHEAD if hw.name == "cpu" else GPU_OVERHEAD
-    best = None
-    rank_totals: list[float] = []
-    for rank in range(layout.pp):
-        owned = (
-            [ranges[s] for s in stage_ids(rank, layout.pp, v, layout.pp_schedule)]
-            if layout.pp > 1
-            else ranges
-        )
-        in_flight = (
-            1 if layout.pp == 1 else (m if layout.pp_schedule == "gpipe" else min(m, layout.pp - rank))
-        )
-        acts, parts = _activations(workload, layout, owned, in_flight, pipe_mb, accounting)
-        loss_tokens = min(workload.loss_chunk or pipe_mb * workload.seq_len, pipe_mb * workload.seq_len)
-        mine, states, temps = _device_states(
-            cfg.model_dump_json(),
-            workload.vocab_size,
-            workload.seq_len,
-            tuple((r.start, r.stop) for r in owned),
-            kind,
-            shards,
-            layout.tp,
-            workload.precision,
-            workload.optimizer,
-            loss_tokens,
-            accounting,
-        )
-        # (phase, gradients, activations, temporaries) at each candidate peak (module docstring)
-        if accum * m > 1:  # gradients accumulate over micro-batches: they coexist with the activations
-            phases = [
-                ("backward, gradients accumulating", states.grads, acts, temps.during_backward),
-                ("optimizer step", states.grads, 0.0, temps.optimizer_step),
-            ]
-        else:  # one micro-batch: no gradient before its backward
-            end_temps = max(temps.during_backward - temps.loss_chunk, temps.optimizer_step)
-            phases = [
-                ("start of backward (no gradients yet)", 0.0, acts, temps.during_backward),
-                ("end of backward / optimizer step", states.grads, 0.0, end_temps),
-            ]
-        at_peak = max(phases, key=lambda ph: ph[1] + ph[2] + ph[3])
-        allocated = states.total - states.grads + sum(at_peak[1:])
-        overhead = overhead_model.runtime_bytes + overhead_model.fragmentation * allocated
-        total = allocated + overhead
-        rank_totals.append(total)
-        if best is None or total > best[0]:
-            best = (total, rank, mine, states, acts, parts, temps, overhead, at_peak)
-    assert best is not None
-    total, rank, mine, states, acts, parts, temps, overhead, at_peak = best
-    device_params = sum(math.prod(tp_shape(t, layout.tp)) for t in mine)
+    ranks = [
+        _rank_memory(workload, layout, pipe, rank, accum, accounting, overhead_model)
+        for rank in range(layout.pp)
+    ]
+    peak = max(ranks, key=lambda r: r.total)  # the first of equal ranks
+    build = max(ranks, key=lambda r: r.build_total)
 
     fpt = flops_per_token(n_params - lookup_params(tensors), cfg.n_layers, cfg.d_model, workload.seq_len)
     flops_step = fpt * tokens
-    peak = hw.peak(workload.precision)
     recompute = recompute_factor(layout.activation_checkpointing)
-    compute_s = flops_step / (layout.world * peak * mfu) * recompute / (1 - bubble)
-
-    root = sum(math.prod(tp_shape(t, layout.tp)) for t in mine if t.unit == "root")
-    device_tokens = tokens // layout.dp  # tokens through this device's layers per step
-    comm = CommVolume(
-        dp=dp_volume(
-            kind,
-            device_params,
-            shards if kind.startswith("zero") else layout.dp,
-            c,
-            accum,
-            root,
-            layout.dp_replicate if kind.startswith("zero") else 1,
-            accounting,
-        ),
-        tp=tp_volume(
-            layout.tp,
-            len({t.layer for t in mine if t.layer is not None}),
-            device_tokens,
-            cfg.d_model,
-            workload.vocab_size,
-            c,
-            recomputed_forwards(layout.activation_checkpointing),
-        ),
-        pp=pp_volume(layout.pp, device_tokens, cfg.d_model, c),
+    compute_s = (
+        flops_step / (layout.world * hw.peak(workload.precision) * mfu) * recompute / (1 - pipe.bubble)
     )
+    comm, counts = _communication(workload, layout, pipe, peak, tokens, accum, accounting)
     dp_s = comm.dp / _link(hw, layout.tp * layout.dp)
     other_s = comm.tp / _link(hw, layout.tp) + comm.pp / _link(hw, layout.world)
     exposed = other_s + max(0.0, dp_s - compute_s)
     step_s = compute_s + exposed
     tps = tokens / step_s
     chin = CHINCHILLA_TOKENS_PER_PARAM * n_params
-    warnings = []
-    if workload.precision == "fp8" and "fp8" not in hw.peak_flops:
-        warnings.append(f"{hw.name} has no FP8 units")
     return Estimate(
         layout=layout,
         device=hw.name,
@@ -449,26 +601,26 @@ def estimate(
         margin=margin,
         mfu=mfu,
         n_params=n_params,
-        device_params=device_params,
-        pp_rank=rank,
-        states=states,
-        activations=acts,
-        activation_parts=parts,
-        temporaries=temps,
-        overhead=overhead,
+        device_params=sum(math.prod(tp_shape(t, layout.tp)) for t in peak.mine),
+        pp_rank=peak.rank,
+        states=peak.states,
+        activations=peak.activations,
+        activation_parts=peak.parts,
+        temporaries=peak.temps,
+        overhead=peak.overhead,
         overhead_runtime=overhead_model.runtime_bytes,
         overhead_fraction=overhead_model.fragmentation,
         overhead_note=overhead_model.note,
-        total=total,
-        peak_phase=at_peak[0],
-        gradients_at_peak=at_peak[1],
-        activations_at_peak=at_peak[2],
-        temporaries_at_peak=at_peak[3],
+        total=peak.total,
+        peak_phase=peak.at_peak[0],
+        gradients_at_peak=peak.at_peak[1],
+        activations_at_peak=peak.at_peak[2],
+        temporaries_at_peak=peak.at_peak[3],
         flops_per_token=fpt,
         flops_per_step=flops_step,
         tokens_per_step=tokens,
         accum=accum,
-        bubble=bubble,
+        bubble=pipe.bubble,
         recompute=recompute,
         comm=comm,
         compute_s=compute_s,
@@ -477,8 +629,14 @@ def estimate(
         tokens_per_s=tps,
         chinchilla_tokens=chin,
         chinchilla_days=chin / tps / 86400,
-        warnings=warnings,
-        pp_rank_totals=rank_totals,
+        build=build.build,
+        build_overhead=build.build_overhead,
+        build_total=build.build_total,
+        build_pp_rank=build.rank,
+        dp_collectives=counts,
+        warnings=_warnings(workload, hw, build, peak),
+        pp_rank_totals=[r.total for r in ranks],
+        pp_rank_build_totals=[r.build_total for r in ranks],
     )
 
 
@@ -495,10 +653,13 @@ def _device_states(
     optimizer: str,
     loss_tokens: int,
     accounting: str,
+    loss: str = "fused",
+    pipeline: bool = False,
+    tokens: int = 0,
 ) -> tuple[list[ParamTensor], StateBytes, Temporaries]:
     """The tensors of a pipeline rank owning the block ranges ``owned``, their model states and the
-    temporaries (the head's loss chunk on the rank owning the last block only); cached, since the layouts of a search
-    that differ only in checkpointing or micro-batch share them."""
+    temporaries (the head's loss chunk on the rank owning the last block only); cached, since the layouts
+    of a search that differ only in checkpointing or micro-batch share them."""
     tensors = _param_tensors(model_json, vocab_size, seq_len)
     n_layers = ModelConfig.model_validate_json(model_json).n_layers
     mine: list[ParamTensor] = []
@@ -519,6 +680,9 @@ def _device_states(
         vocab_size,
         loss_tokens if has_head else 0,
         accounting,
+        loss,
+        pipeline,
+        tokens,
     )
     return mine, states, temps
 
@@ -545,6 +709,7 @@ def layout_from_config(cfg: Config, gpus: int | None = None) -> Layout:
         p.pp_schedule,
         p.pp_microbatches,
         p.pp_stages_per_rank,
+        p.defer_grad_sync,
     )
     if gpus is not None and gpus > 1 and layout.world == 1:
         layout = replace(layout, dp_shard=gpus)

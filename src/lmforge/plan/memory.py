@@ -34,6 +34,26 @@ them). Per device::
 
 Tensor parallelism divides each split tensor by ``tp`` (projections, embeddings, head; norms and
 row-parallel biases are replicated), a pipeline rank holds only its stages' tensors.
+
+The build (:func:`build_bytes`). lmforge builds the model on the meta device, applies every
+transformation there, then each rank allocates its own part of every parameter and initialises it as one
+process would (``parallel/materialize.py``): for each parameter of the *whole* model's initialisation
+plan, in order, a parameter the rank holds as a DTensor (FSDP2, tensor parallelism) or does not hold at
+all but whose initialisation draws random numbers (another pipeline stage's weights) is drawn whole into
+an FP32 temporary, the rank's cut is taken and copied into its shard, and the temporary is freed; a
+parameter held whole as a plain tensor is initialised in place. Peak of a rank::
+
+    FSDP2 / TP (any pipeline)   4 * (its FP32 shards) + max over those parameters of 4 * (whole + cuts)
+    pipeline stage, plain       4 * (its parameters)  + 4 * (the largest drawn parameter of other stages)
+    one process, DDP, ZeRO-1    4P (the whole replica, in place)  + DDP's buckets 4P (allocated when DDP
+                                wraps the replica; ``gradient_as_bucket_view`` off)
+
+``cuts``: ``distribute_tensor(..., src_data_rank=None)`` clones the rank's piece at each sharded mesh
+dimension (data-parallel shard first, then tensor-parallel), so a parameter held in pieces briefly costs
+its whole size plus those pieces (:func:`init_temporary`; with FSDP2 over a tensor-parallel dim-0 shard,
+twice its whole size). Measured by PyTorch's ``MemTracker`` on 2 and 4 CPU processes
+(``tests/test_estimate_build.py``): exact to the bytes, but for the RoPE tables (``2 * 4 T e``, DDP
+broadcasts them through a copy) and a few scalars.
 """
 
 from __future__ import annotations
@@ -43,6 +63,7 @@ from dataclasses import dataclass
 
 from lmforge.config import ModelConfig
 from lmforge.model.transformer import ff_width, uses_bias
+from lmforge.plan.activations import LOSSES
 
 ACCOUNTINGS = ("lmforge", "zero-paper")
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon")
@@ -126,6 +147,12 @@ def param_tensors(cfg: ModelConfig, vocab_size: int, seq_len: int) -> list[Param
     if not tied:
         out.append(ParamTensor("lm_head.weight", (vocab_size, d), "head", tp_dim=0, linear=True))
     return out
+
+
+def draws(t: ParamTensor) -> bool:
+    """Whether initialising ``t`` draws random numbers: linear and embedding weights ~ N(0, std^2) (the
+    2-D tensors here); biases and norm weights are constants (``model/init.py::init_plan``)."""
+    return len(t.shape) >= 2
 
 
 def param_count(cfg: ModelConfig, vocab_size: int, seq_len: int) -> int:
@@ -337,6 +364,58 @@ def model_states(
     return StateBytes(float(params), float(grads), float(master), float(optim))
 
 
+@dataclass(frozen=True)
+class BuildBytes:
+    """Bytes of one device at the peak of the build (before any training step), lmforge accounting."""
+
+    shards: float  # the rank's FP32 parameters: its shards, or its whole replica
+    temporary: float  # the largest whole FP32 parameter drawn into a temporary, with its cuts
+    ddp_buckets: float = 0.0  # DDP's flat gradient buckets, allocated when DDP wraps the replica
+
+    @property
+    def total(self) -> float:
+        """``shards + temporary + ddp_buckets``."""
+        return self.shards + self.temporary + self.ddp_buckets
+
+
+def init_temporary(t: ParamTensor, tp: int, shards: int) -> int:
+    """Values alive at once while a rank initialises ``t`` through a temporary: the whole parameter, plus
+    the clones ``distribute_tensor(..., src_data_rank=None)`` makes of the rank's piece at each sharded
+    mesh dimension, FSDP2's first (``shards`` ranks, dim 0), then tensor parallelism's. Where both cut
+    dim 0 (column-parallel weights, embeddings, the head), FSDP2's placement is a ``_StridedShard``,
+    which first assembles every rank's piece (a whole copy) and clones this rank's: ``2 whole + whole /
+    shards``. Else ``whole + whole / shards + whole / (shards tp)`` (each cut that applies). ``t.numel``
+    when ``t`` is not cut (a replicated norm weight, another pipeline stage's parameter)."""
+    whole = t.numel
+    fsdp_cut = math.prod(fsdp_shape(t.shape, shards)) if shards > 1 else 0
+    if fsdp_cut and tp > 1 and t.tp_dim == 0:
+        return 2 * whole + fsdp_cut
+    tp_cut = math.prod(fsdp_shape(tp_shape(t, tp), shards)) if tp > 1 and t.tp_dim is not None else 0
+    return whole + fsdp_cut + tp_cut
+
+
+def build_bytes(
+    whole: list[ParamTensor], mine: list[ParamTensor], kind: str, shards: int, tp: int
+) -> BuildBytes:
+    """The build's peak on a rank holding ``mine`` (one pipeline rank's tensors) of the model ``whole``,
+    ``kind`` ``none`` | ``ddp`` | ``zero1`` | ``zero2`` | ``zero3`` over ``shards`` sharding ranks and
+    ``tp`` (module docstring): the rank's FP32 parameters (FSDP2 shards at the largest rank's piece,
+    ``ceil``), the largest temporary of :func:`init_temporary` over the parameters the rank holds as
+    DTensors (FSDP2 or TP) and the drawn parameters it does not hold, and DDP's buckets (DDP and ZeRO-1).
+    """
+    fsdp = kind in ("zero2", "zero3")
+    held = {t.name for t in mine}
+    dtensor = fsdp or tp > 1
+    n = shards if fsdp else 1
+    local = sum(math.prod(fsdp_shape(tp_shape(t, tp), n)) for t in mine)
+    via_temporary = [t for t in whole if (t.name in held and dtensor) or (t.name not in held and draws(t))]
+    temporary = max(
+        (init_temporary(t, tp, n) if t.name in held else t.numel for t in via_temporary), default=0
+    )
+    buckets = 4 * sum(math.prod(tp_shape(t, tp)) for t in mine) if kind in ("ddp", "zero1") else 0
+    return BuildBytes(4.0 * local, 4.0 * temporary, float(buckets))
+
+
 def compute_bytes(number_format: str) -> int:
     """Bytes of a value in the matmuls' dtype: 2 for bf16 / fp16 / fp8 (FP8 layers keep BF16 weights
     outside the matmul), 4 for fp32 / tf32."""
@@ -351,13 +430,51 @@ class Temporaries:
     fsdp_gathered: float = 0.0  # unsharded parameter copies FSDP2 holds
     fsdp_grad_reduce: float = 0.0  # one unit's unsharded gradient and its FP32 reduce copy
     ddp_buckets: float = 0.0  # DDP's flat gradient buckets (gradient_as_bucket_view=False)
-    loss_chunk: float = 0.0  # one chunk of logits in 16 bit and FP32
+    loss_chunk: float = 0.0  # the loss's own buffers at their largest (loss_temporary)
     optimizer_step: float = 0.0  # the optimizer step's own scratch (after backward)
 
     @property
     def during_backward(self) -> float:
         """What coexists with the activations (everything but the optimizer step's scratch)."""
         return self.fsdp_gathered + self.fsdp_grad_reduce + self.ddp_buckets + self.loss_chunk
+
+
+def loss_temporary(
+    loss: str,
+    chunk_tokens: int,
+    vocab_size: int,
+    tp: int,
+    c: int,
+    tokens: int = 0,
+    d_model: int = 0,
+    fsdp: bool = False,
+) -> int:
+    """Bytes the loss of one micro-batch of ``tokens`` tokens (``d_model`` wide) holds beyond what it
+    keeps for backward, at its largest, computed ``chunk_tokens`` at a time.
+
+    ``fused`` (``model/fused_loss.py``; ``v = V / tp``, this rank's vocabulary rows): the larger of its
+    forward, one chunk's FP32 logits, their compute-dtype copy under autocast, and the chunk's product for
+    the head's gradient, ``(4 + c [c < 4]) * chunk * v + c * v * d``, plus under autocast the
+    compute-dtype copies of the hidden states and of the head, ``c (N d + v d)`` (under FSDP2, ``fsdp``,
+    the gathered head already is in ``c`` bytes: ``c N d``); and its backward, which scales the two kept
+    gradients into new FP32 tensors, ``4 (N d + v d)`` (under FSDP2 and autocast, plus the head
+    gradient's ``c``-byte copy for the ``c``-byte parameter, ``c v d``). Read from the code; the
+    per-chunk slope (``4 v`` bytes per token in FP32, ``6 v`` in BF16) measured with PyTorch's
+    ``MemTracker`` on CPU. ``chunked`` (a head then ``F.cross_entropy`` per chunk): the chunk's logits in
+    ``c`` bytes and their FP32 copy (``.float()`` before the softmax), all-gathered over the vocabulary
+    under TP: ``(c + 4) * chunk * V``.
+    """
+    if loss == "fused":
+        v, autocast = split(vocab_size, tp), c < 4
+        forward = (4 + (c if autocast else 0)) * chunk_tokens * v + c * v * d_model
+        backward = 4 * (tokens * d_model + v * d_model)
+        if autocast:
+            forward += c * tokens * d_model + (0 if fsdp else c * v * d_model)
+            backward += c * v * d_model if fsdp else 0
+        return max(forward, backward)
+    if loss == "chunked":
+        return (c + 4) * chunk_tokens * vocab_size
+    raise ValueError(f"loss {loss!r}: use one of {', '.join(LOSSES)}")
 
 
 def temporaries(
@@ -370,19 +487,25 @@ def temporaries(
     vocab_size: int,
     loss_tokens: int,
     accounting: str = "lmforge",
+    loss: str = "fused",
+    pipeline: bool = False,
+    tokens: int = 0,
 ) -> Temporaries:
     """Temporary buffers of one device (``c`` compute bytes, ``g`` gradient bytes: 4, or 2 in zero-paper):
 
     * ZeRO-2 (FSDP2, ``reshard_after_forward=False``): every parameter gathered from forward to backward,
-      ``c * P_local``; ZeRO-3: the root unit (embedding, positions, final norm, tied head: lmforge keeps it
-      gathered from forward to backward) plus two of the largest unit (the one computing and the one
-      prefetched), ``c``-byte copies; either: one unit's unsharded gradient for its reduce-scatter in ``c``
-      bytes and, when ``c`` is 2, its FP32 copy (``reduce_dtype``): ``(c + 4 [c < 4]) * unit``;
+      ``c * P_local`` (and, with several micro-batches, through all of them until the last backward);
+      ZeRO-3: the root unit (embedding, positions, final norm, tied head: lmforge keeps it gathered from
+      forward to backward) plus two of the largest unit (the one computing and the one prefetched),
+      ``c``-byte copies; ZeRO-3 on a pipeline stage (``pipeline``): as ZeRO-2, since the schedule keeps each
+      unit gathered after its backward until the step's gradients are reduced (torch's
+      ``set_reshard_after_backward(False)``), so every unit of the stage is gathered at the end of a
+      backward; either: one unit's unsharded gradient for its reduce-scatter in ``c`` bytes and, when
+      ``c`` is 2, its FP32 copy (``reduce_dtype``): ``(c + 4 [c < 4]) * unit``;
     * DDP and ZeRO-1 (lmforge's DDP defaults: 25 MiB buckets, ``gradient_as_bucket_view=False``): flat
       bucket copies of every gradient, ``g * P``;
-    * the chunked loss: one chunk's ``loss_tokens x vocab`` logits in ``c`` bytes and their FP32 copy
-      (``.float()`` before the softmax; the saved FP32 log-probabilities are activations), all-gathered
-      over the vocabulary under TP (lmforge does not use loss parallelism);
+    * the loss: :func:`loss_temporary` (``loss``: ``fused`` or ``chunked``) of a micro-batch of
+      ``tokens`` tokens, ``loss_tokens`` at a time;
     * the optimizer step (after backward, apart from activations): Lion's ``foreach`` update copy ``4n``,
       Adafactor's squared gradient ``4n``, AdamW8bit's two dequantised FP32 moments of the largest tensor.
     """
@@ -396,7 +519,7 @@ def temporaries(
             key = "root" if t.unit == "root" else (f"block{t.layer}" if t.unit == "block" else "head")
             units[key] = units.get(key, 0) + n
         biggest = max((v for k, v in units.items() if k != "root"), default=0)
-        if kind == "zero2":
+        if kind == "zero2" or pipeline:
             out["fsdp_gathered"] = c * sum(local)
         else:
             out["fsdp_gathered"] = c * (units.get("root", 0) + 2 * biggest)
@@ -404,8 +527,11 @@ def temporaries(
     elif kind in ("ddp", "zero1"):
         out["ddp_buckets"] = (4 if accounting == "lmforge" else 2) * sum(local)
     has_head = any(t.name == "lm_head.weight" or (t.name == "embed.weight" and t.linear) for t in tensors)
-    if has_head:
-        out["loss_chunk"] = (c + 4) * loss_tokens * vocab_size
+    if has_head and loss_tokens:
+        d = next(t.shape[1] for t in tensors if t.name in ("lm_head.weight", "embed.weight"))
+        out["loss_chunk"] = loss_temporary(
+            loss, loss_tokens, vocab_size, tp, c, tokens or loss_tokens, d, fsdp
+        )
     held = [math.prod(fsdp_shape(tp_shape(t, tp), shards)) for t in tensors] if fsdp else local
     n_opt, total_opt = max(held, default=0), sum(held)
     if optimizer in ("lion", "adafactor"):

@@ -50,6 +50,7 @@ from lmforge.parallel.model_layout import check_model_layout
 from lmforge.parallel.pipeline import Pipeline, pipeline_settings, rank_model
 from lmforge.parallel.reduce import StepReduce
 from lmforge.parallel.tensor import check_tensor_parallel
+from lmforge.plan.limit import check_run_memory
 from lmforge.plan.micro_batch import auto_candidates
 from lmforge.posttrain.dpo import SequenceLogps
 from lmforge.posttrain.run import (
@@ -99,6 +100,7 @@ def validate(cfg: Config) -> torch.device:
         auto_candidates(cfg)
     else:
         accumulation_steps(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
+    check_run_memory(cfg, device)  # the planned peak against parallel.max_memory_gb / the device's memory
     if cfg.train.objective == "lm":
         input_files(cfg.data)  # missing inputs fail here
         check_domains(cfg.data)
