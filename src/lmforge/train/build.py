@@ -50,7 +50,7 @@ from lmforge.parallel.pipeline import Pipeline, check_pipeline, pipeline_setting
 from lmforge.parallel.reduce import StepReduce
 from lmforge.parallel.tensor import check_tensor_parallel
 from lmforge.posttrain.dpo import SequenceLogps
-from lmforge.precision import PrecisionPolicy, check_precision
+from lmforge.precision import PrecisionPolicy, check_precision, register_fp8_scale_precompute
 from lmforge.train.auto_batch import auto_candidates, probe, resolve_micro_batch
 from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, TrainModule
 from lmforge.train.posttrain import (
@@ -242,6 +242,7 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
         optimizer = build_zero_optimizer(model, cfg.optim, device, compile, layout.group("dp_shard"))
     else:
         optimizer = build_optimizer(model, cfg.optim, device, compile=compile)
+    register_fp8_scale_precompute(optimizer, model)  # FSDP2's float8 all-gather: scales after each step
     log.info(
         "model: %s, %.2fM parameters; %d micro-batches of %d x %d per step and data-parallel rank; %s",
         cfg.model.arch,
