@@ -386,7 +386,7 @@ def plain_weight(weight: torch.Tensor) -> torch.Tensor:
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     if isinstance(weight, DTensor) and isinstance(weight._local_tensor, WeightWithDynamicFloat8CastTensor):
-        local = weight._local_tensor._tensor
+        local = weight._local_tensor._tensor.detach()
         return DTensor.from_local(
             local,
             weight.device_mesh,
@@ -396,7 +396,7 @@ def plain_weight(weight: torch.Tensor) -> torch.Tensor:
             stride=weight.stride(),
         )
     if isinstance(weight, WeightWithDynamicFloat8CastTensor):
-        return weight._tensor
+        return weight._tensor.detach()
     return weight
 
 
