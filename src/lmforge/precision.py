@@ -30,7 +30,11 @@ the gradients the optimizer sees are FP32 in every case:
   Layers torchao cannot take (a dimension not a multiple of 16) and the output head stay BF16. Needs a
   GPU of compute capability 8.9 or newer (refused below it, :func:`fp8_refusal`); on a CPU the float8
   matrix products are emulated (``Float8LinearConfig.emulate``: the operands are quantised to float8
-  and multiplied in high precision), slow but numerically float8.
+  and multiplied in high precision), slow but numerically float8. Under FSDP2 the tensorwise recipe's
+  weights are all-gathered in float8 (:func:`convert_fp8` with ``fsdp``; the scales by
+  :func:`register_fp8_scale_precompute`), the rowwise recipes' in BF16; under tensor parallelism the
+  float8 layers are sharded by ``lmforge/parallel/tensor.py``'s plan (torchao's float8 styles). Measured
+  figures: ``docs/parallelism.md``.
 * ``auto`` picks BF16 only where the hardware computes it natively: a CUDA GPU with BF16 support, or a
   CPU with AVX-512-BF16 or AMX tiles. Elsewhere (for example AVX2-only CPUs) BF16 matrix products are
   emulated and run tens of times slower than FP32, so ``auto`` picks FP32 and ``bf16`` warns.

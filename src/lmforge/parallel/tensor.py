@@ -41,6 +41,11 @@ hooks do not survive ``to_empty`` (``Transformer.materialize``): ``swap_tensors`
 hook but not its registration, so a model parallelised on the meta device gets them after it is
 materialised (:func:`register_grad_layout_hooks`, called by the build's ``materialize`` stage).
 
+FP8: layers converted to torchao's float8 (``train.precision = "fp8"``, converted before this plan is
+applied) take torchao's float8 styles where they can (:func:`_tp_styles`): tensorwise scaling on a
+backend that all-gathers float8 (NCCL; not gloo, :func:`float8_collectives`); elsewhere PyTorch's styles,
+with the same float8 values computed inside each layer. The output head is never converted.
+
 Weights: a model parallelised on the meta device is materialised and initialised afterwards by
 ``lmforge/parallel/materialize.py`` (each rank draws every whole parameter in the single-process order
 and keeps its shard); a real model must hold the same values on every rank beforehand (the same seed or
