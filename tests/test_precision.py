@@ -17,10 +17,11 @@ from lmforge.config import GuardConfig, ModelConfig, ParallelConfig, TrainConfig
 from lmforge.data.loader import Batch
 from lmforge.errors import ConfigError
 from lmforge.model.loss import NextTokenLoss
+from lmforge.model.transformer import Transformer
 from lmforge.optim.clip import Clipper
 from lmforge.parallel.apply import ApplyContext, apply
 from lmforge.parallel.data_parallel import GradientSync
-from lmforge.precision import PrecisionPolicy, check_precision, fp8_refusal, fp8_takes
+from lmforge.precision import PrecisionPolicy, check_precision, convert_fp8, fp8_refusal, fp8_takes
 from lmforge.recipe import load_config
 from lmforge.train.callbacks import Callback
 from lmforge.train.callbacks.control import StopAfter
@@ -88,6 +89,66 @@ def test_fp8_skips_what_torchao_cannot_take():
     assert not fp8_takes(nn.Linear(40, 64), "blocks.0.attn.q_proj")  # 40 is not a multiple of 16
     assert not fp8_takes(nn.Linear(64, 256), "lm_head")
     assert not fp8_takes(nn.Embedding(8, 16), "embed")
+    # tensor parallelism over 2 ranks: each multiplies half of one dimension, which must stay a multiple of 16
+    assert fp8_takes(nn.Linear(64, 192), "blocks.0.mlp.up_proj", tp=2)
+    assert not fp8_takes(nn.Linear(64, 176), "blocks.0.mlp.up_proj", tp=2)  # 88 per rank
+
+
+def _meta_model(d_ff: int | None = None) -> nn.Module:
+    with torch.device("meta"):
+        return Transformer(ModelConfig(n_layers=2, d_model=64, n_heads=4, d_ff=d_ff), 256, 32)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_fp8_conversion_for_fsdp(recipe, caplog):
+    """Under FSDP2 the tensorwise recipe's weights are wrapped for torchao's float8 all-gather (on the meta
+    device, as the sharded build converts); the rowwise recipes keep plain weights, which FSDP2 gathers in
+    BF16, and say so. A wrapped weight's state dict entry is the plain FP32 tensor (its storage)."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    model = _meta_model()
+    with caplog.at_level(logging.INFO, logger="lmforge"):
+        assert convert_fp8(model, recipe, CPU, fsdp=True) == 14
+    wrapped = {type(m.weight) for m in model.modules() if type(m).__name__ == "Float8Linear"}
+    if recipe == "tensorwise":
+        assert wrapped == {WeightWithDynamicFloat8CastTensor}
+        assert "all-gathers the float8 layers' weights in float8" in caplog.text
+    else:
+        assert wrapped == {nn.Parameter}
+        assert f"all-gathers the weights in bf16 with train.fp8_recipe = {recipe}" in caplog.text
+    real = model_of(ModelConfig(n_layers=1, d_model=64, n_heads=4), 256, 32)
+    convert_fp8(real, recipe, CPU, fsdp=True)
+    weight = real.blocks["0"].attn.q_proj.weight
+    saved = real.state_dict()["blocks.0.attn.q_proj.weight"]
+    assert type(saved) is torch.Tensor and saved.dtype == torch.float32
+    inner = weight._tensor if recipe == "tensorwise" else weight  # the wrapper has no storage of its own
+    assert saved.data_ptr() == inner.data_ptr()  # a load into the entry fills the parameter
+
+
+@pytest.mark.parametrize(
+    ("recipe", "float8_comm", "d_ff", "want"),
+    [
+        ("tensorwise", True, None, {"attn": "Float8", "mlp": "Float8"}),
+        ("tensorwise", False, None, {"attn": "plain", "mlp": "plain"}),  # gloo cannot move float8
+        ("rowwise", True, None, {"attn": "plain", "mlp": "plain"}),  # torchao's styles scale tensorwise
+        ("tensorwise", True, 176, {"attn": "Float8", "mlp": "plain"}),  # 176 / 2 ranks: not converted
+    ],
+)
+def test_tensor_parallel_plan_of_float8_layers(recipe, float8_comm, d_ff, want):
+    """The block plan gives torchao's float8 styles (input cast to float8 before the all-gather) to the
+    layers converted with tensorwise scaling when the mesh's backend can gather float8, PyTorch's styles
+    to the rest."""
+    from lmforge.parallel.tensor import _block_plan
+
+    model = _meta_model(d_ff)
+    convert_fp8(model, recipe, CPU, tp=2)
+    plan = _block_plan(model, float8_comm)
+    kinds = {
+        part: {"Float8" if type(style).__name__.startswith(("Float8", "PrepareFloat8")) else "plain"
+               for key, style in plan.items() if key.split(".")[0] == part}
+        for part in ("attn", "mlp")
+    }  # fmt: skip
+    assert kinds == {part: {kind} for part, kind in want.items()}, plan
 
 
 def test_fp8_training_run(corpus_dir, tmp_path):
@@ -232,13 +293,11 @@ def test_fp8_refused_below_compute_capability_8_9():
     check_precision(TrainConfig(precision="fp8"), ParallelConfig(), torch.device("cuda"), (9, 0))
 
 
-@pytest.mark.parametrize(
-    ("precision", "parallel", "key"),
-    [("fp8", {"tp": 2}, "parallel.tp"), ("fp16", {"pp": 2}, "parallel.pp")],
-)
-def test_unsupported_layouts_refused(precision, parallel, key):
-    with pytest.raises(ConfigError, match=f"train.precision: {precision} with {key}"):
-        check_precision(TrainConfig(precision=precision), ParallelConfig(**parallel), CPU)
+def test_unsupported_layouts_refused():
+    with pytest.raises(ConfigError, match=r"train\.precision: fp16 with parallel\.pp"):
+        check_precision(TrainConfig(precision="fp16"), ParallelConfig(pp=2), CPU)
+    for parallel in ({"tp": 2}, {"dp_shard": 2, "tp": 2}):  # fp8 composes with tensor parallelism
+        check_precision(TrainConfig(precision="fp8"), ParallelConfig(**parallel), CPU)
 
 
 @pytest.mark.parametrize(
@@ -259,10 +318,10 @@ def test_cli_refuses_in_one_line_before_work(tmp_path, capsys, cli_logging):
     from lmforge.cli import main
 
     with pytest.raises(SystemExit) as done:
-        main(["train", "--run-dir", str(tmp_path / "run"), "--train.precision=fp8", "--parallel.tp=2"])
+        main(["train", "--run-dir", str(tmp_path / "run"), "--train.precision=fp16", "--parallel.pp=2"])
     assert done.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("lmforge train: error: train.precision: fp8 with parallel.tp > 1"), err
+    assert err[-1].startswith("lmforge train: error: train.precision: fp16 with parallel.pp > 1"), err
     assert not (tmp_path / "run").exists()
 
 
@@ -308,3 +367,83 @@ def test_norms_and_loss_compute_in_fp32(precision, arch):
     norms = [s for s in seen if s[0] != "linear"]
     assert norms and all(s == (torch.float32, torch.float32) for s in norms)
     assert all(s == ("linear", low) for s in seen if s[0] == "linear")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fp8 on a GPU: FSDP2's float8 all-gather over NCCL (skipped without a CUDA GPU of compute capability 8.9+)
+
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(
+    not _fp8_gpu(), reason="needs a CUDA GPU of compute capability 8.9+ (float8 tensor cores)"
+)
+def test_fp8_fsdp_float8_all_gather_on_cuda(tmp_path):
+    """FSDP2 over NCCL (one process, world 1) with torchao's float8 all-gather on a real GPU (``_scaled_mm``,
+    not emulated), built as the sharded build does (meta device, then materialised and initialised): every
+    float8 layer's FSDP2 all-gather input is ``float8_e4m3fn`` (with one rank FSDP2 copies it without a
+    collective, through the same pre/post all-gather hooks), its precomputed scale is that of its weight
+    after every step, and five steps' losses are close to the same float8 model without FSDP2."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from lmforge.parallel.layout import DIMS, SINGLE, Layout
+    from lmforge.parallel.materialize import Init
+    from lmforge.precision import float8_gathered, register_fp8_scale_precompute
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1, 1, 1, 1), mesh_dim_names=DIMS)
+        layout = Layout(dict.fromkeys(DIMS, 1), kind="fsdp", zero=3, rank=0, world=1, mesh=mesh)
+        cfg, train_cfg = (
+            ModelConfig(n_layers=2, d_model=128, n_heads=4),
+            TrainConfig(precision="fp8", compile=False),
+        )
+        policy = PrecisionPolicy.resolve("fp8", device)
+        runs = {}
+        for name, lay in (("fsdp", layout), ("plain", None)):
+            with torch.device("meta"):
+                model = Transformer(cfg, 512, 64, attention="sdpa")
+            init = Init(device, tuple(model.init_plan()), 0)
+            ctx = ApplyContext(train_cfg, device, lay or SINGLE, torch.bfloat16, init)
+            objective = apply(NextTokenLoss(model), model, ctx)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            assert register_fp8_scale_precompute(optimizer, model) == (name == "fsdp")
+            layers = float8_gathered(model)
+            if name == "fsdp":
+                assert isinstance(objective, FSDPModule) and len(layers) == 14
+                params = [p for m in model.modules() if isinstance(m, FSDPModule)
+                          for p in m._get_fsdp_state()._fsdp_param_group.fsdp_params]  # fmt: skip
+                float8 = {id(layer.weight) for layer in layers}
+                dtypes = {p.all_gather_inputs[0].dtype for p in params if id(p.sharded_param) in float8}
+                assert dtypes == {torch.float8_e4m3fn}, dtypes
+            g = torch.Generator().manual_seed(1)
+            losses = []
+            for _ in range(5):
+                tokens = torch.randint(0, 512, (4, 65), generator=g).to(device)
+                with policy.autocast():
+                    total, n = objective(tokens[:, :-1], tokens[:, 1:])
+                (total / n).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(float(total / n))
+                for layer in layers:  # the scale the next all-gather uses is that of the weight now
+                    want = (
+                        torch.finfo(torch.float8_e4m3fn).max / layer.weight.full_tensor().abs().max().double()
+                    )
+                    got = layer.weight._local_tensor._precomputed_scale
+                    assert float((got - want.float()).abs() / want) < 1e-6
+            runs[name] = losses
+        error = max(abs(a - b) / b for a, b in zip(runs["fsdp"], runs["plain"], strict=True))
+        print(
+            f"fp8 FSDP2 (NCCL, float8 all-gather) against no FSDP2 on {torch.cuda.get_device_name()}: {error:.2e}"
+        )
+        assert error < 2e-3, runs
+        assert runs["fsdp"][-1] < runs["fsdp"][0]
+    finally:
+        dist.destroy_process_group()

@@ -30,7 +30,11 @@ the gradients the optimizer sees are FP32 in every case:
   Layers torchao cannot take (a dimension not a multiple of 16) and the output head stay BF16. Needs a
   GPU of compute capability 8.9 or newer (refused below it, :func:`fp8_refusal`); on a CPU the float8
   matrix products are emulated (``Float8LinearConfig.emulate``: the operands are quantised to float8
-  and multiplied in high precision), slow but numerically float8.
+  and multiplied in high precision), slow but numerically float8. Under FSDP2 the tensorwise recipe's
+  weights are all-gathered in float8 (:func:`convert_fp8` with ``fsdp``; the scales by
+  :func:`register_fp8_scale_precompute`), the rowwise recipes' in BF16; under tensor parallelism the
+  float8 layers are sharded by ``lmforge/parallel/tensor.py``'s plan (torchao's float8 styles). Measured
+  figures: ``docs/parallelism.md``.
 * ``auto`` picks BF16 only where the hardware computes it natively: a CUDA GPU with BF16 support, or a
   CPU with AVX-512-BF16 or AMX tiles. Elsewhere (for example AVX2-only CPUs) BF16 matrix products are
   emulated and run tens of times slower than FP32, so ``auto`` picks FP32 and ``bf16`` warns.
@@ -143,11 +147,6 @@ def check_precision(
         refusal = fp8_refusal(capability or torch.cuda.get_device_capability(device))
         if refusal:
             raise ConfigError(refusal)
-    if name == "fp8" and parallel.tp > 1:
-        raise ConfigError(
-            "train.precision: fp8 with parallel.tp > 1 is not supported (torchao's float8 tensor-parallel "
-            "styles are not wired into lmforge's plan); use --train.precision=bf16 or parallel.tp = 1"
-        )
     if name == "fp16" and parallel.pp > 1:
         raise ConfigError(
             "train.precision: fp16 with parallel.pp > 1 is not supported (the pipeline schedule runs "
@@ -300,15 +299,29 @@ class PrecisionPolicy:
             self.scaler.load_state_dict(state)
 
 
-# -- FP8: the model conversion of the ``convert`` stage -----------------------------------------------------
+# -- FP8: the model conversion of the ``convert`` stage, and FSDP2's float8 all-gather ----------------------
+
+# torchao's float8 all-gather (``enable_fsdp_float8_all_gather``) casts each weight shard with one scale
+# for the whole weight: tensorwise scaling only (its ``Float8LinearConfig`` asserts tensorwise weight
+# granularity; torchao 0.18). The rowwise recipes scale each row, and FSDP2 gathers their weights in BF16.
+FLOAT8_ALL_GATHER_RECIPES = frozenset({"tensorwise"})
 
 
-def fp8_takes(module: nn.Module, fqn: str) -> bool:
+def fp8_takes(module: nn.Module, fqn: str, tp: int = 1) -> bool:
     """Whether the float8 conversion takes this linear layer: not the output head (its logits feed the
-    loss, kept in BF16), and both dimensions multiples of 16 (``torch._scaled_mm``)."""
+    loss, kept in BF16), and both dimensions multiples of 16 (``torch._scaled_mm``). Under tensor
+    parallelism over ``tp`` ranks each rank multiplies a ``1 / tp`` slice of one of the two dimensions
+    (output features of a column-parallel layer, input features of a row-parallel one), so both must be
+    multiples of ``16 * tp``."""
     if not isinstance(module, nn.Linear) or fqn.rsplit(".", 1)[-1] == "lm_head":
         return False
-    return module.in_features % FP8_DIVISOR == 0 and module.out_features % FP8_DIVISOR == 0
+    divisor = FP8_DIVISOR * tp
+    return module.in_features % divisor == 0 and module.out_features % divisor == 0
+
+
+def float8_all_gather(recipe: str) -> bool:
+    """Whether FSDP2 can all-gather the weights of ``train.fp8_recipe = recipe`` in float8 (tensorwise)."""
+    return recipe in FLOAT8_ALL_GATHER_RECIPES
 
 
 def _cpu_autocast_input(module: nn.Module, args: tuple) -> tuple | None:
@@ -320,27 +333,122 @@ def _cpu_autocast_input(module: nn.Module, args: tuple) -> tuple | None:
     return None
 
 
-def convert_fp8(model: nn.Module, recipe: str, device: torch.device) -> int:
-    """Swap ``model``'s linear layers for torchao ``Float8Linear`` with ``recipe`` (emulated off CUDA);
-    returns how many were converted (logged with the skipped ones)."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    from torchao.float8.float8_linear import Float8Linear
+def fp8_config(recipe: str, device: torch.device, fsdp: bool = False):
+    """torchao's ``Float8LinearConfig`` of ``recipe``: emulated off CUDA; with ``fsdp`` and a recipe of
+    :data:`FLOAT8_ALL_GATHER_RECIPES`, FSDP2 all-gathers the weights in float8."""
+    from torchao.float8 import Float8LinearConfig
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    emulate = device.type != "cuda"
-    if emulate:
-        config = dataclasses.replace(config, emulate=True)
+    return dataclasses.replace(
+        config,
+        emulate=device.type != "cuda",
+        enable_fsdp_float8_all_gather=fsdp and float8_all_gather(recipe),
+    )
+
+
+def convert_fp8(model: nn.Module, recipe: str, device: torch.device, fsdp: bool = False, tp: int = 1) -> int:
+    """Swap ``model``'s linear layers for torchao ``Float8Linear`` with ``recipe`` (emulated off CUDA);
+    returns how many were converted (logged with the skipped ones). ``fsdp``: FSDP2 will shard the model,
+    so the weights of a tensorwise recipe are wrapped for its float8 all-gather (then
+    :func:`register_fp8_scale_precompute` must be called once the optimizer exists); ``tp``: the
+    tensor-parallel degree (:func:`fp8_takes`). Works on a meta-device model (nothing is allocated)."""
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = fp8_config(recipe, device, fsdp)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    convert_to_float8_training(model, module_filter_fn=fp8_takes, config=config)
+    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fp8_takes(m, fqn, tp), config=config)
     converted = [m for m in model.modules() if isinstance(m, Float8Linear)]
-    if emulate:
+    if config.emulate:
         for m in converted:
             m.register_forward_pre_hook(_cpu_autocast_input)
     head = sum(n.rsplit(".", 1)[-1] == "lm_head" for n, _ in linears)
     log.info(
         "fp8: %d of %d linear layers converted to float8 (%s%s); kept in bf16: %d output head, %d with a "
         "dimension not a multiple of %d",
-        len(converted), len(linears), recipe, ", emulated" if emulate else "", head,
-        len(linears) - len(converted) - head, FP8_DIVISOR,
+        len(converted), len(linears), recipe, ", emulated" if config.emulate else "", head,
+        len(linears) - len(converted) - head, FP8_DIVISOR * tp,
     )  # fmt: skip
+    if fsdp and converted and config.enable_fsdp_float8_all_gather:
+        for m in converted:
+            m.register_state_dict_post_hook(_plain_weight_state)
+        log.info("fp8: FSDP2 all-gathers the float8 layers' weights in float8 (%s scaling)", recipe)
+    elif fsdp and converted:
+        log.info(
+            "fp8: FSDP2 all-gathers the weights in bf16 with train.fp8_recipe = %s (torchao's float8 "
+            "all-gather takes tensorwise scaling only)",
+            recipe,
+        )
     return len(converted)
+
+
+def plain_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` without torchao's float8 all-gather wrapper (``WeightWithDynamicFloat8CastTensor``, also
+    inside a DTensor): the FP32 values themselves, sharing their storage (a load into it fills the
+    parameter); any other tensor unchanged."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    if isinstance(weight, DTensor) and isinstance(weight._local_tensor, WeightWithDynamicFloat8CastTensor):
+        local = weight._local_tensor._tensor.detach()
+        return DTensor.from_local(
+            local,
+            weight.device_mesh,
+            weight.placements,
+            run_check=False,
+            shape=weight.shape,
+            stride=weight.stride(),
+        )
+    if isinstance(weight, WeightWithDynamicFloat8CastTensor):
+        return weight._tensor.detach()
+    return weight
+
+
+def _plain_weight_state(module: nn.Module, state: dict, prefix: str, _metadata: dict) -> None:
+    """State-dict post-hook of a float8 layer gathered in float8: its weight as :func:`plain_weight`, so a
+    checkpoint holds plain FP32 tensors (any layout, or a process without torchao, can read it; saved as
+    torchao's subclass, DCP would pickle the class and loading would need torchao imported)."""
+    key = prefix + "weight"
+    if key in state:
+        state[key] = plain_weight(state[key])
+
+
+def float8_gathered(model: nn.Module) -> list[nn.Module]:
+    """The float8 layers of ``model`` whose weight FSDP2 all-gathers in float8 (a sharded DTensor over
+    torchao's ``WeightWithDynamicFloat8CastTensor``)."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, Float8Linear)
+        and isinstance(m.weight, DTensor)
+        and isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor)
+    ]
+
+
+def precompute_fp8_scales(model: nn.Module) -> None:
+    """The float8 scale of every weight FSDP2 gathers in float8, for its next all-gather (torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``): ``scale = max(float8_e4m3fn) / amax(|W|)``, the amaxes
+    of all weights reduced in one all-reduce of one vector. Without it each weight's pre-all-gather cast
+    reduces its own amax over the data-parallel mesh: one all-reduce per layer and gather, and under
+    tensor parallelism a scale per tensor-parallel shard instead of one per weight."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def register_fp8_scale_precompute(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
+    """Keep the precomputed float8 scales (:func:`precompute_fp8_scales`) of ``model``'s float8-gathered
+    weights true to the weights: computed now, after every step of ``optimizer`` (a post-step hook) and
+    after every load of ``model``'s state (a ``load_state_dict`` post-hook: a resume, the guard's
+    rollback). Every rank must call it (the precompute is a collective). Does nothing (returns False)
+    when no weight is gathered in float8."""
+    if not float8_gathered(model):
+        return False
+    precompute_fp8_scales(model)
+    optimizer.register_step_post_hook(lambda _optimizer, _args, _kwargs: precompute_fp8_scales(model))
+    model.register_load_state_dict_post_hook(lambda _module, _keys: precompute_fp8_scales(model))
+    return True

@@ -89,7 +89,8 @@ def convert(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module
     if ctx.train.precision == "fp8":
         from lmforge.precision import convert_fp8
 
-        convert_fp8(model, ctx.train.fp8_recipe, ctx.device)
+        layout = ctx.layout
+        convert_fp8(model, ctx.train.fp8_recipe, ctx.device, layout.kind == "fsdp", layout.degrees["tp"])
     return module
 
 

@@ -15,6 +15,13 @@ both               hybrid sharding (FSDP2 on the 2-D mesh ``(dp_replicate, dp_sh
 FSDP2 is applied to every block and then to the training objective (the root: embedding, final norm and
 head), so each block's parameters are gathered just before it runs. Under ``bf16`` FSDP2 keeps FP32
 sharded parameters and computes with BF16 copies, reducing gradients in FP32 (``MixedPrecisionPolicy``).
+Under ``fp8`` the same policy applies (BF16 is its compute dtype), except for the float8 layers' weights
+under the tensorwise recipe: their FP32 shards are wrapped by the FP8 conversion
+(``lmforge/precision.py::convert_fp8``, torchao's ``enable_fsdp_float8_all_gather``), whose
+``fsdp_pre_all_gather`` casts each shard to float8 with the scale of the whole weight, so FSDP2 gathers
+one byte per value (as ``uint8``, together with the block's BF16 norm weights) and rebuilds a float8
+weight after the gather; the scales are precomputed after each optimizer step
+(``register_fp8_scale_precompute``).
 ``parallel.offload`` keeps the sharded parameters, gradients and optimizer states in host memory
 (``CPUOffloadPolicy``; the optimizer steps on the CPU), the ZeRO-Offload idea.
 

@@ -60,7 +60,7 @@ from lmforge.posttrain.run import (
     posttrain_loader,
     prepare_posttrain,
 )
-from lmforge.precision import PrecisionPolicy, check_precision
+from lmforge.precision import PrecisionPolicy, check_precision, register_fp8_scale_precompute
 from lmforge.probes.auto_batch import probe, resolve_micro_batch
 from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, TrainModule
 from lmforge.train.runtime import configure_determinism, pick_device, seed_all
@@ -221,6 +221,7 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
         optimizer = build_zero_optimizer(model, cfg.optim, device, compile, layout.group("dp_shard"))
     else:
         optimizer = build_optimizer(model, cfg.optim, device, compile=compile)
+    register_fp8_scale_precompute(optimizer, model)  # FSDP2's float8 all-gather: scales after each step
     log.info(
         "model: %s, %.2fM parameters; %d micro-batches of %d x %d per step and data-parallel rank; %s",
         cfg.model.arch,
