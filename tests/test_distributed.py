@@ -296,6 +296,7 @@ def test_export_of_a_tied_pipeline_run(corpus_dir, cache, reference, tmp_path):
     same = tmp_path / "same"
     save_checkpoint(same, trainer.progress.step, trainer.state_dict(), config_text(cfg, []), keep=1)
     shutil.copyfile(run / "tokenizer.json", same / "tokenizer.json")
+    (same / "config.toml").write_text(config_text(cfg, []))
     folders = {name: export_run(r, tmp_path / f"hf-{name}") for name, r in (("pp", run), ("same", same))}
     folders["ref"] = export_run(reference, tmp_path / "hf-ref")
     files = {name: sorted(p.name for p in f.iterdir()) for name, f in folders.items()}
