@@ -120,8 +120,8 @@ class Clipper:
         self.ema = torch.zeros(())  # m_t (adaptive), kept on the gradients' device
         self.count = 0  # t (adaptive)
         self.across: dist.ProcessGroup | None = None  # processes holding other parameters (pipeline stages)
-        # ids of parameters whose gradient is a copy of one counted elsewhere (a pipeline's tied output head,
-        # ``parallel/tied_embedding.py``): left out of the norm so the matrix counts once; clipped all the same
+        # ids of parameters whose gradient is a copy of one counted elsewhere (a pipeline's tied output
+        # head, ``parallel/tied_embedding.py``): left out of the norm so the matrix counts once; clipped
         self.copies: frozenset[int] = frozenset()
 
     @classmethod

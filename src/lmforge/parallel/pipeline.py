@@ -259,10 +259,11 @@ class Pipeline:
     initialises them exactly as the whole model is from ``seed`` (None: leave them for a checkpoint).
     ``group``: the pipeline process group or a 1-D device mesh (None: the default group). ``models``: the
     stage modules, ascending by stage index, for the optimizer and state dicts (names as in the whole
-    model). ``tied``: the tied embedding's copies on this rank (None untied; :meth:`reduce_tied_grads`). ``transform(stage, init)``: applied to each meta stage before the schedule sees it (the model
+    model). ``transform(stage, init)``: applied to each meta stage before the schedule sees it (the model
     transformations of ``parallel/apply.py``: tensor parallelism, compilation, FSDP2, and last the
     materialisation by ``init``); it may change the stage in place or wrap it. Without one, each stage is
-    materialised plainly.
+    materialised plainly. ``tied``: this rank's part of a tied embedding (None untied;
+    :meth:`reduce_tied_grads`).
     """
 
     def __init__(

@@ -109,10 +109,8 @@ def tie_stages(
             last.lm_head.weight = emb
             return TiedEmbedding([])
         if emb.placements != head.placements or emb.to_local().shape != head.to_local().shape:
-            raise RuntimeError(
-                f"tied embedding copies are sharded differently: {emb.placements} {tuple(emb.to_local().shape)}"
-                f" vs {head.placements} {tuple(head.to_local().shape)}"
-            )
+            shapes = [(t.placements, tuple(t.to_local().shape)) for t in (emb, head)]
+            raise RuntimeError(f"tied embedding copies are sharded differently: {shapes[0]} vs {shapes[1]}")
     copies = [first.embed.weight] if first is not None else []
     copies += [last.lm_head.weight] if last is not None else []
     return TiedEmbedding(copies, embedding_group(group, first_rank, last_rank) if copies else None)

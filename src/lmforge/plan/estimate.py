@@ -59,13 +59,14 @@ from dataclasses import asdict, dataclass, field, replace
 
 from lmforge.config import Config, ModelConfig
 from lmforge.parallel.pipeline import (
+    V_SHAPED,
     bubble_fraction,
     pipeline_settings,
     stage_ids,
     stage_layers,
 )
 from lmforge.plan.activations import activation_bytes
-from lmforge.plan.comm import CommVolume, dp_volume, pp_volume, tp_volume
+from lmforge.plan.comm import CommVolume, dp_volume, pp_volume, tied_volume, tp_volume
 from lmforge.plan.flops import flops_per_token, lookup_params
 from lmforge.plan.hardware import Hardware
 from lmforge.plan.memory import (
@@ -75,6 +76,7 @@ from lmforge.plan.memory import (
     StateBytes,
     Temporaries,
     compute_bytes,
+    fsdp_shape,
     model_states,
     param_tensors,
     stage_tensors,
@@ -428,7 +430,7 @@ def estimate(
             c,
             recomputed_forwards(layout.activation_checkpointing),
         ),
-        pp=pp_volume(layout.pp, device_tokens, cfg.d_model, c),
+        pp=pp_volume(layout.pp, device_tokens, cfg.d_model, c) + tied_volume(_tied_grad_bytes(layout, mine)),
     )
     dp_s = comm.dp / _link(hw, layout.tp * layout.dp)
     other_s = comm.tp / _link(hw, layout.tp) + comm.pp / _link(hw, layout.world)
@@ -480,6 +482,19 @@ def estimate(
         warnings=warnings,
         pp_rank_totals=rank_totals,
     )
+
+
+def _tied_grad_bytes(layout: Layout, mine: list[ParamTensor]) -> float:
+    """FP32 gradient bytes of this rank's copy of a tied embedding that another pipeline rank also holds
+    (``parallel/tied_embedding.py``: every schedule but the V-shaped one, where one rank holds both ends);
+    0 elsewhere. Sharded as the parameter is (TP, then FSDP2's ``dp_shard``)."""
+    if layout.pp == 1 or layout.pp_schedule in V_SHAPED:
+        return 0.0
+    emb = next((t for t in mine if t.name == "embed.weight" and t.linear), None)  # linear: tied to the head
+    if emb is None:
+        return 0.0
+    shards = layout.dp_shard if layout.kind in ("zero2", "zero3") else 1
+    return 4.0 * math.prod(fsdp_shape(tp_shape(emb, layout.tp), shards))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -28,10 +28,11 @@ state keyed by parameter name), for one process as for many: one format everywhe
 ``lm_head.weight``, the optimizer state under ``embed.weight`` only. A pipeline's last stage holds its
 own copy of the matrix as ``lm_head.weight`` (``parallel/tied_embedding.py``): its model entry is that
 key already, and its optimizer entries are written under (and read from) ``embed.weight``; the two
-copies' states are equal, and DCP keeps one of identical entries written by several ranks. torchao's 8-bit
-moments (``optim.name = "adamw8bit"``) are written dequantised, in FP32, and quantised again on load;
-the block code book maps each dequantised value back to its code, so a resume is still bitwise exact
-(``tests/test_optimizers.py``), at four times the moments' bytes on disk.
+copies' states are equal, and DCP keeps one of identical entries written by several ranks.
+
+torchao's 8-bit moments (``optim.name = "adamw8bit"``) are written dequantised, in FP32, and quantised
+again on load; the block code book maps each dequantised value back to its code, so a resume is still
+bitwise exact (``tests/test_optimizers.py``), at four times the moments' bytes on disk.
 """
 
 from __future__ import annotations
