@@ -11,8 +11,11 @@ contribute. A pipeline puts the embedding on stage 0 and the head on the last st
   (:func:`tie_stages`): autograd adds both uses' gradients into it as in one process, and nothing else is
   needed. Otherwise each of the two stages keeps its own copy: on two ranks (``gpipe``, ``1f1b``,
   ``interleaved_1f1b``, ``zero_bubble``: stage 0 on pipeline rank 0, the last stage on rank ``pp - 1``), or
-  on one rank when FSDP2 or tensor parallelism wrap each stage apart (a parameter cannot belong to two
-  FSDP2 roots).
+  on one rank when the stages hold DTensors (FSDP2 or tensor parallelism wrap each stage apart, and a
+  parameter cannot belong to two FSDP2 roots); the copies are then summed locally. That last case is
+  unreachable today: ``zbv`` is refused with ``parallel.dp_shard`` or ``parallel.tp`` above 1
+  (``train/build.py::check_model_layout``: its split backward trains other weights under FSDP2 and fails
+  under TP in torch 2.13); it is unit-tested in one process (``tests/test_tied_embedding.py``).
 * **Initialisation.** Both copies start with the values one process draws for the tied matrix from
   ``train.seed``: the whole model's initialisation plan names that matrix under both names
   (``model/init.py``), and ``parallel/materialize.py`` fills every parameter this rank holds under any
