@@ -250,6 +250,8 @@ DETAIL_LAYOUTS = {
     "zero3": (2, {"parallel.dp_shard": 2}),
     "tp": (2, {"parallel.tp": 2}),
     "1f1b": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "model.tie_embeddings": False}),
+    # the tied matrix on both ends of the pipeline: its norms counted once, as the embedding's
+    "1f1b_tied": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}),
 }
 
 

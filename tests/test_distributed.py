@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,10 +21,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from lmforge.hf.export import export_run
 from lmforge.recipe import load_config
-from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
+from lmforge.train.build import build_run
+from lmforge.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_training_state,
+    save_checkpoint,
+    saved_keys,
+)
 from lmforge.train.launch import train
+from lmforge.train.resume import config_text
+from lmforge.train.trainer import Trainer
 from tests.conftest import cli_args, tiny_overrides
 from tests.torchrun import REPO, torchrun, worker
 
@@ -69,7 +81,7 @@ def reference(corpus_dir, cache, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference_untied(corpus_dir, cache, tmp_path_factory) -> Path:
-    """Pipeline stages cannot share the embedding with the head: the reference for them is untied."""
+    """The reference of the untied pipeline layouts."""
     return _single(
         corpus_dir, cache, tmp_path_factory.mktemp("ref-untied") / "run", **{"model.tie_embeddings": False}
     )
@@ -85,9 +97,9 @@ def launch(
     return done
 
 
-def losses(run: Path) -> dict[int, float]:
+def losses(run: Path, key: str = "loss") -> dict[int, float]:
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return {x["step"]: x["loss"] for x in lines if "loss" in x and "event" not in x}
+    return {x["step"]: x[key] for x in lines if key in x and "event" not in x}
 
 
 def assert_same_run(run: Path, ref: Path, steps: range = range(1, STEPS + 1), rtol: float = RTOL) -> None:
@@ -159,6 +171,22 @@ def test_fsdp_mixed_precision_trains_like_fp32(corpus_dir, cache, reference, tmp
     assert all(v.dtype == torch.float32 for v in state["model"].values())  # master weights stay FP32
 
 
+def assert_same_format(run: Path, ref: Path, rtol: float = RTOL) -> None:
+    """The run's last checkpoint holds exactly the keys of ``ref``'s (model and optimizer, as DCP stored
+    them) with the same shapes, its optimizer states within ``rtol`` of ``ref``'s, and every step's
+    gradient norm (before clipping) matches."""
+    a_path, b_path = latest_checkpoint(run), latest_checkpoint(ref)
+    assert saved_keys(a_path) == saved_keys(b_path)
+    a, b = load_checkpoint(a_path)["optimizer"], load_checkpoint(b_path)["optimizer"]
+    for key, value in b.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            assert a[key].shape == value.shape, key
+            assert ((a[key] - value).norm() / value.norm()).item() <= rtol, key
+    got, want = losses(run, "grad_norm"), losses(ref, "grad_norm")
+    assert got.keys() == want.keys()
+    assert all(got[s] == pytest.approx(want[s], rel=rtol) for s in want), (got, want)
+
+
 PIPELINES = {
     "gpipe": (2, {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"}),
     "1f1b": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}),
@@ -178,16 +206,32 @@ PIPELINES = {
         2,
         {"parallel.pp": 2, "parallel.pp_schedule": "zbv", "train.activation_checkpointing": "every:2"},
     ),
+    # the default model's tied embedding: a copy on the first and on the last stage, gradients summed
+    "tied_1f1b": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "model.tie_embeddings": True}),
+    "tied_interleaved_1f1b": (
+        2,
+        {"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b", "model.tie_embeddings": True},
+    ),
+    # zbv: one rank runs both ends, which share one parameter
+    "tied_zbv": (2, {"parallel.pp": 2, "parallel.pp_schedule": "zbv", "model.tie_embeddings": True}),
+    # FSDP2 over each stage: the copies' shards are summed across the two ranks of each shard
+    "tied_1f1b_fsdp": (4, {"parallel.pp": 2, "parallel.dp_shard": 2, "model.tie_embeddings": True}),
 }
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(PIPELINES))
-def test_pipeline_matches_one_process(name, corpus_dir, cache, reference_untied, tmp_path):
+def test_pipeline_matches_one_process(name, corpus_dir, cache, request, tmp_path):
+    """Untied against the untied reference; tied (the default model) against the default one, and then
+    also in the one-process checkpoint format (the same DCP keys, optimizer states and gradient norms)."""
     nproc, layout = PIPELINES[name]
+    over = {"model.tie_embeddings": False, **layout}
+    reference = request.getfixturevalue("reference" if over["model.tie_embeddings"] else "reference_untied")
     run = tmp_path / name
-    launch(nproc, run, _overrides(corpus_dir, cache, **{"model.tie_embeddings": False, **layout}))
-    assert_same_run(run, reference_untied)
+    launch(nproc, run, _overrides(corpus_dir, cache, **over))
+    assert_same_run(run, reference)
+    if over["model.tie_embeddings"]:
+        assert_same_format(run, reference)
 
 
 # -- checkpoints across layouts ---------------------------------------------------------------------------
@@ -216,6 +260,10 @@ def _half_then_rest(first: tuple[int, dict], second: tuple[int, dict], corpus_di
             id="zero1_to_ddp",
         ),
         pytest.param((2, {"parallel.dp_shard": 2}), (1, {}), id="fsdp2_to_single"),
+        # the default model's tied embedding, saved by two pipeline stages and read by one process, and back
+        pytest.param((2, {"parallel.pp": 2}), (1, {}), id="tied_pp2_to_single"),
+        pytest.param((1, {}), (2, {"parallel.pp": 2}), id="tied_single_to_pp2"),
+        pytest.param((2, {"parallel.pp": 2}), (2, {"parallel.dp_shard": 2}), id="tied_pp2_to_fsdp2"),
     ],
 )
 def test_resume_in_another_layout(first, second, corpus_dir, cache, reference, tmp_path):
@@ -231,6 +279,36 @@ def test_single_process_checkpoint_continues_under_fsdp(corpus_dir, cache, refer
     files = {p.name for p in latest_checkpoint(run).iterdir()}
     assert {".metadata", "trainer.pt", "config.toml", "rng"} <= files
     assert len([f for f in files if f.endswith(".distcp")]) == 2  # each rank wrote its shards
+
+
+@pytest.mark.distributed
+def test_export_of_a_tied_pipeline_run(corpus_dir, cache, reference, tmp_path):
+    """``lmforge export`` of a tied run trained by two pipeline stages writes the Hugging Face folder of a
+    single-process checkpoint holding the same weights (byte for byte: the pipeline's checkpoint read by
+    one process and saved again), and the one-process run's folder up to the runs' 1e-5."""
+    run = tmp_path / "pp"
+    launch(2, run, _overrides(corpus_dir, cache, **{"parallel.pp": 2}))
+    ckpt = latest_checkpoint(run)
+    cfg = load_config(None, _overrides(corpus_dir, cache))  # one process
+    one = build_run(cfg)
+    trainer = Trainer(one, [])
+    trainer.load_state_dict(load_training_state(ckpt, one.model, one.optimizer))
+    same = tmp_path / "same"
+    save_checkpoint(same, trainer.progress.step, trainer.state_dict(), config_text(cfg, []), keep=1)
+    shutil.copyfile(run / "tokenizer.json", same / "tokenizer.json")
+    (same / "config.toml").write_text(config_text(cfg, []))
+    folders = {name: export_run(r, tmp_path / f"hf-{name}") for name, r in (("pp", run), ("same", same))}
+    folders["ref"] = export_run(reference, tmp_path / "hf-ref")
+    files = {name: sorted(p.name for p in f.iterdir()) for name, f in folders.items()}
+    assert files["pp"] == files["same"] == files["ref"] and "model.safetensors" in files["pp"]
+    for name in files["pp"]:
+        assert (folders["pp"] / name).read_bytes() == (folders["same"] / name).read_bytes(), name
+        if name != "model.safetensors":
+            assert (folders["pp"] / name).read_bytes() == (folders["ref"] / name).read_bytes(), name
+    got, want = (load_file(folders[n] / "model.safetensors") for n in ("pp", "ref"))
+    assert got.keys() == want.keys() and "lm_head.weight" not in got  # tied: the head is the embedding
+    for key, value in want.items():
+        assert ((got[key] - value).norm() / value.norm()).item() <= RTOL, key
 
 
 # -- a rank killed: torchrun restarts the job, which resumes -------------------------------------------------

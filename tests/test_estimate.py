@@ -210,9 +210,10 @@ def test_search_returns_fitting_layouts_fastest_first():
 
 
 def test_candidate_layouts_pass_lmforge_checks():
-    """No TP for GPT-3 (vocabulary 50257 is odd), no pipeline for tied embeddings."""
+    """No TP for GPT-3 (vocabulary 50257 is odd); pipelines of its tied embedding are runnable."""
     layouts = candidate_layouts(_workload("gpt3-175b"), 64)
-    assert layouts and all(layout.tp == 1 and layout.pp == 1 for layout in layouts)
+    assert layouts and all(layout.tp == 1 for layout in layouts)
+    assert any(layout.pp > 1 for layout in layouts)
 
 
 def test_candidate_layouts_are_runnable_by_lmforge():
@@ -228,6 +229,26 @@ def test_70b_needs_more_than_8_h100_under_lmforge_accounting():
     n, best = fewest_devices(_workload("llama-70b"), 8, H100)
     assert n in (16, 32) and best.fits and best.layout.world == n
     assert search(_workload("llama-70b"), n // 2, H100) == []
+
+
+def test_a_tied_embedding_across_two_ranks_adds_its_gradients_all_reduce():
+    """llama-1b ties its head: with 1f1b its first and last pipeline ranks each hold the (V, d) matrix and
+    all-reduce its FP32 gradient (their shard of it) once per step, ``2 (2 - 1) / 2 * 4 V d`` bytes; zbv
+    keeps both ends on one rank (one parameter, nothing sent); untied, nothing either."""
+    w = replace(_workload("llama-1b"), tokens_per_step=8 * 8192 * 4)
+    m = w.model
+    v, d = w.vocab_size, m.d_model
+    activations = comm.pp_volume(2, w.tokens_per_step // 2, d, 2)
+    for layout, tied_bytes in (
+        (Layout(dp_shard=2, pp=2, micro_batch=8), 4 * v * d / 2),
+        (Layout(dp_shard=2, pp=2, micro_batch=8, pp_schedule="zbv"), 0),
+    ):
+        e = estimate(w, layout, H100)
+        assert e.comm.pp == pytest.approx(activations + tied_bytes), layout
+    untied = replace(w, model=m.model_copy(update={"tie_embeddings": False}))
+    assert estimate(untied, Layout(dp_shard=2, pp=2, micro_batch=8), H100).comm.pp == pytest.approx(
+        activations
+    )
 
 
 def test_the_head_goes_with_the_last_block_on_a_v_shaped_pipeline():

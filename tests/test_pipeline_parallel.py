@@ -66,7 +66,6 @@ def test_stage_placement():
         ({"pp": 2, "schedule": "pipedream"}, "parallel.pp_schedule"),
         ({"pp": 8, "n_layers": 4}, "parallel.pp"),
         ({"pp": 2, "stages_per_rank": 2, "schedule": "interleaved_1f1b", "n_layers": 3}, "parallel.pp"),
-        ({"pp": 2, "tie_embeddings": True}, "model.tie_embeddings"),
         ({"pp": 4, "microbatches": 2, "schedule": "1f1b"}, "parallel.pp_microbatches"),
         ({"pp": 4, "microbatches": 10, "schedule": "1f1b"}, None),
         (
@@ -96,7 +95,6 @@ def test_check_pipeline(kwargs, key):
         "schedule": "1f1b",
         "microbatches": 4,
         "micro_batch_size": None,
-        "tie_embeddings": False,
         "stages_per_rank": 1,
     } | kwargs
     if key is None:
@@ -108,16 +106,11 @@ def test_check_pipeline(kwargs, key):
     assert message.startswith(key + ":") and "\n" not in message
 
 
-def test_tied_embeddings_refusal_names_the_fix():
-    with pytest.raises(ConfigError, match=r"set --model\.tie_embeddings=false"):
-        check_pipeline(4, 2, "gpipe", 4, None, True, 1)
-
-
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_stage_init_is_the_whole_models_slice(arch):
+@pytest.mark.parametrize(("arch", "tied"), [("llama", False), ("gpt2", False), ("llama", True)])
+def test_stage_init_is_the_whole_models_slice(arch, tied):
     """Each stage of a 3-stage cut holds exactly (bitwise) the whole model's parameters from the same seed,
-    and together the stages hold all of them."""
-    cfg = ModelConfig(arch=arch, n_layers=5, d_model=32, n_heads=4, tie_embeddings=False)
+    and together the stages hold all of them; tied, the last stage's head holds the embedding's values."""
+    cfg = ModelConfig(arch=arch, n_layers=5, d_model=32, n_heads=4, tie_embeddings=tied)
 
     def build() -> Transformer:
         return Transformer(cfg, 64, 16)
@@ -127,7 +120,7 @@ def test_stage_init_is_the_whole_models_slice(arch):
     whole.materialize("cpu")
     torch.manual_seed(7)
     whole.init_weights()
-    reference = dict(whole.named_parameters())
+    reference = dict(whole.named_parameters(remove_duplicate=False))  # tied: the matrix under both names
     torch.manual_seed(0)  # build_stage seeds itself
     seen: list[str] = []
     for layers in stage_layers(cfg.n_layers, 3):
@@ -138,6 +131,9 @@ def test_stage_init_is_the_whole_models_slice(arch):
             seen.append(name)
         if arch == "llama":
             assert torch.equal(stage.rope_cos, whole.rope_cos)
+        copies = {"lm_head.weight": "embed.weight"} if tied and layers.stop == cfg.n_layers else {}
+        assert stage.tied_copies() == copies  # a head held apart from its embedding
+    assert whole.tied_copies() == {}
     assert sorted(seen) == sorted(reference)
     blank = build_stage(
         build, range(2, 5), "cpu", seed=None
@@ -150,18 +146,35 @@ def test_stage_init_is_the_whole_models_slice(arch):
     )
 
 
-@pytest.mark.distributed
-def test_every_schedule_matches_single_process(tmp_path):
-    out = tmp_path / "pp.jsonl"
-    variants = [*SCHEDULES, "gpipe+accum", "1f1b+mesh"]
-    proc = torchrun(2, [worker("pp_worker.py"), str(out), *variants], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = {r["schedule"]: r for r in map(json.loads, out.read_text().splitlines())}
+def _check_schedules(results: dict, variants: list[str]) -> None:
     assert sorted(results) == sorted(variants)
     for name, r in results.items():
+        assert r["tied_equal"] in ((True,) if "+tied" in name else (None,)), name  # copies stay equal
         assert r["covers_all_params"], name
         assert 0 <= r["loss_err"] < 1e-5, (name, r)
         assert 0 <= r["eval_err"] < 1e-5, (name, r)
         assert 0 <= r["param_err"] < 1e-5, (name, r)
         for bubbles in r["bubbles"].values():
             assert len(bubbles) == 3 and all(0 <= measured < 1 for measured, _ in bubbles), (name, r)
+
+
+@pytest.mark.distributed
+def test_every_schedule_matches_single_process(tmp_path):
+    """Every schedule, untied and tied (``zbv``: one rank runs both ends and they share one parameter;
+    the others: a copy on each of the two ranks, gradients summed after each step)."""
+    out = tmp_path / "pp.jsonl"
+    variants = [*SCHEDULES, *(f"{s}+tied" for s in SCHEDULES), "gpipe+accum", "1f1b+mesh", "1f1b+accum+tied"]
+    proc = torchrun(2, [worker("pp_worker.py"), str(out), *variants], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _check_schedules({r["schedule"]: r for r in map(json.loads, out.read_text().splitlines())}, variants)
+
+
+@pytest.mark.distributed
+def test_tied_embedding_over_three_stages(tmp_path):
+    """Three pipeline ranks: the tied matrix's copies on ranks 0 and 2 are summed over a group of those two
+    (the middle rank holds neither and takes no part)."""
+    out = tmp_path / "pp3.jsonl"
+    variants = ["gpipe+tied", "1f1b+tied"]
+    proc = torchrun(3, [worker("pp_worker.py"), str(out), *variants], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _check_schedules({r["schedule"]: r for r in map(json.loads, out.read_text().splitlines())}, variants)

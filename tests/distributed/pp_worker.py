@@ -4,7 +4,10 @@ For each schedule named on the command line: a tiny FP32 Llama trained 3 AdamW s
 :class:`lmforge.parallel.pipeline.Pipeline` (each rank's optimizer over its own stages), and the same 3 steps
 of the whole model through the single-process ``train_step`` on every rank. Variants: ``NAME+accum`` splits
 each step's batch over two ``Pipeline.step`` calls (gradients accumulate across calls), ``NAME+mesh`` gives
-the pipeline a 1-D device mesh instead of the default group. After step 2 both evaluate a
+the pipeline a 1-D device mesh instead of the default group, ``NAME+tied`` ties the embedding and the
+output head (against a tied single-process model; the copies' gradients are summed by
+``reduce_tied_grads`` after each step's last call, and ``tied_equal`` says whether every copy of the matrix
+on every rank is bitwise the same after the run). After step 2 both evaluate a
 batch (the pipeline through ``eval_loss``, then switches back to training). Rank 0 writes one JSON line per
 schedule to the output file: the largest relative differences of the step losses, the eval loss and the
 parameters (gathered from every rank), and the bubble measured against the formula.
@@ -33,19 +36,17 @@ from lmforge.train.modules import LanguageModelModule
 from lmforge.train.step import train_step
 
 VOCAB, SEQ, BATCH, MICRO, STEPS, LR = 128, 32, 8, 4, 3, 3e-3
-CFG = load_config(
-    None,
-    {
-        "model.n_layers": 4,
-        "model.d_model": 64,
-        "model.n_heads": 4,
-        "model.tie_embeddings": False,
-        "data.seq_len": SEQ,
-        "train.precision": "fp32",
-        "train.grad_clip": 0.0,
-        "train.seed": 1234,
-    },
-)
+SETTINGS = {
+    "model.n_layers": 4,
+    "model.d_model": 64,
+    "model.n_heads": 4,
+    "model.tie_embeddings": False,
+    "data.seq_len": SEQ,
+    "train.precision": "fp32",
+    "train.grad_clip": 0.0,
+    "train.seed": 1234,
+}
+CFGS = {tied: load_config(None, {**SETTINGS, "model.tie_embeddings": tied}) for tied in (False, True)}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2, "zbv": 2}
 
 
@@ -71,12 +72,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def reference() -> tuple[list[float], float, dict[str, torch.Tensor]]:
-    """Step losses, the eval loss after step 2 and the final parameters of the single-process run."""
-    model = build_model(CFG, VOCAB, torch.device("cpu"))
-    objective = NextTokenLoss(model, CFG.train.loss_chunk)
+def reference(tied: bool) -> tuple[list[float], float, dict[str, torch.Tensor]]:
+    """Step losses, the eval loss after step 2 and the final parameters (a tied matrix under both its
+    names) of the single-process run."""
+    cfg = CFGS[tied]
+    model = build_model(cfg, VOCAB, torch.device("cpu"))
+    objective = NextTokenLoss(model, cfg.train.loss_chunk)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    clipper, precision = Clipper.from_config(CFG.train), PrecisionPolicy.resolve("fp32", torch.device("cpu"))
+    clipper, precision = Clipper.from_config(cfg.train), PrecisionPolicy.resolve("fp32", torch.device("cpu"))
     losses, eval_loss = [], float("nan")
     for step in range(STEPS):
         if step == 2:
@@ -86,7 +89,8 @@ def reference() -> tuple[list[float], float, dict[str, torch.Tensor]]:
                 eval_loss = float(loss_sum / n)
         module = LanguageModelModule.of(objective)
         losses.append(float(train_step(module, opt, split(batches(step)), LR, clipper, precision).loss))
-    return losses, eval_loss, {k: v.detach().clone() for k, v in model.named_parameters()}
+    params = model.named_parameters(remove_duplicate=False)
+    return losses, eval_loss, {k: v.detach().clone() for k, v in params}
 
 
 def pipelined(variant: str) -> tuple[list[float], float, dict[str, torch.Tensor], list[tuple[float, float]]]:
@@ -94,6 +98,7 @@ def pipelined(variant: str) -> tuple[list[float], float, dict[str, torch.Tensor]
     parameters, and (measured, formula) bubble of each step."""
     schedule, *options = variant.split("+")
     calls = 2 if "accum" in options else 1
+    cfg = CFGS["tied" in options]
     group = (
         init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("pp",))
         if "mesh" in options
@@ -101,10 +106,10 @@ def pipelined(variant: str) -> tuple[list[float], float, dict[str, torch.Tensor]
     )
 
     def build() -> Transformer:
-        return Transformer(CFG.model, VOCAB, SEQ, attention=CFG.train.attention)
+        return Transformer(cfg.model, VOCAB, SEQ, attention=cfg.train.attention)
 
-    pipe = Pipeline(build, group, schedule, MICRO, STAGES_PER_RANK[schedule], seed=CFG.train.seed)
-    opt = torch.optim.AdamW([p for m in pipe.models for p in m.parameters()], lr=LR)
+    pipe = Pipeline(build, group, schedule, MICRO, STAGES_PER_RANK[schedule], seed=cfg.train.seed)
+    opt = torch.optim.AdamW(list({id(p): p for m in pipe.models for p in m.parameters()}.values()), lr=LR)
     losses, eval_loss, bubbles = [], float("nan"), []
     for step in range(STEPS):
         if step == 2:
@@ -114,6 +119,7 @@ def pipelined(variant: str) -> tuple[list[float], float, dict[str, torch.Tensor]
         b = batches(step)
         parts = [t.chunk(calls) for t in (b.inputs, b.targets, b.doc_ids)]
         out = [pipe.step(x, y, d, loss_scale=1.0 / b.n_targets) for x, y, d in zip(*parts, strict=True)]
+        pipe.reduce_tied_grads()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(sum(out)) if out[0] is not None else float("nan"))
@@ -126,9 +132,10 @@ def main() -> None:
     out_path, schedules = sys.argv[1], sys.argv[2:]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    ref_losses, ref_eval, ref_params = reference()
+    refs = {tied: reference(tied) for tied in {"+tied" in s for s in schedules}}
     lines = []
     for schedule in schedules:
+        ref_losses, ref_eval, ref_params = refs["+tied" in schedule]
         losses, eval_loss, params, bubbles = pipelined(schedule)
         param_err = max(rel(v, ref_params[k]) for k, v in params.items())
         loss_err = max(
@@ -142,10 +149,12 @@ def main() -> None:
             "loss_err": loss_err,
             "eval_err": eval_err,
             "bubbles": bubbles,
+            "tied": [params[k] for k in ("embed.weight", "lm_head.weight") if k in params],
         }
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
         names = sorted(n for g in gathered for n in g["names"])
+        tied = [t for g in gathered for t in g["tied"]]
         lines.append(
             {
                 "schedule": schedule,
@@ -154,6 +163,7 @@ def main() -> None:
                 "loss_err": max(g["loss_err"] for g in gathered),
                 "eval_err": max(g["eval_err"] for g in gathered),
                 "bubbles": {g["rank"]: g["bubbles"] for g in gathered},
+                "tied_equal": all(torch.equal(t, tied[0]) for t in tied) if "+tied" in schedule else None,
             }
         )
     if rank == 0:

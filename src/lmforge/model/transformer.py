@@ -176,6 +176,18 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.embed is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed.weight
 
+    def tied_copies(self) -> dict[str, str]:
+        """Parameters that hold a copy of another name's tensor rather than that tensor itself:
+        ``{"lm_head.weight": "embed.weight"}`` when ``model.tie_embeddings`` and this module's output head
+        is not the embedding's own tensor (a pipeline stage without the embedding, or a rank whose two
+        stages keep a copy each: ``parallel/tied_embedding.py``), else empty. Whoever holds the copies
+        apart keeps them equal; norms count such a copy once, the optimizer groups it with its original
+        and checkpoints store its optimizer state under the original's name."""
+        tied = self.cfg.tie_embeddings and self.lm_head is not None
+        if tied and (self.embed is None or self.lm_head.weight is not self.embed.weight):
+            return {"lm_head.weight": "embed.weight"}
+        return {}
+
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the non-persistent buffers (RoPE tables) on ``device`` (default: the parameters')."""
         if self.cfg.arch != "llama":

@@ -11,6 +11,9 @@ Every parameter has a kind: ``embedding`` (token / position embeddings, and a he
   the one above it.
 * muP: a model with ``param_lr_scales()`` (name -> multiplier; see ``lmforge/model/init.py``) gets those
   multipliers on top, e.g. ``1 / width_mult`` for hidden matrices.
+* Pipeline stages: ``L`` is the whole model's layer count (``model.cfg``), and an output head that holds a
+  copy of a tied embedding (``tied_copies()``: a last stage without the embedding) is an ``embedding``, as
+  the tied matrix is in one process.
 
 One optimizer group is made per (kind, depth, route, muP multiplier) when layer-wise decay is on,
 else per (kind, route, muP multiplier).
@@ -76,8 +79,11 @@ def muon_peak_lr(cfg: OptimConfig) -> float:
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     """Optimizer groups with ``weight_decay``, ``lr``, ``lr_mult`` and a ``name`` (see the module docstring);
     with ``optim.name = "muon"`` also ``optimizer`` (``muon`` or ``adamw``)."""
-    n_layers = len(getattr(model, "blocks", []))
+    cfg_layers = getattr(getattr(model, "cfg", None), "n_layers", None)  # a pipeline stage: the whole model's
+    n_layers = cfg_layers if cfg_layers is not None else len(getattr(model, "blocks", []))
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    copies = model.tied_copies() if hasattr(model, "tied_copies") else {}  # a stage's copy of a tied matrix
+    embeddings |= {id(p) for n, p in model.named_parameters() if n in copies}
     norms = {id(m.weight) for m in model.modules() if isinstance(m, nn.LayerNorm | nn.RMSNorm)}
     scales = model.param_lr_scales() if hasattr(model, "param_lr_scales") else {}
     buckets: dict[tuple[str, int, str, float], list[torch.Tensor]] = defaultdict(list)

@@ -15,6 +15,10 @@ so the caller can check it for NaN/Inf before anything is changed, then clips (:
   the threshold is ``train.grad_clip`` (0: none). Feeding the clipped norm keeps one outlier from
   raising the threshold that is meant to catch the next one. State: ``m`` and ``t`` (``state_dict``).
 
+Under pipeline parallelism ``n`` adds the squares of every stage's gradients (``Clipper.across``) and
+counts a tied embedding matrix held by two stages once (``Clipper.copies``: the head's copy is left out),
+so it is the one-process norm.
+
 :meth:`Clipper.clip` returns :class:`ClipStats`: the clip ratio ``||g_after|| / ||g_before||`` (1: not
 clipped; below 1: the gradient was shortened to that fraction) as a tensor, so taking it costs no sync,
 and the norm threshold applied.
@@ -116,15 +120,22 @@ class Clipper:
         self.ema = torch.zeros(())  # m_t (adaptive), kept on the gradients' device
         self.count = 0  # t (adaptive)
         self.across: dist.ProcessGroup | None = None  # processes holding other parameters (pipeline stages)
+        # ids of parameters whose gradient is a copy of one counted elsewhere (a pipeline's tied output
+        # head, ``parallel/tied_embedding.py``): left out of the norm so the matrix counts once; clipped
+        self.copies: frozenset[int] = frozenset()
 
     @classmethod
     def from_config(cls, t: TrainConfig) -> Clipper:
         a = t.adaptive_clip
         return cls(t.clip_mode, t.grad_clip, t.value_clip.limit, a.factor, a.beta, a.warmup)
 
+    def _counted(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients of ``params`` that count towards the norm (not :attr:`copies`)."""
+        return _grads(p for p in params if id(p) not in self.copies)
+
     def measure(self, groups: Sequence[Iterable[torch.Tensor]]) -> torch.Tensor:
         """The pre-clip global gradient norm ``n`` (one fused norm; no host sync)."""
-        return total_norm([g for group in groups for g in _grads(group)], self.across)
+        return total_norm(self._counted(p for group in groups for p in group), self.across)
 
     def threshold(self) -> torch.Tensor | float | None:
         """The norm threshold ``c`` the next :meth:`clip` applies (None: no norm threshold)."""
@@ -149,7 +160,8 @@ class Clipper:
     ) -> ClipStats:
         params = [p for group in groups for p in group]
         torch.nn.utils.clip_grad_value_(params, self.value, foreach=True)
-        return ClipStats(torch.where(norm > 0, total_norm(_grads(params), self.across) / norm, one), None)
+        after = total_norm(self._counted(params), self.across)
+        return ClipStats(torch.where(norm > 0, after / norm, one), None)
 
     def _clip_groups(self, groups: list[list[torch.Tensor]], one: torch.Tensor) -> ClipStats:
         before, after = [], []

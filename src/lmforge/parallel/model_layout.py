@@ -17,14 +17,22 @@ def check_model_layout(cfg: Config) -> None:
         microbatches, v = pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)
         check_pipeline(
             cfg.model.n_layers, p.pp, p.pp_schedule, microbatches,
-            None if cfg.train.micro_batch_size == "auto" else cfg.train.micro_batch_size,
-            cfg.model.tie_embeddings, v,
+            None if cfg.train.micro_batch_size == "auto" else cfg.train.micro_batch_size, v,
         )  # fmt: skip
         if p.pp_schedule in ("zero_bubble", "zbv") and cfg.train.activation_checkpointing == "selective":
             raise ConfigError(
                 f"train.activation_checkpointing: selective checkpointing allows one backward through a "
                 f"block, and the {p.pp_schedule} schedule runs two (input, then weight gradients); use full "
                 "or every:K with this schedule, or another parallel.pp_schedule"
+            )
+        if p.pp_schedule in ("zero_bubble", "zbv") and (p.dp_shard > 1 or p.tp > 1):
+            # measured (torch 2.13, gloo): with dp_shard = 2 the losses leave one process's from step 2 on;
+            # with tp = 2 the weight-gradient pass stops ("Can't detach views in-place")
+            key = "parallel.dp_shard" if p.dp_shard > 1 else "parallel.tp"
+            raise ConfigError(
+                f"{key}: the {p.pp_schedule} schedule computes weight gradients in a second pass, which FSDP2 "
+                "and tensor-parallel stages do not follow (other weights than one process's, or a failure); "
+                "use --parallel.pp_schedule=1f1b or interleaved_1f1b with them"
             )
         if cfg.train.clip_mode == "group_norm":
             raise ConfigError(

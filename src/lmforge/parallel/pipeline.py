@@ -44,6 +44,13 @@ initialisation plan (:func:`whole_init`, ``parallel/materialize.py``): every par
 is drawn in module order, so the random stream advances exactly as in one process, and the stage keeps
 its own (its shards, under TP or FSDP2). Peak memory: the stage's part plus the largest parameter.
 
+Tied embeddings (``model.tie_embeddings``, the default): stage 0 uses the matrix as the embedding and the
+last stage as the output head. Where one rank runs both (``zbv``) they share one parameter; elsewhere
+each end holds a copy, both initialised with the tied matrix's single-process values (the whole plan
+names it under both names), and :meth:`Pipeline.reduce_tied_grads` sums the copies' gradients over the
+two ranks once per step, so they take the same optimizer step and stay equal bit for bit. Norms count the
+matrix once and checkpoints hold the one-process keys (``parallel/tied_embedding.py``).
+
 Gradients: the loss of each microbatch is ``sum of token CE * loss_scale``; with ``loss_scale = 1 /
 (target tokens of the whole optimizer step)`` the accumulated gradients are those of
 ``train/step.py`` (the schedule's own division by ``m`` is turned off: ``scale_grads=False``).
@@ -72,6 +79,7 @@ from lmforge.errors import ConfigError
 from lmforge.model.loss import ChunkedCrossEntropy
 from lmforge.model.transformer import Transformer, keep_stage
 from lmforge.parallel.materialize import Init, materialize
+from lmforge.parallel.tied_embedding import TiedEmbedding, tie_stages
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -129,7 +137,6 @@ def check_pipeline(
     schedule: str,
     microbatches: int,
     micro_batch_size: int | None,
-    tie_embeddings: bool,
     stages_per_rank: int = 1,
 ) -> None:
     """Refuse pipeline settings that cannot run, each with one line naming the key and the fix.
@@ -160,11 +167,6 @@ def check_pipeline(
             f"parallel.pp: {pp} ranks x {stages_per_rank} stages per rank = {n_stages} stages need at "
             f"least that many layers (model.n_layers = {n_layers}); lower parallel.pp or "
             "parallel.pp_stages_per_rank"
-        )
-    if tie_embeddings and n_stages > 1:
-        raise ConfigError(
-            "model.tie_embeddings: the embedding (first stage) and the output head (last stage) live on "
-            "different stages and cannot share one weight; set --model.tie_embeddings=false"
         )
     if schedule == "1f1b" and microbatches < pp:
         raise ConfigError(
@@ -260,7 +262,8 @@ class Pipeline:
     model). ``transform(stage, init)``: applied to each meta stage before the schedule sees it (the model
     transformations of ``parallel/apply.py``: tensor parallelism, compilation, FSDP2, and last the
     materialisation by ``init``); it may change the stage in place or wrap it. Without one, each stage is
-    materialised plainly.
+    materialised plainly. ``tied``: this rank's part of a tied embedding (None untied;
+    :meth:`reduce_tied_grads`).
     """
 
     def __init__(
@@ -285,9 +288,7 @@ class Pipeline:
         self.device = torch.device(device)
         with torch.device("meta"):
             cfg = build().cfg
-        check_pipeline(
-            cfg.n_layers, self.pp, schedule, microbatches, None, cfg.tie_embeddings, stages_per_rank
-        )
+        check_pipeline(cfg.n_layers, self.pp, schedule, microbatches, None, stages_per_rank)
         n_stages = self.pp * stages_per_rank
         layers = stage_layers(cfg.n_layers, n_stages)
         self.stage_ids = stage_ids(self.rank, self.pp, stages_per_rank, schedule)
@@ -295,6 +296,12 @@ class Pipeline:
         init = whole_init(build, self.device, seed)
         transform = transform or _materialized
         runs = [transform(m, init) for m in self.models]
+        self.tied: TiedEmbedding | None = None
+        if cfg.tie_embeddings:
+            owner = stage_owners(self.pp, stages_per_rank, schedule)
+            local = dict(zip(self.stage_ids, self.models, strict=True))
+            first, last = local.get(0), local.get(n_stages - 1)
+            self.tied = tie_stages(first, last, group, owner[0], owner[n_stages - 1])
         self._clock = [0.0]
         self.stages = [
             _TimedStage(module, s, n_stages, self.device, group=group, clock=self._clock)
@@ -314,6 +321,15 @@ class Pipeline:
     def expected_bubble(self) -> float:
         """:func:`bubble_fraction` of this pipeline (an upper bound for the zero-bubble schedules)."""
         return bubble_fraction(self.pp, self.microbatches, self.stages_per_rank)
+
+    def reduce_tied_grads(self) -> None:
+        """Sum the gradients of the tied embedding's copies (``model.tie_embeddings``: stage 0's embedding
+        and the last stage's head, ``parallel/tied_embedding.py``) over the embedding group. Call it once
+        per optimizer step, after the backward of its last :meth:`step` and before the gradients are read
+        (unscaled, measured, clipped): ``train/modules.py::PipelineModule.finish_backward``. Nothing to do
+        untied, on the ranks of middle stages, and where one parameter serves both stages."""
+        if self.tied is not None:
+            self.tied.reduce_grads()
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Loss of one microbatch on the last stage: ``sum of token CE * loss_scale``."""
@@ -415,7 +431,8 @@ def rank_model(models: list[Transformer]) -> Transformer:
     """One module holding every parameter of this rank's stages under the whole model's names (the
     embedding of stage 0, the blocks of each stage, the final norm and head of the last): what the
     optimizer, the parameter groups and the checkpoints see. It shares the stage modules' parameters
-    and is never called; the stages run through the schedule."""
+    and is never called; the stages run through the schedule. A tied head that is a copy of the
+    embedding (not its parameter) stays ``lm_head.weight``, listed by ``tied_copies()``."""
     if len(models) == 1:
         return models[0]
     first, last = models[0], models[-1]

@@ -40,7 +40,9 @@ in forward and again for their gradient in backward. A full-recompute policy add
 again.
 
 Pipeline parallelism: each micro-batch's ``b x T x d`` activation goes to the next stage and its gradient
-comes back, ``2 * b T d c`` bytes per pipeline micro-batch sent by an inner stage.
+comes back, ``2 * b T d c`` bytes per pipeline micro-batch sent by an inner stage. A tied embedding held
+by the first and the last stage on two ranks (``parallel/tied_embedding.py``) adds, on those two ranks,
+one all-reduce of the copy's FP32 gradient (this rank's shard) per step: :func:`tied_volume`.
 """
 
 from __future__ import annotations
@@ -191,6 +193,12 @@ def pp_volume(pp: int, tokens: int, d_model: int, compute_bytes: int) -> float:
     """Bytes an inner pipeline stage sends per step: the activation forward and its gradient back for
     every token, ``2 * tokens * d * c`` (0 without a pipeline)."""
     return 2.0 * tokens * d_model * compute_bytes if pp > 1 else 0.0
+
+
+def tied_volume(grad_bytes: float) -> float:
+    """Bytes a rank holding one end of a tied embedding sends per step: the all-reduce of its copy's
+    gradient (``grad_bytes`` on this rank) with the other end's, ``all_reduce(X, 2) = X``."""
+    return all_reduce(grad_bytes, 2)
 
 
 @dataclass(frozen=True)

@@ -59,13 +59,14 @@ from dataclasses import asdict, dataclass, field, replace
 
 from lmforge.config import Config, ModelConfig
 from lmforge.parallel.pipeline import (
+    V_SHAPED,
     bubble_fraction,
     pipeline_settings,
     stage_ids,
     stage_layers,
 )
 from lmforge.plan.activations import activation_bytes
-from lmforge.plan.comm import CommVolume, dp_collectives, dp_volume, pp_volume, tp_volume
+from lmforge.plan.comm import CommVolume, dp_collectives, dp_volume, pp_volume, tied_volume, tp_volume
 from lmforge.plan.flops import flops_per_token, lookup_params
 from lmforge.plan.hardware import Hardware
 from lmforge.plan.memory import (
@@ -78,6 +79,7 @@ from lmforge.plan.memory import (
     Temporaries,
     build_bytes,
     compute_bytes,
+    fsdp_shape,
     model_states,
     param_tensors,
     stage_tensors,
@@ -534,10 +536,24 @@ def _communication(
             head=any(r.stop == n_layers for r in pipe.owned(layout, peak.rank)),
             loss=workload.loss,
         ),
-        pp=pp_volume(layout.pp, device_tokens, workload.model.d_model, c),
+        pp=pp_volume(layout.pp, device_tokens, workload.model.d_model, c)
+        + tied_volume(_tied_grad_bytes(layout, peak.mine)),
     )
     counts = dp_collectives(kind, accum, layout.defer_grad_sync, pipeline_mb, layout.pp_schedule)
     return comm, counts
+
+
+def _tied_grad_bytes(layout: Layout, mine: list[ParamTensor]) -> float:
+    """FP32 gradient bytes of this rank's copy of a tied embedding that another pipeline rank also holds
+    (``parallel/tied_embedding.py``: every schedule but the V-shaped one, where one rank holds both ends);
+    0 elsewhere. Sharded as the parameter is (TP, then FSDP2's ``dp_shard``)."""
+    if layout.pp == 1 or layout.pp_schedule in V_SHAPED:
+        return 0.0
+    emb = next((t for t in mine if t.name == "embed.weight" and t.linear), None)  # linear: tied to the head
+    if emb is None:
+        return 0.0
+    shards = layout.dp_shard if layout.kind in ("zero2", "zero3") else 1
+    return 4.0 * math.prod(fsdp_shape(tp_shape(emb, layout.tp), shards))
 
 
 def _warnings(workload: Workload, hw: Hardware, build: _RankMemory, step: _RankMemory) -> list[str]:

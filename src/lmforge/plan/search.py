@@ -32,8 +32,8 @@ def divisors(n: int) -> list[int]:
 def runnable(workload: Workload, layout: Layout) -> bool:
     """Whether lmforge runs ``layout`` for this model: its own checks (``parallel/tensor.py``'s
     ``check_tensor_parallel``: heads, MLP width, vocabulary and sequence divisible by ``tp``;
-    ``parallel/pipeline.py``'s ``check_pipeline``: stages, schedule, micro-batches, no tied embeddings
-    across stages) and ``parallel/layout.py``'s rule that DDP and ZeRO-1 take neither TP nor PP."""
+    ``parallel/pipeline.py``'s ``check_pipeline``: stages, schedule, micro-batches) and
+    ``parallel/layout.py``'s rule that DDP and ZeRO-1 take neither TP nor PP."""
     if layout.kind in ("ddp", "zero1") and (layout.tp > 1 or layout.pp > 1):
         return False
     cfg = workload.model
@@ -43,9 +43,7 @@ def runnable(workload: Workload, layout: Layout) -> bool:
             m, v = pipeline_settings(
                 layout.pp, layout.pp_schedule, layout.pp_microbatches, layout.pp_stages_per_rank
             )
-            check_pipeline(
-                cfg.n_layers, layout.pp, layout.pp_schedule, m, layout.micro_batch, cfg.tie_embeddings, v
-            )
+            check_pipeline(cfg.n_layers, layout.pp, layout.pp_schedule, m, layout.micro_batch, v)
     except ConfigError:
         return False
     return True

@@ -234,6 +234,8 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
     clipper = Clipper.from_config(cfg.train)
     if layout.degrees["pp"] > 1:  # each stage holds other parameters: norms add up over the pipeline
         clipper.across = layout.group("pp")
+        copies = model.tied_copies()  # a tied matrix's copy on the last stage: counted once, on stage 0
+        clipper.copies = frozenset(id(p) for n, p in model.named_parameters() if n in copies)
     return Run(
         cfg=cfg,
         device=device,

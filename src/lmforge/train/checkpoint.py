@@ -23,10 +23,16 @@ training goes on, and the rename happens at the first step end after the write f
 (:class:`PendingSave`).
 
 Model and optimizer states go through ``torch.distributed.checkpoint.state_dict`` (flattened optimizer
-state keyed by parameter name), for one process as for many: one format everywhere. torchao's 8-bit
-moments (``optim.name = "adamw8bit"``) are written dequantised, in FP32, and quantised again on load;
-the block code book maps each dequantised value back to its code, so a resume is still bitwise exact
-(``tests/test_optimizers.py``), at four times the moments' bytes on disk.
+state keyed by parameter name), for one process as for many: one format everywhere. A tied embedding
+(``model.tie_embeddings``) is saved as one process saves it: the model under both ``embed.weight`` and
+``lm_head.weight``, the optimizer state under ``embed.weight`` only. A pipeline's last stage holds its
+own copy of the matrix as ``lm_head.weight`` (``parallel/tied_embedding.py``): its model entry is that
+key already, and its optimizer entries are written under (and read from) ``embed.weight``; the two
+copies' states are equal, and DCP keeps one of identical entries written by several ranks.
+
+torchao's 8-bit moments (``optim.name = "adamw8bit"``) are written dequantised, in FP32, and quantised
+again on load; the block code book maps each dequantised value back to its code, so a resume is still
+bitwise exact (``tests/test_optimizers.py``), at four times the moments' bytes on disk.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from lmforge.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +99,57 @@ def _unflatten(flat: dict, names: list[str], param_groups: list[dict]) -> dict:
     return {"state": state, "param_groups": param_groups}
 
 
+def _copies(model: nn.Module) -> dict[str, str]:
+    """``{copy: original}`` names of parameters this model holds as a copy of a tied tensor held apart
+    (``Transformer.tied_copies``: a pipeline's last stage's output head -> ``embed.weight``)."""
+    return model.tied_copies() if isinstance(model, Transformer) else {}
+
+
+def _renamed(key: str, old: str, new: str) -> str | None:
+    """``state.OLD.K`` / ``param_groups.OLD.K`` -> the same entry of ``NEW``; None for other keys."""
+    part, _, rest = key.partition(".")
+    return f"{part}.{new}.{rest[len(old) + 1 :]}" if rest.startswith(old + ".") else None
+
+
+def _as_saved(flat: dict, model: nn.Module) -> dict:
+    """A flattened optimizer state in the one-process keys: a tied copy's entries under its original's
+    name (dropped where this rank also holds the original: the two states are equal)."""
+    copies = _copies(model)
+    if not copies:
+        return flat
+    held = {n for n, _ in model.named_parameters()}
+    out = {}
+    for key, value in flat.items():
+        for copy, original in copies.items():
+            renamed = _renamed(key, copy, original)
+            if renamed is not None:
+                key = None if original in held else renamed
+                break
+        if key is not None:
+            out[key] = value
+    return out
+
+
+def _as_held(flat: dict, model: nn.Module) -> dict:
+    """:func:`_as_saved` backwards: each tied copy's entries from its original's (cloned where this rank
+    also holds the original, so the two states never share storage)."""
+    copies = _copies(model)
+    if not copies:
+        return flat
+    held = {n for n, _ in model.named_parameters()}
+    out = dict(flat)
+    for copy, original in copies.items():
+        for key, value in flat.items():
+            renamed = _renamed(key, original, copy)
+            if renamed is None:
+                continue
+            if original in held:
+                out[renamed] = value.clone() if isinstance(value, torch.Tensor) else value
+            else:
+                out[renamed] = out.pop(key)
+    return out
+
+
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and buffers by name; sharded ones (FSDP2, tensor parallelism) as DTensors."""
     return get_model_state_dict(model, options=OPTIONS)
@@ -109,7 +168,7 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, template
         return _flatten(local.state_dict(), _names(model, local)) if local.state else {}
     if not optimizer.state and not template:
         return {}
-    return get_optimizer_state_dict(model, optimizer, options=OPTIONS)
+    return _as_saved(get_optimizer_state_dict(model, optimizer, options=OPTIONS), model)
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -127,7 +186,7 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
         groups = local.state_dict()["param_groups"]
         local.load_state_dict(_unflatten(state, _names(model, local), groups))
         return
-    set_optimizer_state_dict(model, optimizer, state, options=OPTIONS)
+    set_optimizer_state_dict(model, optimizer, _as_held(state, model), options=OPTIONS)
 
 
 def _zero_template(path: Path, model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict:

@@ -202,7 +202,7 @@ class PipelineModule(ModelState):
         return out.float() / dp
 
     def finish_backward(self) -> None:
-        return None
+        self.pipeline.reduce_tied_grads()  # the tied embedding's copies: one sum per step
 
     def evaluate(self, batches: Iterable[Batch], precision: PrecisionPolicy) -> dict[str, float]:
         total = torch.zeros((), dtype=torch.float32, device=precision.device)

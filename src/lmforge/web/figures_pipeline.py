@@ -73,7 +73,7 @@ def schedule_ops(schedule: str, pp: int, microbatches: int, stages_per_rank: int
     for key, value in (("pp", pp), ("microbatches", microbatches), ("stages_per_rank", v)):
         if value > LIMITS[key]:
             raise ValueError(f"{key}: {value} is more than this page draws; give at most {LIMITS[key]}")
-    check_pipeline(pp * v, pp, schedule, microbatches, None, False, v)
+    check_pipeline(pp * v, pp, schedule, microbatches, None, v)
     with contextlib.redirect_stdout(io.StringIO()):  # the spacer prints every time step
         if schedule in SINGLE_STAGE:
             order = runtime_order(schedule, pp, microbatches)

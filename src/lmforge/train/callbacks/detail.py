@@ -21,7 +21,8 @@ step that was taken, one record ``{"step": N, "detail": True, ...}`` (names and 
 
 Every rank runs this callback (the norms of sharded parameters and the measuring forward under FSDP2 are
 collectives); only the main process's sinks write the record. Under pipeline parallelism each stage
-holds other parts and the norms are summed over the ``pp`` group; there, and under tensor parallelism,
+holds other parts and the norms are summed over the ``pp`` group (a tied embedding held by the first and
+the last stage counted once, on the first's rank); there, and under tensor parallelism,
 there is no ``act_rms`` or ``attn_entropy`` (no single process runs the whole forward).
 
 The formulas (pure functions below the callback): which part of the model a parameter belongs to, norms
@@ -97,7 +98,11 @@ class DetailMetrics(Callback):
 
     @staticmethod
     def _named(trainer: Trainer) -> dict[str, torch.Tensor]:
-        return dict(trainer.run.model.named_parameters())
+        """This rank's parameters by name, without a tied matrix's copy held apart (a pipeline's last stage:
+        the embedding's rank counts the matrix once, as one process does)."""
+        model = trainer.run.model
+        copies = model.tied_copies()
+        return {n: p for n, p in model.named_parameters() if n not in copies}
 
     @staticmethod
     def _keys(trainer: Trainer) -> list[str]:
