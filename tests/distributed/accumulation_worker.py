@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lmforge.parallel.layout import end_process_group
 from lmforge.recipe import load_config
 from lmforge.train.build import build_run
 from lmforge.train.step import train_step
@@ -83,8 +84,7 @@ def main() -> None:
             }
     if dist.get_rank() == 0:
         print("ACCUM " + json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 
 from lmforge.model.transformer import Transformer
+from lmforge.parallel.layout import end_process_group
 from lmforge.recipe import load_config
 from lmforge.train.build import build_run, prepare_on_rank0
 from lmforge.train.step import train_step
@@ -113,8 +114,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         out = {"model_bytes": model_bytes, "largest_param": largest, "losses": losses, "ranks": every}
         print("BIG " + json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from lmforge.parallel.layout import init_layout
+from lmforge.parallel.layout import end_process_group, init_layout
 from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_config
 from lmforge.train.build import build_pipeline, training_module
@@ -52,8 +52,7 @@ def main() -> None:
         measured[name] = every
     if dist.get_rank() == 0:
         print("BUILD " + json.dumps(measured), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

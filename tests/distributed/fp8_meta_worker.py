@@ -45,7 +45,7 @@ from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
 from lmforge.parallel import tensor as tensor_parallel
 from lmforge.parallel.apply import ApplyContext, apply
-from lmforge.parallel.layout import init_layout
+from lmforge.parallel.layout import end_process_group, init_layout
 from lmforge.parallel.materialize import Init
 from lmforge.precision import PrecisionPolicy, float8_gathered
 from lmforge.recipe import load_config
@@ -180,8 +180,7 @@ def main() -> None:
     }
     if dist.get_rank() == 0:
         print(f"OK {case} " + json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lmforge.parallel.layout import end_process_group
 from lmforge.recipe import load_config
 from lmforge.train.build import build_run
 from lmforge.train.checkpoint import load_model_state, model_state
@@ -106,8 +107,7 @@ def main() -> None:
     if dist.is_initialized():
         if dist.get_rank() == 0:
             print("FP8 " + json.dumps(out), flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
+        end_process_group()
     else:
         print("FP8 " + json.dumps(out), flush=True)
 

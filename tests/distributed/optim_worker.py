@@ -59,6 +59,7 @@ from lmforge.config import ModelConfig, OptimConfig
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer, build_zero_optimizer
+from lmforge.parallel.layout import end_process_group
 
 STEPS = 3
 VOCAB, SEQ, BATCH = 128, 32, 8
@@ -351,7 +352,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

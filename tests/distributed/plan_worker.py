@@ -26,6 +26,7 @@ from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer, build_zero_optimizer
 from lmforge.optim.state_size import state_bytes
 from lmforge.parallel.data_parallel import apply_fsdp
+from lmforge.parallel.layout import end_process_group
 
 CPU = torch.device("cpu")
 # vocab 301: the embedding's rows do not split evenly over 2 ranks (FSDP2's largest shard: ceil)
@@ -100,7 +101,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

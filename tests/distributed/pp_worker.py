@@ -15,7 +15,6 @@ parameters (gathered from every rank), and the bubble measured against the formu
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ from lmforge.data.loader import Batch
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
 from lmforge.optim.clip import Clipper
+from lmforge.parallel.layout import end_process_group
 from lmforge.parallel.pipeline import Pipeline
 from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_config
@@ -169,15 +169,7 @@ def main() -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             f.writelines(json.dumps(line) + "\n" for line in lines)
-    close()
-
-
-def close() -> None:
-    """Every rank past its last message before any tears its process group down, and the pipelines'
-    groups and works collected first (a rank once aborted in teardown while its peer was still writing)."""
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()  # the pipelines' groups and works collected first, then every rank past its last message
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from lmforge.config import ModelConfig
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer, keep_stage
+from lmforge.parallel.layout import end_process_group
 from lmforge.parallel.tensor import apply_tensor_parallel
 
 VOCAB, SEQ, BATCH, STEPS = 128, 32, 4, 3
@@ -230,7 +231,7 @@ def main(names: list[str]) -> None:
         for name in names or [*CASES, "stages"]:
             run_stages(mesh) if name == "stages" else run_case(name, mesh)
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 if __name__ == "__main__":
