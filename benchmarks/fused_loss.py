@@ -12,9 +12,14 @@ a CPU with AVX-512-BF16) or in FP32:
 * ``chunked``: lmforge's former ``ChunkedCrossEntropy`` (the same, ``--chunk`` tokens at a time; autograd
   keeps every chunk's FP32 log-softmax).
 * ``fused``: lmforge's ``OutputHead`` with targets (``model/fused_loss.py``): gradients precomputed in
-  forward, nothing N x V kept.
+  forward, nothing N x V kept; with ``--compile`` its element-wise kernels compiled, as in training
+  (``OutputHead.compile_loss``), the loop itself not traced.
+* ``fused_eager_kernels`` (with ``--compile``): the same with eager kernels.
 * ``fused_recompute``: the fused per-token loss summed (``reduction="none"``: backward recomputes each
   chunk's logits): what the sum would cost without precomputed gradients.
+* ``fused_traced`` (speed only, with ``--compile``): the fused sum's autograd Function (eager kernels)
+  traced into the compiled graph instead of run as it is (what ``torch.compiler.disable`` in
+  ``model/fused_loss.py`` gives up; its memory is then the partitioner's, see there).
 * ``torch_lce``: ``F.linear_cross_entropy`` with ``LinearCrossEntropyOptions(batch_chunk_size=chunk)``
   on the compute-dtype casts of ``h`` and ``W`` (it is a custom op that autocast does not cast); its
   loss comes back in the compute dtype and is upcast.
@@ -25,6 +30,8 @@ of the per-step times, and each variant's ratio to ``unfused`` (and to ``chunked
 training objective does. Memory (eager, at ``--memory-tokens`` x ``--memory-vocab``): bytes the forward
 keeps for backward (``lmforge.train.activation_memory.saved_activation_bytes``) and the peak of tensors
 alive during forward + backward above the inputs and the weight (``torch.distributed._tools.mem_tracker``).
+``torch_lce`` is left out of the memory figures: it is a custom op, whose internal tensors a dispatch-mode
+tracker does not see.
 
     python benchmarks/fused_loss.py [--tokens 2048] [--d-model 256] [--vocab 4096] [--chunk 1024]
         [--precision bf16|fp32] [--no-compile] [--rounds 5] [--steps 5] [--threads N]
@@ -46,8 +53,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from lmforge.model.head import OutputHead
-from lmforge.parallel.apply import compile_like_training
+from lmforge.model.fused_loss import EAGER, _SumLoss, linear_cross_entropy
+from lmforge.model.head import OutputHead, compute_dtype
+from lmforge.parallel.apply import COMPILE_OPTIONS, compile_like_training
 from lmforge.train.activation_memory import saved_activation_bytes
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -72,6 +80,12 @@ def variants(head: OutputHead, chunk: int, dtype: torch.dtype) -> dict[str, Loss
     def fused_recompute(h, y):
         return head(h, y, chunk=chunk, reduction="none").sum()
 
+    def fused_eager_kernels(h, y):
+        return linear_cross_entropy(h, weight, y, chunk=chunk, dtype=compute_dtype(h.device, weight))
+
+    def fused_traced(h, y):
+        return _SumLoss.apply(h, weight, y, 1.0, chunk, compute_dtype(h.device, weight), None, 0, EAGER)
+
     options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk)
 
     def torch_lce(h, y):
@@ -83,6 +97,8 @@ def variants(head: OutputHead, chunk: int, dtype: torch.dtype) -> dict[str, Loss
         "chunked": chunked,
         "fused": fused,
         "fused_recompute": fused_recompute,
+        "fused_eager_kernels": fused_eager_kernels,
+        "fused_traced": fused_traced,
         "torch_lce": torch_lce,
     }
 
@@ -112,7 +128,10 @@ def step(fn: Loss, head: OutputHead, hidden: torch.Tensor, targets: torch.Tensor
 def speed(args, autocast, dtype: torch.dtype) -> dict:
     head, hidden, targets = inputs(args.tokens, args.d_model, args.vocab)
     fns = variants(head, args.chunk, dtype)
-    if args.compile:
+    if not args.compile:
+        del fns["fused_traced"], fns["fused_eager_kernels"]
+    else:
+        head.compile_loss(**COMPILE_OPTIONS)
         fns = {name: compile_like_training(fn) for name, fn in fns.items()}
     losses = {}
     for name, fn in fns.items():  # warm-up (compilation)
@@ -141,6 +160,8 @@ def memory(args, autocast, dtype: torch.dtype) -> dict:
     head, hidden, targets = inputs(args.memory_tokens, args.d_model, args.memory_vocab)
     out = {}
     for name, fn in variants(head, args.chunk, dtype).items():
+        if name in ("fused_eager_kernels", "fused_traced", "torch_lce"):  # eager: "fused"; torch_lce: above
+            continue
 
         def forward(fn=fn):
             with autocast():
@@ -155,7 +176,9 @@ def memory(args, autocast, dtype: torch.dtype) -> dict:
         base = hidden.numel() * 4 + head.weight.numel() * 4  # the inputs and the weight, there before
         hidden.grad = head.weight.grad = None
         out[name] = {"saved_mib": round(saved / 2**20, 2), "peak_mib": round((peak - base) / 2**20, 2)}
-        print(f"memory {name}: saved {out[name]['saved_mib']} MiB, peak {out[name]['peak_mib']} MiB", flush=True)
+        print(
+            f"memory {name}: saved {out[name]['saved_mib']} MiB, peak {out[name]['peak_mib']} MiB", flush=True
+        )
     return out
 
 

@@ -4,48 +4,98 @@ forward and backward, never holding the (tokens x vocabulary) logits or their gr
 For ``N`` tokens ``x_t`` (rows of ``hidden``), a head ``W`` (``V x d``), logit scale ``s`` (muP's
 ``1 / width_mult``) and targets ``y_t`` (``-100``: ignored)::
 
-    z_t   = s * (x_t W^T)                    logits, the matmul in the compute dtype, the rest in FP32
-    lse_t = log sum_j exp(z_tj)              = m_t + log sum_j exp(z_tj - m_t),  m_t = max_j z_tj
+    z_t   = (s x_t) W^T                      logits: the matmul in the compute dtype, the rest in FP32
+    lse_t = log sum_j exp(z_tj)
     l_t   = lse_t - z_t,y_t                  (0 where y_t = -100)
     dl_t / dz_tj = p_tj - [j = y_t],         p_tj = exp(z_tj - lse_t)
-    dL/dx_t = s g_t (p_t - e_y_t) W,  dL/dW = s sum_t g_t (p_t - e_y_t)^T x_t     (g_t: upstream gradient)
+    dL/dx_t = s g_t (p_t - e_y_t) W,   dL/dW = sum_t g_t (p_t - e_y_t)^T (s x_t)    (g_t: upstream gradient)
 
 Two reductions: ``"sum"`` (the next-token loss: ``sum_t l_t``, FP32 scalar) and ``"none"`` (``l_t`` per
-token, FP32: DPO sums them per sequence). Tokens are processed ``chunk`` at a time (``0``: all at once),
-so the largest temporaries are one chunk's ``chunk x V`` logits (FP32) and their compute-dtype copy.
+token, FP32: DPO sums them per sequence). Tokens go ``chunk`` at a time (``0``: all at once), so the
+largest temporaries are one chunk's ``chunk x V`` logits in the compute dtype, their FP32 softmax
+gradient and its compute-dtype copy for the gradient matmuls.
 
-What is kept for backward (the point of fusing, measured in docs/memory.md):
+What is kept for backward (the point of fusing; measured in docs/memory.md):
 
 * ``"sum"``: the gradients themselves. The upstream gradient of a sum is one scalar, so forward computes
   ``dL/dx`` (FP32, ``N x d``) and ``dL/dW`` (FP32, ``V x d``) chunk by chunk for ``g = 1`` and backward
-  only scales them: three head matmuls per step, as unfused, not four.
-* ``"none"``: the hidden states, the weight (both already alive), the targets and the FP32 log-sum-exp
+  only scales them: three head matmuls per step, as unfused, not four (torch's
+  ``linear_cross_entropy`` does the same). Backward may run twice on one graph (zero-bubble pipeline
+  schedules take the input gradient and then the weight gradient), so it scales copies and keeps them.
+* ``"none"``: the hidden states, the weight (both alive anyway), the targets and the FP32 log-sum-exp
   (``N`` values); backward recomputes each chunk's logits (one more matmul) with the per-token upstream
   gradient folded into the softmax gradient.
 
 Vocabulary parallelism (``group``: the tensor-parallel process group): each rank holds rows
-``[vocab_start, vocab_start + V_local)`` of ``W`` and every token's hidden state. Per chunk, the row
-maximum is all-reduced (MAX) and then the sum of exponentials and the target logit (zero on the ranks
-that do not hold the target) together (SUM): ``3 x chunk`` FP32 values per chunk, instead of gathering
-``chunk x V`` logits. ``dL/dx`` is a partial sum over each rank's rows and is all-reduced once (``N x d``);
-``dL/dW`` is this rank's rows, complete.
+``[vocab_start, vocab_start + V_local)`` of ``W`` and every token's hidden state. Per chunk each rank
+computes the log-sum-exp and the target logit (0 where the target is not its row) over its rows; the
+maxima of the log-sum-exps are all-reduced (MAX), then ``exp(lse_r - max)`` and the target logits
+(SUM): ``3 x chunk`` FP32 values per chunk instead of ``chunk x V`` logits gathered. ``dL/dx`` is a
+partial sum over each rank's rows, all-reduced once (``N x d``, FP32); ``dL/dW`` is this rank's rows.
+
+The element-wise work of a chunk is two kernels (:class:`Kernels`): the row statistics and the softmax
+gradient. Run eagerly they are written to allocate little (in-place ops); :func:`compiled_kernels` gives
+``torch.compile``'d ones (one fused pass each) for runs that compile (``OutputHead.compile_loss``, called
+by the compile stage of ``parallel/apply.py``). The loop around them is never traced by an outer
+``torch.compile`` (see :func:`linear_cross_entropy`).
 
 Why lmforge's own autograd Function rather than ``torch.nn.functional.linear_cross_entropy`` (torch 2.13,
-with ``LinearCrossEntropyOptions``, the same forward-precomputed gradients): (1) it cannot shard the
+``LinearCrossEntropyOptions``: the same forward-precomputed gradients): (1) it cannot shard the
 vocabulary across ranks; (2) on CPU its chunked path runs BF16 inputs through FP32 matmuls (its
-``accurate`` policy; the others fall back to it or to emulated BF16 kernels), measured 5x slower per
-matmul here than the BF16 matmul and about 1.3x slower for the whole default training step (figures
-in ``benchmarks/fused_loss.py``); (3) it returns the loss (and per-token losses) in the input dtype, so
-a BF16 loss sum of thousands of tokens would be rounded to 8 significant bits; (4) under
-``torch.compile`` it runs as an opaque op, while this one is traced into the training graph.
+``accurate`` policy; the others fall back to it or to emulated BF16 kernels): 5x slower per head matmul
+here than BF16 and, for the head and loss of the default recipe, about 3.5x slower than this
+(``benchmarks/fused_loss.py``); (3) it returns the loss (and per-token losses) in the input dtype, so
+a BF16 loss sum of thousands of tokens is rounded to 8 significant bits; (4) its backward consumes its
+precomputed gradients, so a second backward on the same graph (zero-bubble pipeline schedules) fails.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 IGNORE_INDEX = -100
+
+
+def _stats(z: torch.Tensor, local: torch.Tensor, mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log-sum-exp, target logit)`` of each row of a chunk's logits ``z`` (this rank's vocabulary
+    rows), in FP32; the target logit is 0 where ``mine`` is false."""
+    zf = z.float()
+    return torch.logsumexp(zf, dim=1), zf.gather(1, local[:, None]).squeeze(1) * mine
+
+
+def _grad_in_place(z, lse, local, mine, coef) -> torch.Tensor:
+    """``coef_t (p_t - e_y_t)`` of a chunk in ``z``'s dtype (``p = exp(z - lse)``; ``coef`` is 0 for
+    ignored tokens): in place on the FP32 copy, two allocations (eager)."""
+    p = z.float().sub_(lse[:, None]).exp_().mul_(coef[:, None])
+    p.scatter_add_(1, local[:, None], (-coef * mine)[:, None])
+    return p.to(z.dtype)
+
+
+def _grad_pointwise(z, lse, local, mine, coef) -> torch.Tensor:
+    """:func:`_grad_in_place` as one element-wise expression (the target a comparison with the column
+    index rather than a scatter), so that a compiler fuses it into one pass."""
+    hit = (torch.arange(z.shape[1], device=z.device)[None, :] == local[:, None]) & mine[:, None]
+    return (coef[:, None] * (torch.exp(z.float() - lse[:, None]) - hit.float())).to(z.dtype)
+
+
+class Kernels(NamedTuple):
+    """The element-wise work of a chunk: ``stats(z, local, mine)`` and ``grad(z, lse, local, mine, coef)``."""
+
+    stats: object
+    grad: object
+
+
+EAGER = Kernels(_stats, _grad_in_place)
+
+
+@functools.cache
+def compiled_kernels(**options) -> Kernels:
+    """:data:`EAGER`'s kernels through ``torch.compile(**options)`` (the point-wise gradient form)."""
+    return Kernels(torch.compile(_stats, **options), torch.compile(_grad_pointwise, **options))
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -54,52 +104,57 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | N
     return t
 
 
-class _Chunks:
-    """What every chunk of one call shares: compute-dtype copies of the inputs and the targets in this
-    rank's row numbering (``local``: ``y - vocab_start``, 0 where not ours; ``mine``: ours and not
-    ignored)."""
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """``out (+)= a @ b``: straight into the FP32 ``out`` when ``a`` and ``b`` are FP32, else through the
+    compute-dtype product (CPU matmuls have no FP32 output for BF16 inputs)."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+    elif accumulate:
+        out += torch.mm(a, b)
+    else:
+        out.copy_(torch.mm(a, b))
 
-    def __init__(self, hidden, weight, targets, scale, chunk, dtype, group, vocab_start):
-        self.x, self.w = hidden.to(dtype), weight.to(dtype)
-        self.scale, self.group = scale, group
+
+class _Chunks:
+    """What the chunks of one call share: compute-dtype copies of the scaled hidden states and of the
+    weight, and the targets in this rank's row numbering (``local``: ``y - vocab_start``, 0 where not
+    ours; ``mine``: ours and not ignored)."""
+
+    def __init__(self, hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels):
+        self.x = (hidden * scale if scale != 1.0 else hidden).to(dtype)
+        self.w = weight.to(dtype)
+        self.scale, self.group, self.kernels = scale, group, kernels
         self.chunk = chunk or max(hidden.shape[0], 1)
         self.valid = targets != IGNORE_INDEX
         local = targets - vocab_start
         self.mine = self.valid & (local >= 0) & (local < weight.shape[0])
         self.local = torch.where(self.mine, local, 0)
 
-    def spans(self):
+    def spans(self) -> list[tuple[int, int]]:
         n = self.x.shape[0]
         return [(a, min(a + self.chunk, n)) for a in range(0, n, self.chunk)]
 
     def logits(self, a: int, b: int) -> torch.Tensor:
-        """``s * x W^T`` of tokens ``a..b`` (this rank's vocabulary rows): the matmul in the compute
-        dtype, the result in FP32."""
-        z = torch.mm(self.x[a:b], self.w.t()).float()
-        return z.mul_(self.scale) if self.scale != 1.0 else z
+        """Logits of tokens ``a..b`` over this rank's vocabulary rows, in the compute dtype."""
+        return torch.mm(self.x[a:b], self.w.t())
 
-    def stats(self, z: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(lse, sum of exponentials, target logit)`` of the chunk ``z`` over the whole vocabulary (all
-        ranks); leaves ``exp(z - max)`` in ``z`` (so ``z / sum`` is the softmax)."""
-        m = _all_reduce(z.amax(dim=1), dist.ReduceOp.MAX, self.group)
-        target = z.gather(1, self.local[a:b, None]).squeeze(1) * self.mine[a:b]
-        z.sub_(m[:, None]).exp_()
-        sums = _all_reduce(torch.stack([z.sum(dim=1), target]), dist.ReduceOp.SUM, self.group)
-        return m + sums[0].log(), sums[0], sums[1]
+    def stats(self, z: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lse, target logit)`` of tokens ``a..b`` over the whole vocabulary (all ranks)."""
+        lse, target = self.kernels.stats(z, self.local[a:b], self.mine[a:b])
+        if self.group is None:
+            return lse, target
+        top = _all_reduce(lse.clone(), dist.ReduceOp.MAX, self.group)
+        sums = _all_reduce(torch.stack([(lse - top).exp(), target]), dist.ReduceOp.SUM, self.group)
+        return top + sums[0].log(), sums[1]
 
-    def softmax_grad(self, e: torch.Tensor, factor: torch.Tensor, coef: torch.Tensor, a: int, b: int):
-        """``coef_t * (p_t - e_y_t)`` in place in ``e`` (``e * factor`` is ``coef * p``; ``coef`` is 0 for
-        ignored tokens), returned in the compute dtype for the two gradient matmuls."""
-        e.mul_(factor[:, None])
-        e.scatter_add_(1, self.local[a:b, None], (-coef * self.mine[a:b])[:, None])
-        return e.to(self.x.dtype)
-
-    def accumulate(self, g: torch.Tensor, a: int, b: int, grad_x, grad_w) -> None:
-        """``grad_x[a:b] = g W`` and ``grad_w += g^T x`` (matmuls in the compute dtype, sums in FP32)."""
+    def accumulate(self, z, lse, coef, a: int, b: int, grad_x, grad_w) -> None:
+        """``grad_x[a:b] = g W`` and ``grad_w += g^T (s x)`` for the softmax gradient ``g`` of the chunk
+        (matmuls in the compute dtype, sums in FP32; ``grad_x`` gets its factor ``s`` in :meth:`finish`)."""
+        g = self.kernels.grad(z, lse, self.local[a:b], self.mine[a:b], coef[a:b])
         if grad_x is not None:
-            grad_x[a:b] = torch.mm(g, self.w)
+            _mm_into(grad_x[a:b], g, self.w, accumulate=False)
         if grad_w is not None:
-            grad_w += torch.mm(g.t(), self.x[a:b])
+            _mm_into(grad_w, g.t(), self.x[a:b], accumulate=True)
 
     def buffers(self, need_x: bool, need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """FP32 gradient buffers of the hidden states and of this rank's weight rows, where needed."""
@@ -108,9 +163,34 @@ class _Chunks:
         return grad_x, grad_w
 
     def finish(self, grad_x: torch.Tensor | None) -> None:
-        """Sum the hidden-state gradient over the vocabulary shards (one all-reduce of ``N x d``)."""
+        """Scale the hidden-state gradient by ``s`` and sum it over the vocabulary shards (one
+        all-reduce of ``N x d``)."""
         if grad_x is not None:
+            if self.scale != 1.0:
+                grad_x.mul_(self.scale)
             _all_reduce(grad_x, dist.ReduceOp.SUM, self.group)
+
+    # One chunk's work each: its (chunk x V) temporaries die when the method returns, before the next
+    # chunk allocates its own.
+
+    def sum_chunk(self, a: int, b: int, losses, coef, grad_x, grad_w) -> None:
+        """Losses of tokens ``a..b`` into ``losses`` and, where buffers are given, their gradients for an
+        upstream gradient of 1 (``coef``: 1 at valid tokens, 0 at ignored ones)."""
+        z = self.logits(a, b)
+        lse, target = self.stats(z, a, b)
+        losses[a:b] = (lse - target) * self.valid[a:b]
+        if grad_x is not None or grad_w is not None:
+            self.accumulate(z, lse, coef, a, b, grad_x, grad_w)
+
+    def token_chunk(self, a: int, b: int, losses, lse) -> None:
+        """Losses and log-sum-exp of tokens ``a..b``."""
+        lse[a:b], target = self.stats(self.logits(a, b), a, b)
+        losses[a:b] = (lse[a:b] - target) * self.valid[a:b]
+
+    def token_chunk_backward(self, a: int, b: int, lse, coef, grad_x, grad_w) -> None:
+        """Gradients of tokens ``a..b`` from the recomputed logits (``coef``: the upstream gradient, 0 at
+        ignored tokens)."""
+        self.accumulate(self.logits(a, b), lse[a:b], coef, a, b, grad_x, grad_w)
 
 
 def _cast(grad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -122,19 +202,13 @@ class _SumLoss(torch.autograd.Function):
     scales (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, scale, chunk, dtype, group, vocab_start):
-        c = _Chunks(hidden, weight, targets, scale, chunk, dtype, group, vocab_start)
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_x, grad_w = c.buffers(need_x, need_w)
-        coef = c.valid.float() * scale
+    def forward(ctx, hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels):
+        c = _Chunks(hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels)
+        grad_x, grad_w = c.buffers(ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        coef = c.valid.float()
         losses = hidden.new_empty(targets.shape, dtype=torch.float32)
         for a, b in c.spans():
-            z = c.logits(a, b)
-            lse, sumexp, target = c.stats(z, a, b)
-            losses[a:b] = (lse - target) * c.valid[a:b]
-            if need_x or need_w:
-                g = c.softmax_grad(z, coef[a:b] / sumexp, coef[a:b], a, b)
-                c.accumulate(g, a, b, grad_x, grad_w)
+            c.sum_chunk(a, b, losses, coef, grad_x, grad_w)
         c.finish(grad_x)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -145,7 +219,7 @@ class _SumLoss(torch.autograd.Function):
         grad_x, grad_w = ctx.saved_tensors
         gx = _cast(grad_x * grad_out if grad_x is not None else None, ctx.dtypes[0])
         gw = _cast(grad_w * grad_out if grad_w is not None else None, ctx.dtypes[1])
-        return gx, gw, None, None, None, None, None, None
+        return gx, gw, None, None, None, None, None, None, None
 
 
 class _TokenLoss(torch.autograd.Function):
@@ -153,15 +227,14 @@ class _TokenLoss(torch.autograd.Function):
     and log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, scale, chunk, dtype, group, vocab_start):
-        c = _Chunks(hidden, weight, targets, scale, chunk, dtype, group, vocab_start)
+    def forward(ctx, hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels):
+        c = _Chunks(hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels)
         losses = hidden.new_empty(targets.shape, dtype=torch.float32)
         lse = torch.empty_like(losses)
         for a, b in c.spans():
-            lse[a:b], _, target = c.stats(c.logits(a, b), a, b)
-            losses[a:b] = (lse[a:b] - target) * c.valid[a:b]
+            c.token_chunk(a, b, losses, lse)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.args = (scale, chunk, dtype, group, vocab_start)
+        ctx.args = (scale, chunk, dtype, group, vocab_start, kernels)
         return losses
 
     @staticmethod
@@ -169,14 +242,14 @@ class _TokenLoss(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         c = _Chunks(hidden, weight, targets, *ctx.args)
         grad_x, grad_w = c.buffers(ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        coef = grad_out.float() * c.valid * c.scale
+        coef = grad_out.float() * c.valid
         for a, b in c.spans():
-            p = c.logits(a, b).sub_(lse[a:b, None]).exp_()
-            c.accumulate(c.softmax_grad(p, coef[a:b], coef[a:b], a, b), a, b, grad_x, grad_w)
+            c.token_chunk_backward(a, b, lse, coef, grad_x, grad_w)
         c.finish(grad_x)
-        return _cast(grad_x, hidden.dtype), _cast(grad_w, weight.dtype), None, None, None, None, None, None
+        return _cast(grad_x, hidden.dtype), _cast(grad_w, weight.dtype), *([None] * 7)
 
 
+@torch.compiler.disable
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -188,8 +261,9 @@ def linear_cross_entropy(
     dtype: torch.dtype | None = None,
     group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
+    kernels: Kernels = EAGER,
 ) -> torch.Tensor:
-    """Cross-entropy of ``scale * hidden @ weight.T`` against ``targets`` (formulas in the module
+    """Cross-entropy of ``(scale * hidden) @ weight.T`` against ``targets`` (formulas in the module
     docstring), ``chunk`` tokens at a time (0: all at once).
 
     ``hidden``: ``(N, d)``; ``weight``: ``(V, d)``, or this rank's rows ``vocab_start ..`` of the whole
@@ -197,7 +271,15 @@ def linear_cross_entropy(
     ``targets``); ``targets``: ``(N,)`` int64 whole-vocabulary ids, ``-100`` ignored. ``dtype``: the
     matmuls' dtype (default: ``weight``'s; BF16 under autocast is the caller's to pass). ``reduction``:
     ``"sum"`` (FP32 scalar) or ``"none"`` (FP32 ``(N,)``, 0 at ignored targets). Gradients come back in
-    the dtypes of ``hidden`` and ``weight``.
+    the dtypes of ``hidden`` and ``weight``. ``kernels``: :data:`EAGER` or :func:`compiled_kernels`.
+
+    An outer ``torch.compile`` runs it as it is (``torch.compiler.disable``: the compiled training
+    objective breaks its graph around it), because traced into the graph its memory would be the
+    partitioner's, not its own: AOTAutograd places what only backward needs into backward and keeps
+    the smallest tensors for it, which moved the forward's gradient matmuls to backward and kept each
+    chunk's softmax gradient (or, for the per-token loss, each chunk's logits), (tokens x vocab) values
+    again; with the recomputing per-token backward it also gave wrong gradients on this torch (2.13,
+    uneven chunks). The element-wise kernels are compiled on their own instead (``kernels``).
     """
     if reduction not in ("sum", "none"):
         raise ValueError(f"reduction must be 'sum' or 'none', got {reduction!r}")
@@ -206,4 +288,5 @@ def linear_cross_entropy(
             f"hidden (N, d) and targets (N,) expected, got {tuple(hidden.shape)}, {tuple(targets.shape)}"
         )
     fn = _SumLoss if reduction == "sum" else _TokenLoss
-    return fn.apply(hidden, weight, targets, float(scale), chunk, dtype or weight.dtype, group, vocab_start)
+    dtype = dtype or weight.dtype
+    return fn.apply(hidden, weight, targets, float(scale), chunk, dtype, group, vocab_start, kernels)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from lmforge.model.fused_loss import linear_cross_entropy
+from lmforge.model.fused_loss import EAGER, Kernels, compiled_kernels, linear_cross_entropy
 
 
 def compute_dtype(device: torch.device, weight: torch.Tensor) -> torch.dtype:
@@ -32,10 +32,20 @@ def compute_dtype(device: torch.device, weight: torch.Tensor) -> torch.dtype:
 class OutputHead(nn.Linear):
     """``hidden (..., d) -> logits (..., V)``; with ``targets``, the cross-entropy of
     ``scale * logits`` summed (``reduction="sum"``: FP32 scalar) or per token (``"none"``: FP32,
-    ``targets``' shape), ``chunk`` tokens at a time, -100 targets ignored."""
+    ``targets``' shape), ``chunk`` tokens at a time, -100 targets ignored.
+
+    ``kernels``: the loss's element-wise kernels, eager until :meth:`compile_loss` (a plain attribute:
+    parameter names and state dicts are those of ``nn.Linear``)."""
+
+    kernels: Kernels = EAGER
 
     def __init__(self, d_model: int, vocab_size: int):
         super().__init__(d_model, vocab_size, bias=False)
+
+    def compile_loss(self, **options) -> None:
+        """Run the loss's element-wise kernels through ``torch.compile(**options)`` (the training
+        objective's compilation cannot trace the fused loss: ``model/fused_loss.py`` says why)."""
+        self.kernels = compiled_kernels(**options)
 
     def forward(
         self,
@@ -68,5 +78,6 @@ class OutputHead(nn.Linear):
             dtype=compute_dtype(hidden.device, weight),
             group=group,
             vocab_start=start,
+            kernels=self.kernels,
         )
         return losses if reduction == "sum" else losses.view(targets.shape)

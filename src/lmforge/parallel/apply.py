@@ -221,6 +221,8 @@ def compile_module(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn
     each block in place in several."""
     if not can_compile(ctx.train.compile, ctx.device):
         return module
+    if model.lm_head is not None:  # the fused loss runs outside the graph; its kernels compile alone
+        model.lm_head.compile_loss(**COMPILE_OPTIONS)
     if ctx.layout.distributed:
         for block in model.blocks.values():
             block.compile(**COMPILE_OPTIONS)
