@@ -10,8 +10,8 @@ Cases (``torchrun --nproc-per-node=2 fused_loss_worker.py [CASE ...]``, default 
   logits are all-gathered, then the chunked cross-entropy on every rank): the fused loss must send no
   all-gather, exactly ``3`` FP32 values per token in its per-chunk all-reduces and one FP32 all-reduce of
   the hidden-state gradient, while the former one all-gathers the whole ``N x V`` logits. What the fused
-  sum keeps for backward is counted too (``train/activation_memory.py``): the FP32 gradients of all the
-  hidden states and of this rank's ``V / 2`` rows, as ``plan/activations.py`` says.
+  sum keeps for backward is counted too (``train/activation_memory.py``): beyond its inputs, one FP32
+  log-sum-exp per token, as ``plan/activations.py`` says.
 * ``model``: a tied Llama and an untied muP GPT-2, tensor-parallel; ``NextTokenLoss`` and DPO's
   ``SequenceLogps`` equal the unparallelised model's within 1e-6 (relative), gradients within 1e-5.
 * ``fsdp``: FSDP2 over 2 ranks with the untied head its own unit (``parallel/data_parallel.py``), the loss
@@ -124,8 +124,8 @@ def run_tp(mesh) -> None:
         close(f"tp {reduction} weight grad", head.weight.grad, w_ref.grad)
     head, h = sharded_head(weight, mesh), hidden.clone().requires_grad_()
     saved = saved_activation_bytes(lambda: head(h, targets, chunk=CHUNK))
-    if saved != 4 * N * D + 4 * (V // 2) * D:  # the FP32 gradients: all the hidden states', this rank's rows
-        raise AssertionError(f"tp: {saved} bytes kept for backward, expected {4 * N * D + 2 * V * D}")
+    if saved != 4 * N:  # one FP32 log-sum-exp per token (the hidden states and the weight are inputs)
+        raise AssertionError(f"tp: {saved} bytes kept for backward, expected {4 * N}")
     fused, former = count_fused(mesh), count_former(mesh)
     want_fused = {"all_reduce": 3 * N * 4 + N * D * 4}  # max, sum and target per token; the hidden grad
     if fused.bytes != want_fused or "all_gather" in fused.calls:

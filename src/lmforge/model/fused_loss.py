@@ -15,16 +15,18 @@ token, FP32: DPO sums them per sequence). Tokens go ``chunk`` at a time (``0``: 
 largest temporaries are one chunk's ``chunk x V`` logits in the compute dtype, their FP32 softmax
 gradient and its compute-dtype copy for the gradient matmuls.
 
-What is kept for backward (the point of fusing; measured in docs/memory.md):
-
-* ``"sum"``: the gradients themselves. The upstream gradient of a sum is one scalar, so forward computes
-  ``dL/dx`` (FP32, ``N x d``) and ``dL/dW`` (FP32, ``V x d``) chunk by chunk for ``g = 1`` and backward
-  only scales them: three head matmuls per step, as unfused, not four (torch's
-  ``linear_cross_entropy`` does the same). Backward may run twice on one graph (zero-bubble pipeline
-  schedules take the input gradient and then the weight gradient), so it scales copies and keeps them.
-* ``"none"``: the hidden states, the weight (both alive anyway), the targets and the FP32 log-sum-exp
-  (``N`` values); backward recomputes each chunk's logits (one more matmul) with the per-token upstream
-  gradient folded into the softmax gradient.
+What is kept for backward (the point of fusing; measured in docs/memory.md): the hidden states, the
+weight (both alive anyway), the targets and one FP32 log-sum-exp per token. Backward recomputes each
+chunk's logits and turns them into the softmax gradient with the upstream gradient folded in, so the
+(tokens x vocab) logits and their gradient never exist. That costs a fourth head matmul per step (the
+logits again). Precomputing both gradients in forward instead (as torch's ``linear_cross_entropy``
+does for a sum: its upstream gradient is one number) saves that matmul but keeps the FP32 gradients
+of the hidden states and of the head, ``4 (N + V) d`` bytes, from forward to backward, and backward
+needs a scaled copy of them (a zero-bubble pipeline schedule runs backward twice on one graph): more
+than the former chunked loss kept (``4 N V``) whenever ``N < d`` (a 7B model's 2,048-token
+micro-batch), and a weight-sized gradient on top of the activations at the peak. Measured on the
+default recipe's shapes, the precomputing variant took 0.81x the time of the head and loss
+(``benchmarks/fused_loss.py``), under 2% of a training step.
 
 Vocabulary parallelism (``group``: the tensor-parallel process group): each rank holds rows
 ``[vocab_start, vocab_start + V_local)`` of ``W`` and every token's hidden state. Per chunk each rank
@@ -40,7 +42,8 @@ by the compile stage of ``parallel/apply.py``). The loop around them is never tr
 ``torch.compile`` (see :func:`linear_cross_entropy`).
 
 Why lmforge's own autograd Function rather than ``torch.nn.functional.linear_cross_entropy`` (torch 2.13,
-``LinearCrossEntropyOptions``: the same forward-precomputed gradients): (1) it cannot shard the
+``LinearCrossEntropyOptions``, a chunked path that precomputes a sum's gradients in forward): (1) it
+cannot shard the
 vocabulary across ranks; (2) on CPU its chunked path runs BF16 inputs through FP32 matmuls (its
 ``accurate`` policy; the others fall back to it or to emulated BF16 kernels): 5x slower per head matmul
 here than BF16 and, for the head and loss of the default recipe, about 3.5x slower than this
@@ -173,15 +176,6 @@ class _Chunks:
     # One chunk's work each: its (chunk x V) temporaries die when the method returns, before the next
     # chunk allocates its own.
 
-    def sum_chunk(self, a: int, b: int, losses, coef, grad_x, grad_w) -> None:
-        """Losses of tokens ``a..b`` into ``losses`` and, where buffers are given, their gradients for an
-        upstream gradient of 1 (``coef``: 1 at valid tokens, 0 at ignored ones)."""
-        z = self.logits(a, b)
-        lse, target = self.stats(z, a, b)
-        losses[a:b] = (lse - target) * self.valid[a:b]
-        if grad_x is not None or grad_w is not None:
-            self.accumulate(z, lse, coef, a, b, grad_x, grad_w)
-
     def token_chunk(self, a: int, b: int, losses, lse) -> None:
         """Losses and log-sum-exp of tokens ``a..b``."""
         lse[a:b], target = self.stats(self.logits(a, b), a, b)
@@ -197,34 +191,9 @@ def _cast(grad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if grad is None else grad.to(dtype)
 
 
-class _SumLoss(torch.autograd.Function):
-    """``sum_t l_t``; forward also computes both gradients for an upstream gradient of 1, which backward
-    scales (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels):
-        c = _Chunks(hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels)
-        grad_x, grad_w = c.buffers(ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        coef = c.valid.float()
-        losses = hidden.new_empty(targets.shape, dtype=torch.float32)
-        for a, b in c.spans():
-            c.sum_chunk(a, b, losses, coef, grad_x, grad_w)
-        c.finish(grad_x)
-        ctx.save_for_backward(grad_x, grad_w)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
-        return losses.sum()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_x, grad_w = ctx.saved_tensors
-        gx = _cast(grad_x * grad_out if grad_x is not None else None, ctx.dtypes[0])
-        gw = _cast(grad_w * grad_out if grad_w is not None else None, ctx.dtypes[1])
-        return gx, gw, None, None, None, None, None, None, None
-
-
-class _TokenLoss(torch.autograd.Function):
+class _FusedCrossEntropy(torch.autograd.Function):
     """``l_t`` per token; backward recomputes each chunk's logits from the saved hidden states, weight
-    and log-sum-exp."""
+    and log-sum-exp (a sum is these values summed: its upstream gradient is the same for every token)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels):
@@ -287,6 +256,7 @@ def linear_cross_entropy(
         raise ValueError(
             f"hidden (N, d) and targets (N,) expected, got {tuple(hidden.shape)}, {tuple(targets.shape)}"
         )
-    fn = _SumLoss if reduction == "sum" else _TokenLoss
     dtype = dtype or weight.dtype
-    return fn.apply(hidden, weight, targets, float(scale), chunk, dtype, group, vocab_start, kernels)
+    args = (hidden, weight, targets, float(scale), chunk, dtype, group, vocab_start, kernels)
+    losses = _FusedCrossEntropy.apply(*args)
+    return losses.sum() if reduction == "sum" else losses

@@ -3,8 +3,8 @@
 :func:`head_loss` computes the cross-entropy of the model's output head against the targets through the
 head's own call (``model/head.py::OutputHead``), with the head and the softmax fused chunk by chunk in
 forward and backward (``model/fused_loss.py``): the (tokens x vocab) logits and their gradient never
-exist, and what is kept for backward is the gradients of the hidden states and of the head (the sum) or
-the hidden states and a log-sum-exp per token (per-token losses). Logits are computed in the compute
+exist, and what is kept for backward is the hidden states and one log-sum-exp per token (backward
+recomputes each chunk's logits). Logits are computed in the compute
 dtype (BF16 under autocast) and the softmax and loss in FP32; muP's output multiplier
 (``Transformer.logit_scale``) is applied; targets ``-100`` are ignored. Under tensor parallelism the
 head is vocabulary-sharded and the loss vocabulary-parallel (``parallel/tensor.py``).
