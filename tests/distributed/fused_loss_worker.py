@@ -8,8 +8,8 @@ Cases (``torchrun --nproc-per-node=2 fused_loss_worker.py [CASE ...]``, default 
   the whole weight within 1e-6. The collectives of forward + backward are counted (a dispatch mode that
   sees every c10d and functional collective) against the former layout (a column-parallel head whose
   logits are all-gathered, then the chunked cross-entropy on every rank): the fused loss must send no
-  all-gather, exactly ``3`` FP32 values per token in its per-chunk all-reduces and one FP32 all-reduce of
-  the hidden-state gradient, while the former one all-gathers the whole ``N x V`` logits. What the fused
+  all-gather, exactly 20 bytes per token in its per-chunk all-reduces (the row maximum in FP32, the sum
+  of exponentials and the target logit in FP64) and one FP32 all-reduce of the hidden-state gradient, while the former one all-gathers the whole ``N x V`` logits. What the fused
   sum keeps for backward is counted too (``train/activation_memory.py``): beyond its inputs, one FP32
   log-sum-exp per token, as ``plan/activations.py`` says.
 * ``model``: a tied Llama and an untied muP GPT-2, tensor-parallel; ``NextTokenLoss`` and DPO's
@@ -127,7 +127,7 @@ def run_tp(mesh) -> None:
     if saved != 4 * N:  # one FP32 log-sum-exp per token (the hidden states and the weight are inputs)
         raise AssertionError(f"tp: {saved} bytes kept for backward, expected {4 * N}")
     fused, former = count_fused(mesh), count_former(mesh)
-    want_fused = {"all_reduce": 3 * N * 4 + N * D * 4}  # max, sum and target per token; the hidden grad
+    want_fused = {"all_reduce": N * (4 + 2 * 8) + N * D * 4}  # max (FP32), sum and target (FP64); hidden grad
     if fused.bytes != want_fused or "all_gather" in fused.calls:
         raise AssertionError(f"fused loss collectives {fused.calls} {fused.bytes}, expected {want_fused}")
     if former.bytes.get("all_gather") != N * V * 4:  # FP32 here; BF16 under autocast
