@@ -29,7 +29,7 @@ Speed: each round runs every variant ``--steps`` times, the order rotating from 
 of the per-step times, and each variant's ratio to ``unfused`` (and to ``chunked``). With ``--compile``
 (the default) every variant goes through ``lmforge.parallel.apply.compile_like_training``, as the
 training objective does. Memory (eager, at ``--memory-tokens`` x ``--memory-vocab``): bytes the forward
-keeps for backward (``lmforge.train.activation_memory.saved_activation_bytes``) and the peak of tensors
+keeps for backward (``lmforge.probes.activation_memory.saved_activation_bytes``) and the peak of tensors
 alive during forward + backward above the inputs and the weight (``torch.distributed._tools.mem_tracker``).
 ``torch_lce`` is left out of the memory figures: it is a custom op, whose internal tensors a dispatch-mode
 tracker does not see.
@@ -57,7 +57,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from lmforge.model.fused_loss import EAGER, _Chunks, _FusedCrossEntropy, linear_cross_entropy
 from lmforge.model.head import OutputHead, compute_dtype
 from lmforge.parallel.apply import COMPILE_OPTIONS, compile_like_training
-from lmforge.train.activation_memory import saved_activation_bytes
+from lmforge.probes.activation_memory import saved_activation_bytes
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

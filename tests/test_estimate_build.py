@@ -255,39 +255,40 @@ def test_collective_counts():
 
 def test_fused_loss_temporaries_and_vocabulary_parallel_traffic():
     """A micro-batch of 32 tokens (d 64, V 1000), chunks of 16. The fused loss's forward holds one chunk's
-    FP32 logits (and their BF16 copy under autocast), the chunk's product for the head's gradient and,
-    under autocast, BF16 copies of the hidden states and the head; its backward scales the two kept FP32
-    gradients into new tensors, 4 (N d + V d / tp); the larger counts. The chunked loss held the chunk's
-    16-bit logits and their FP32 copy, all V columns on every TP rank. Under TP the fused loss moves the
-    head's FP32 input (all-gathered), its gradient and 3 FP32 statistics per token (all-reduced), not the
-    logits."""
+    logits, their FP32 copy under autocast and the shifted exponentials; its backward the two new FP32
+    gradients, 4 (N d + V d / tp), and the recomputed chunk with its softmax gradient (and under autocast
+    its BF16 copy, or that copy and the BF16 product for the head's gradient); under autocast both make
+    BF16 copies of the hidden states and of the head (under FSDP2 the head is BF16 already); the larger
+    counts. The chunked loss held the chunk's 16-bit logits and their FP32 copy, all V columns on every TP
+    rank. Under TP the fused loss moves the head's FP32 input (all-gathered), its gradient and 20 bytes of
+    statistics per token (all-reduced), not the logits."""
     n, d = 32, 64
-    assert loss_temporary("fused", 16, 1000, 1, 4, n, d) == 4 * 16 * 1000 + 4 * 1000 * d == 320_000
-    assert loss_temporary("fused", 16, 1000, 2, 4, n, d) == 4 * 16 * 500 + 4 * 500 * d == 160_000
-    bf16 = (4 + 2) * 16 * 1000 + 2 * 1000 * d + 2 * (n * d + 1000 * d)
-    assert loss_temporary("fused", 16, 1000, 1, 2, n, d) == bf16 == 356_096
-    # under FSDP2 the gathered head is BF16 already: no copy in forward, its gradient's BF16 copy in backward,
-    # which is then the larger
-    forward = (4 + 2) * 16 * 1000 + 2 * 1000 * d + 2 * n * d  # 228,096
-    backward = 4 * (n * d + 1000 * d) + 2 * 1000 * d  # 392,192
-    assert loss_temporary("fused", 16, 1000, 1, 2, n, d, fsdp=True) == max(forward, backward) == 392_192
-    # one chunk of 2 tokens: the backward's new gradients are the larger
-    assert loss_temporary("fused", 2, 1000, 1, 4, n, d) == max(
-        4 * 2 * 1000 + 4 * 1000 * d, 4 * (n * d + 1000 * d)
+    assert loss_temporary("fused", 16, 1000, 1, 4, n, d) == 4 * (n * d + 1000 * d) + 4 * 16 * 1000 == 328_192
+    assert loss_temporary("fused", 16, 1000, 2, 4, n, d) == 4 * (n * d + 500 * d) + 4 * 16 * 500 == 168_192
+    casts = 2 * (n * d + 1000 * d)
+    backward = 4 * (n * d + 1000 * d) + max((2 * 2 + 4) * 16 * 1000, 2 * 2 * 16 * 1000 + 2 * 1000 * d)
+    assert loss_temporary("fused", 16, 1000, 1, 2, n, d) == casts + backward == 588_288
+    # under FSDP2 the gathered head is BF16 already: only the hidden states' copy
+    assert loss_temporary("fused", 16, 1000, 1, 2, n, d, fsdp=True) == 2 * n * d + backward == 460_288
+    # chunks of 128 tokens (one micro-batch of 128): the forward's chunk is the larger
+    forward = (2 + 4 + 4) * 128 * 1000
+    assert loss_temporary("fused", 128, 1000, 1, 2, 128, 8) == 2 * (128 * 8 + 1000 * 8) + max(
+        forward, 4 * (128 * 8 + 1000 * 8) + (2 * 2 + 4) * 128 * 1000
     )
     assert loss_temporary("chunked", 16, 1000, 2, 2) == (2 + 4) * 16 * 1000
     tokens, frac = 4096, 1 / 2
     blocks = comm.tp_volume(2, 2, tokens, d, 1000, 2, head=False)
     fused = comm.tp_volume(2, 2, tokens, d, 1000, 2, loss="fused")
     chunked = comm.tp_volume(2, 2, tokens, d, 1000, 2, loss="chunked")
-    # the FP32 hidden states all-gathered, their FP32 gradient and 3 FP32 statistics per token all-reduced
+    # the FP32 hidden states all-gathered, their FP32 gradient and 20 bytes of statistics per token
+    # (the row maximum in FP32, the sum of exponentials and the target logit in FP64) all-reduced
     assert fused - blocks == pytest.approx(
-        frac * 4 * tokens * d + 2 * frac * 4 * tokens * d + 2 * frac * 12 * tokens
+        frac * 4 * tokens * d + 2 * frac * 4 * tokens * d + 2 * frac * 20 * tokens
     )
     assert chunked - blocks == pytest.approx(2 * frac * tokens * 1000 * 2)
     e = estimate(_work(), Layout(), H100)  # FP32, one micro-batch of 32 tokens, chunks of 16
-    assert e.temporaries.loss_chunk == 320_000
-    assert e.activation_parts["loss"] == 4 * T * 64 + 4 * V * 64 == 264_192
+    assert e.temporaries.loss_chunk == 328_192
+    assert e.activation_parts["loss"] == 4 * T
 
 
 # -- the memory limit ---------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ processes: ``tests/distributed/fused_loss_worker.py`` under torchrun.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,7 @@ from lmforge.config import ModelConfig
 from lmforge.model.fused_loss import linear_cross_entropy
 from lmforge.model.loss import NextTokenLoss, head_loss
 from lmforge.posttrain.dpo import SequenceLogps
-from lmforge.train.activation_memory import saved_activation_bytes
+from lmforge.probes.activation_memory import saved_activation_bytes
 from tests.conftest import model_of
 from tests.torchrun import torchrun, worker
 
@@ -201,7 +203,7 @@ def _peak(fn) -> int:
 
 
 def test_saved_for_backward_holds_no_tokens_by_vocab_tensor():
-    """Counted storages (lmforge.train.activation_memory): the unfused and the former chunked loss keep
+    """Counted storages (lmforge.probes.activation_memory): the unfused and the former chunked loss keep
     the FP32 log-softmax of every token (N x V x 4 bytes, chunking or not); the fused loss, sum or per
     token, keeps its inputs (the hidden states and the weight, made before it) and one FP32 log-sum-exp
     per token."""
@@ -225,6 +227,25 @@ def test_peak_is_a_chunk_not_the_whole_logits():
     for peak in (fused_sum, fused_none):
         assert peak <= chunk + grads + 4 * 4 * N_MEM, peak
         assert peak < nv / 2
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_planner_temporaries_match_the_measured_peak(autocast: bool):
+    """The planner's model of the loss (``plan/memory.py::loss_temporary`` beyond what it keeps,
+    ``plan/activations.py``'s ``4 N`` log-sum-exp kept) against torch's MemTracker peak over forward +
+    backward: within 5% (what the planner leaves out is N-sized: targets, masks, the losses)."""
+    from lmforge.plan.memory import loss_temporary
+
+    c = 2 if autocast else 4
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+    def fused(h, w, y):
+        with context:
+            return linear_cross_entropy(h, w, y, chunk=CHUNK_MEM, dtype=torch.bfloat16 if autocast else None)
+
+    planned = loss_temporary("fused", CHUNK_MEM, V_MEM, 1, c, N_MEM, D_MEM) + 4 * N_MEM
+    measured = _peak(fused)
+    assert abs(planned / measured - 1) < 0.05, (planned, measured)
 
 
 # -- vocabulary-parallel: real processes ---------------------------------------------------------------------

@@ -10,7 +10,7 @@ Cases (``torchrun --nproc-per-node=2 fused_loss_worker.py [CASE ...]``, default 
   logits are all-gathered, then the chunked cross-entropy on every rank): the fused loss must send no
   all-gather, exactly 20 bytes per token in its per-chunk all-reduces (the row maximum in FP32, the sum
   of exponentials and the target logit in FP64) and one FP32 all-reduce of the hidden-state gradient, while the former one all-gathers the whole ``N x V`` logits. What the fused
-  sum keeps for backward is counted too (``train/activation_memory.py``): beyond its inputs, one FP32
+  sum keeps for backward is counted too (``probes/activation_memory.py``): beyond its inputs, one FP32
   log-sum-exp per token, as ``plan/activations.py`` says.
 * ``model``: a tied Llama and an untied muP GPT-2, tensor-parallel; ``NextTokenLoss`` and DPO's
   ``SequenceLogps`` equal the unparallelised model's within 1e-6 (relative), gradients within 1e-5.
@@ -43,7 +43,7 @@ from lmforge.model.loss import NextTokenLoss, head_loss
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.tensor import VocabParallelHead, apply_tensor_parallel
 from lmforge.posttrain.dpo import SequenceLogps
-from lmforge.train.activation_memory import saved_activation_bytes
+from lmforge.probes.activation_memory import saved_activation_bytes
 
 N, D, V, CHUNK, SCALE = 96, 32, 128, 40, 0.5  # 96 tokens in chunks of 40: the last one short
 

@@ -4,11 +4,12 @@ forward and backward, never holding the (tokens x vocabulary) logits or their gr
 For ``N`` tokens ``x_t`` (rows of ``hidden``), a head ``W`` (``V x d``), logit scale ``s`` (muP's
 ``1 / width_mult``) and targets ``y_t`` (``-100``: ignored)::
 
-    z_t   = (s x_t) W^T                      logits: the matmul in the compute dtype, the rest in FP32
+    z_t   = s (x_t W^T)                      logits: in the compute dtype (the product and its scaling,
+                                             as the unfused head computes them), the rest in FP32
     lse_t = log sum_j exp(z_tj)
     l_t   = lse_t - z_t,y_t                  (0 where y_t = -100)
     dl_t / dz_tj = p_tj - [j = y_t],         p_tj = exp(z_tj - lse_t)
-    dL/dx_t = s g_t (p_t - e_y_t) W,   dL/dW = sum_t g_t (p_t - e_y_t)^T (s x_t)    (g_t: upstream gradient)
+    dL/dx_t = s g_t (p_t - e_y_t) W,   dL/dW = s sum_t g_t (p_t - e_y_t)^T x_t      (g_t: upstream gradient)
 
 Two reductions: ``"sum"`` (the next-token loss: ``sum_t l_t``, FP32 scalar) and ``"none"`` (``l_t`` per
 token, FP32: DPO sums them per sequence). Tokens go ``chunk`` at a time (``0``: all at once), so the
@@ -133,12 +134,12 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bo
 
 
 class _Chunks:
-    """What the chunks of one call share: compute-dtype copies of the scaled hidden states and of the
-    weight, and the targets in this rank's row numbering (``local``: ``y - vocab_start``, 0 where not
+    """What the chunks of one call share: compute-dtype copies of the hidden states and of the weight,
+    and the targets in this rank's row numbering (``local``: ``y - vocab_start``, 0 where not
     ours; ``mine``: ours and not ignored)."""
 
     def __init__(self, hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels):
-        self.x = (hidden * scale if scale != 1.0 else hidden).to(dtype)
+        self.x = hidden.to(dtype)
         self.w = weight.to(dtype)
         self.scale, self.group, self.kernels = scale, group, kernels
         self.chunk = chunk or max(hidden.shape[0], 1)
@@ -152,8 +153,9 @@ class _Chunks:
         return [(a, min(a + self.chunk, n)) for a in range(0, n, self.chunk)]
 
     def logits(self, a: int, b: int) -> torch.Tensor:
-        """Logits of tokens ``a..b`` over this rank's vocabulary rows, in the compute dtype."""
-        return torch.mm(self.x[a:b], self.w.t())
+        """Logits of tokens ``a..b`` over this rank's vocabulary rows, in the compute dtype, times ``s``."""
+        z = torch.mm(self.x[a:b], self.w.t())
+        return z.mul_(self.scale) if self.scale != 1.0 else z
 
     def stats(self, z: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(lse, target logit)`` of tokens ``a..b`` over the whole vocabulary: the row maxima
@@ -166,8 +168,8 @@ class _Chunks:
         return (top + sums[0].log()).float(), sums[1].float()
 
     def accumulate(self, z, lse, coef, a: int, b: int, grad_x, grad_w) -> None:
-        """``grad_x[a:b] = g W`` and ``grad_w += g^T (s x)`` for the softmax gradient ``g`` of the chunk
-        (matmuls in the compute dtype, sums in FP32; ``grad_x`` gets its factor ``s`` in :meth:`finish`)."""
+        """``grad_x[a:b] = g W`` and ``grad_w += g^T x`` for the softmax gradient ``g`` of the chunk
+        (``coef`` carries the factor ``s``; matmuls in the compute dtype, sums in FP32)."""
         g = self.kernels.grad(z, lse, self.local[a:b], self.mine[a:b], coef[a:b])
         if grad_x is not None:
             _mm_into(grad_x[a:b], g, self.w, accumulate=False)
@@ -181,11 +183,8 @@ class _Chunks:
         return grad_x, grad_w
 
     def finish(self, grad_x: torch.Tensor | None) -> None:
-        """Scale the hidden-state gradient by ``s`` and sum it over the vocabulary shards (one
-        all-reduce of ``N x d``)."""
+        """Sum the hidden-state gradient over the vocabulary shards (one all-reduce of ``N x d``)."""
         if grad_x is not None:
-            if self.scale != 1.0:
-                grad_x.mul_(self.scale)
             _all_reduce(grad_x, dist.ReduceOp.SUM, self.group)
 
     # One chunk's work each: its (chunk x V) temporaries die when the method returns, before the next
@@ -226,7 +225,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         c = _Chunks(hidden, weight, targets, *ctx.args)
         grad_x, grad_w = c.buffers(ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        coef = grad_out.float() * c.valid
+        coef = grad_out.float() * c.valid * c.scale
         for a, b in c.spans():
             c.token_chunk_backward(a, b, lse, coef, grad_x, grad_w)
         c.finish(grad_x)
@@ -247,7 +246,7 @@ def linear_cross_entropy(
     vocab_start: int = 0,
     kernels: Kernels = EAGER,
 ) -> torch.Tensor:
-    """Cross-entropy of ``(scale * hidden) @ weight.T`` against ``targets`` (formulas in the module
+    """Cross-entropy of ``scale * (hidden @ weight.T)`` against ``targets`` (formulas in the module
     docstring), ``chunk`` tokens at a time (0: all at once).
 
     ``hidden``: ``(N, d)``; ``weight``: ``(V, d)``, or this rank's rows ``vocab_start ..`` of the whole

@@ -59,12 +59,12 @@ Outside the blocks:
 * head and loss (``loss``): the final norm as a block norm (input ``4 n d``, stats, RMSNorm's ``x_hat``)
   on every rank's sequence shard. Then, by loss:
 
-  - ``fused`` (``model/fused_loss.py``: the output head and the cross-entropy fused chunk by chunk; the
-    loss of a training step is a sum, so its forward computes both gradients for an upstream gradient
-    of 1 and backward only scales them): the FP32 gradients of the hidden states and of the head,
-    ``4 N d + 4 V d / tp``; no logits, no head input and no weight cast are kept. Under tensor
-    parallelism the loss is vocabulary-parallel: each rank holds the whole ``N x d`` hidden states'
-    gradient and its ``V / tp`` rows of the head's (temporaries: ``plan/memory.py::loss_temporary``).
+  - ``fused`` (``model/fused_loss.py``: the output head and the cross-entropy fused chunk by chunk in
+    forward and backward): its input, the final norm's FP32 output, ``4 N d``, and one FP32 log-sum-exp
+    per token, ``4 N``; backward recomputes each chunk's logits, so no logits, no weight cast and no
+    compute-dtype copy of the input are kept, whatever the chunk. Under tensor parallelism the loss is
+    vocabulary-parallel: each rank keeps the all-gathered ``N x d`` hidden states and every token's
+    log-sum-exp (temporaries: ``plan/memory.py::loss_temporary``).
   - ``chunked`` (the chunked loss lmforge had before, a head then ``F.cross_entropy`` per chunk; measured
     exact): the head input (FP32: the norm output ``4 N d``; autocast: its cast per chunk, ``c N d``),
     the autocast copy of the head weight ``c V d`` (``/ tp``), and every chunk's FP32 log-softmax,
@@ -241,8 +241,8 @@ def _head_and_loss(D: _Dims, loss: str, loss_chunk: int) -> dict[str, int]:
     """What the final norm, the head and the loss save (the stage holding the last block)."""
     N, n, d, V, c = D.N, D.n, D.d, D.V, D.c
     final_norm = 4 * n * d + D.norm_stats
-    if loss == "fused":  # the gradients of the hidden states and of this rank's head rows, FP32
-        return {"head": final_norm, "loss": 4 * N * d + 4 * V * d // D.tp}
+    if loss == "fused":  # its input (the FP32 hidden states, all of them) and a log-sum-exp per token
+        return {"head": final_norm + 4 * N * d, "loss": 4 * N}
     if loss == "chunked":
         return {
             "head": final_norm + (c * N * d if D.ac else 4 * N * d),

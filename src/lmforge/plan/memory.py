@@ -452,26 +452,28 @@ def loss_temporary(
     """Bytes the loss of one micro-batch of ``tokens`` tokens (``d_model`` wide) holds beyond what it
     keeps for backward, at its largest, computed ``chunk_tokens`` at a time.
 
-    ``fused`` (``model/fused_loss.py``; ``v = V / tp``, this rank's vocabulary rows): the larger of its
-    forward, one chunk's FP32 logits, their compute-dtype copy under autocast, and the chunk's product for
-    the head's gradient, ``(4 + c [c < 4]) * chunk * v + c * v * d``, plus under autocast the
-    compute-dtype copies of the hidden states and of the head, ``c (N d + v d)`` (under FSDP2, ``fsdp``,
-    the gathered head already is in ``c`` bytes: ``c N d``); and its backward, which scales the two kept
-    gradients into new FP32 tensors, ``4 (N d + v d)`` (under FSDP2 and autocast, plus the head
-    gradient's ``c``-byte copy for the ``c``-byte parameter, ``c v d``). Read from the code; the
-    per-chunk slope (``4 v`` bytes per token in FP32, ``6 v`` in BF16) measured with PyTorch's
-    ``MemTracker`` on CPU. ``chunked`` (a head then ``F.cross_entropy`` per chunk): the chunk's logits in
-    ``c`` bytes and their FP32 copy (``.float()`` before the softmax), all-gathered over the vocabulary
-    under TP: ``(c + 4) * chunk * V``.
+    ``fused`` (``model/fused_loss.py``; ``v = V / tp``, this rank's vocabulary rows; eager kernels): forward
+    and backward each make the compute-dtype copies of the hidden states and of the head under autocast,
+    ``c (N d + v d)`` (under FSDP2, ``fsdp``, the gathered head already is in ``c`` bytes: ``c N d``).
+    Forward holds one chunk's logits in ``c`` bytes, their FP32 copy under autocast and the shifted
+    exponentials, ``(c + 4 + 4 [c < 4]) * chunk * v``. Backward holds the FP32 gradients of the hidden
+    states and of the head, ``4 (N d + v d)``, and, per chunk, the recomputed logits with, under
+    autocast, either their FP32 softmax gradient and its ``c``-byte copy or that copy and its ``c``-byte
+    product for the head's gradient, ``max((2 c + 4) * chunk * v, 2 c * chunk * v + c v d)`` (in FP32
+    everything is in place: ``4 * chunk * v``). The larger of forward and backward counts. Read from the code; checked against PyTorch's
+    ``MemTracker`` on CPU (``tests/test_fused_loss.py``). ``chunked`` (a head then ``F.cross_entropy``
+    per chunk): the chunk's logits in ``c`` bytes and their FP32 copy (``.float()`` before the softmax),
+    all-gathered over the vocabulary under TP: ``(c + 4) * chunk * V``.
     """
     if loss == "fused":
         v, autocast = split(vocab_size, tp), c < 4
-        forward = (4 + (c if autocast else 0)) * chunk_tokens * v + c * v * d_model
-        backward = 4 * (tokens * d_model + v * d_model)
+        casts = c * tokens * d_model + (0 if fsdp else c * v * d_model) if autocast else 0
+        forward = (c + 4 + (4 if autocast else 0)) * chunk_tokens * v
+        per_chunk = 4 * chunk_tokens * v
         if autocast:
-            forward += c * tokens * d_model + (0 if fsdp else c * v * d_model)
-            backward += c * v * d_model if fsdp else 0
-        return max(forward, backward)
+            per_chunk = max((2 * c + 4) * chunk_tokens * v, 2 * c * chunk_tokens * v + c * v * d_model)
+        backward = 4 * (tokens * d_model + v * d_model) + per_chunk
+        return casts + max(forward, backward)
     if loss == "chunked":
         return (c + 4) * chunk_tokens * vocab_size
     raise ValueError(f"loss {loss!r}: use one of {', '.join(LOSSES)}")
