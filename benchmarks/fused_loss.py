@@ -11,13 +11,13 @@ a CPU with AVX-512-BF16) or in FP32:
   (what a plain training loop does).
 * ``chunked``: lmforge's former ``ChunkedCrossEntropy`` (the same, ``--chunk`` tokens at a time; autograd
   keeps every chunk's FP32 log-softmax).
-* ``fused``: lmforge's ``OutputHead`` with targets (``model/fused_loss.py``): backward recomputes each
-  chunk's logits, nothing N x V kept; with ``--compile`` its element-wise kernels compiled, as in
-  training (``OutputHead.compile_loss``), the loop itself not traced.
-* ``fused_eager_kernels`` (with ``--compile``): the same with eager kernels.
-* ``fused_precompute``: the fused sum with both gradients computed in forward and scaled in backward
-  (what ``F.linear_cross_entropy`` does; defined here from lmforge's chunk pieces, same kernels as
-  ``fused``): one head matmul fewer, ``4 (N + V) d`` bytes kept.
+* ``fused``: lmforge's ``OutputHead`` with targets (``model/fused_loss.py``), as training runs it: a sum
+  that precomputes its gradients in forward or recomputes the logits in backward as
+  ``model/fused_loss.py::precomputes`` decides (it precomputes at the default recipe's shapes and at the
+  memory shapes below); with ``--compile`` its element-wise kernels compiled (``OutputHead.compile_loss``),
+  the loop itself not traced.
+* ``fused_recompute``: the same loss always recomputing (the per-token path summed).
+* ``fused_eager_kernels`` (with ``--compile``): ``fused`` with eager kernels.
 * ``fused_traced`` (speed only, with ``--compile``): the fused loss's autograd Function (eager kernels)
   traced into the compiled graph instead of run as it is (what ``torch.compiler.disable`` in
   ``model/fused_loss.py`` gives up; its memory is then the partitioner's, see there).
@@ -54,37 +54,12 @@ import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from lmforge.model.fused_loss import EAGER, _Chunks, _FusedCrossEntropy, linear_cross_entropy
+from lmforge.model.fused_loss import EAGER, _FusedCrossEntropy, linear_cross_entropy
 from lmforge.model.head import OutputHead, compute_dtype
 from lmforge.parallel.apply import COMPILE_OPTIONS, compile_like_training
 from lmforge.probes.activation_memory import saved_activation_bytes
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class PrecomputedSum(torch.autograd.Function):
-    """The fused sum with both gradients computed in forward for an upstream gradient of 1, scaled (in
-    copies) in backward: the alternative ``model/fused_loss.py`` weighs against recomputing."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, dtype, kernels):
-        c = _Chunks(hidden, weight, targets, 1.0, chunk, dtype, None, 0, kernels)
-        grad_x, grad_w = c.buffers(True, True)
-        coef, losses = c.valid.float(), hidden.new_empty(targets.shape, dtype=torch.float32)
-        for a, b in c.spans():
-            z = c.logits(a, b)
-            lse, target = c.stats(z, a, b)
-            losses[a:b] = (lse - target) * c.valid[a:b]
-            c.accumulate(z, lse, coef, a, b, grad_x, grad_w)
-            del z
-        c.finish(grad_x)
-        ctx.save_for_backward(grad_x, grad_w)
-        return losses.sum()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_out, grad_w * grad_out, None, None, None, None
 
 
 def variants(head: OutputHead, chunk: int, dtype: torch.dtype) -> dict[str, Loss]:
@@ -107,8 +82,9 @@ def variants(head: OutputHead, chunk: int, dtype: torch.dtype) -> dict[str, Loss
         return linear_cross_entropy(h, weight, y, chunk=chunk, dtype=compute_dtype(h.device, weight))
 
     @torch.compiler.disable
-    def fused_precompute(h, y):
-        return PrecomputedSum.apply(h, weight, y, chunk, compute_dtype(h.device, weight), head.kernels)
+    def fused_recompute(h, y):
+        dtype = compute_dtype(h.device, weight)
+        return _FusedCrossEntropy.apply(h, weight, y, 1.0, chunk, dtype, None, 0, head.kernels).sum()
 
     def fused_traced(h, y):
         dtype = compute_dtype(h.device, weight)
@@ -124,8 +100,8 @@ def variants(head: OutputHead, chunk: int, dtype: torch.dtype) -> dict[str, Loss
         "unfused": unfused,
         "chunked": chunked,
         "fused": fused,
+        "fused_recompute": fused_recompute,
         "fused_eager_kernels": fused_eager_kernels,
-        "fused_precompute": fused_precompute,
         "fused_traced": fused_traced,
         "torch_lce": torch_lce,
     }

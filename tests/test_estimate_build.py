@@ -16,6 +16,7 @@ import pytest
 from lmforge.cli import main
 from lmforge.config import ModelConfig
 from lmforge.errors import ConfigError
+from lmforge.model.fused_loss import precomputes
 from lmforge.plan import comm, hardware, models
 from lmforge.plan.estimate import Layout, Workload, estimate
 from lmforge.plan.limit import check_memory, planned_peak
@@ -270,6 +271,10 @@ def test_fused_loss_temporaries_and_vocabulary_parallel_traffic():
     assert loss_temporary("fused", 16, 1000, 1, 2, n, d) == casts + backward == 588_288
     # under FSDP2 the gathered head is BF16 already: only the hidden states' copy
     assert loss_temporary("fused", 16, 1000, 1, 2, n, d, fsdp=True) == 2 * n * d + backward == 460_288
+    # a narrow head (d 8): the two gradients (33,024 B) are no larger than a chunk's temporaries, so the
+    # sum precomputes them (kept: activations); the larger is then the forward's chunk statistics
+    assert precomputes(32, 1000, 8, 16, 4)
+    assert loss_temporary("fused", 16, 1000, 1, 4, 32, 8) == max(8 * 16 * 1000, 4 * (32 * 8 + 1000 * 8))
     # chunks of 128 tokens (one micro-batch of 128): the forward's chunk is the larger
     forward = (2 + 4 + 4) * 128 * 1000
     assert loss_temporary("fused", 128, 1000, 1, 2, 128, 8) == 2 * (128 * 8 + 1000 * 8) + max(

@@ -3,7 +3,8 @@
 Cases (``torchrun --nproc-per-node=2 fused_loss_worker.py [CASE ...]``, default all):
 
 * ``tp``: the output head sharded over a 2-rank TP mesh as ``parallel/tensor.py`` shards it; its loss
-  (sum and per token; muP logit scale, -100 targets, a chunk that does not divide the tokens) and the
+  (sum, recomputing and precomputing, and per token; muP logit scale, -100 targets, a chunk that does
+  not divide the tokens) and the
   gradients of the hidden states and of the weight equal ``F.cross_entropy`` on the full FP32 logits of
   the whole weight within 1e-6. The collectives of forward + backward are counted (a dispatch mode that
   sees every c10d and functional collective) against the former layout (a column-parallel head whose
@@ -24,6 +25,7 @@ Prints ``OK <case> ...`` per case (with the measured bytes); any mismatch raises
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 
 import torch
@@ -38,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lmforge.config import ModelConfig
+from lmforge.model.fused_loss import precomputes
 from lmforge.model.head import OutputHead
 from lmforge.model.loss import NextTokenLoss, head_loss
 from lmforge.model.transformer import Transformer
@@ -108,20 +111,23 @@ def sharded_head(weight: torch.Tensor, mesh) -> OutputHead:
 
 def run_tp(mesh) -> None:
     hidden, weight, targets = data()
-    for reduction in ("sum", "none"):
+    # chunks of 40: the sum recomputes; all at once (0) it precomputes its gradients (precomputes())
+    if precomputes(N, V // 2, D, CHUNK, 4) or not precomputes(N, V // 2, D, 0, 4):
+        raise AssertionError("the cases should cover a recomputing and a precomputing sum")
+    for reduction, chunk in (("sum", CHUNK), ("sum", 0), ("none", CHUNK)):
         upstream = torch.randn(N, generator=torch.Generator().manual_seed(1)) if reduction == "none" else 0.3
         h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         want = F.cross_entropy(SCALE * (h_ref @ w_ref.t()), targets, reduction=reduction)
         (want * upstream).sum().backward()
 
         head, h = sharded_head(weight, mesh), hidden.clone().requires_grad_()
-        got = head(h, targets, scale=SCALE, chunk=CHUNK, reduction=reduction)
+        got = head(h, targets, scale=SCALE, chunk=chunk, reduction=reduction)
         if isinstance(got, DTensor):
             raise AssertionError("the loss should be a plain tensor")
         (got * upstream).sum().backward()
-        close(f"tp {reduction} loss", got, want)
-        close(f"tp {reduction} hidden grad", h.grad, h_ref.grad)
-        close(f"tp {reduction} weight grad", head.weight.grad, w_ref.grad)
+        close(f"tp {reduction} {chunk} loss", got, want)
+        close(f"tp {reduction} {chunk} hidden grad", h.grad, h_ref.grad)
+        close(f"tp {reduction} {chunk} weight grad", head.weight.grad, w_ref.grad)
     head, h = sharded_head(weight, mesh), hidden.clone().requires_grad_()
     saved = saved_activation_bytes(lambda: head(h, targets, chunk=CHUNK))
     if saved != 4 * N:  # one FP32 log-sum-exp per token (the hidden states and the weight are inputs)
@@ -228,8 +234,14 @@ def main(names: list[str]) -> None:
     try:
         for name in names or CASES:
             CASES[name](mesh)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # every rank past its last collective, and what used the group collected, before any tears it down
+    # (a rank otherwise aborted in teardown now and then: "terminate called without an active exception")
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ Usage: ``torchrun --nproc-per-node=2 tp_worker.py [CASE ...]`` (default: every c
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 
 import torch
@@ -228,8 +229,14 @@ def main(names: list[str]) -> None:
     try:
         for name in names or [*CASES, "stages"]:
             run_stages(mesh) if name == "stages" else run_case(name, mesh)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # every rank past its last collective, and what used the group collected, before any tears it down
+    # (a rank otherwise aborted in teardown now and then: "terminate called without an active exception")
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

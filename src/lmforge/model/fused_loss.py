@@ -16,18 +16,27 @@ token, FP32: DPO sums them per sequence). Tokens go ``chunk`` at a time (``0``: 
 largest temporaries are one chunk's ``chunk x V`` logits in the compute dtype, their FP32 softmax
 gradient and its compute-dtype copy for the gradient matmuls.
 
-What is kept for backward (the point of fusing; measured in docs/memory.md): the hidden states, the
-weight (both alive anyway), the targets and one FP32 log-sum-exp per token. Backward recomputes each
-chunk's logits and turns them into the softmax gradient with the upstream gradient folded in, so the
-(tokens x vocab) logits and their gradient never exist. That costs a fourth head matmul per step (the
-logits again). Precomputing both gradients in forward instead (as torch's ``linear_cross_entropy``
-does for a sum: its upstream gradient is one number) saves that matmul but keeps the FP32 gradients
-of the hidden states and of the head, ``4 (N + V) d`` bytes, from forward to backward, and backward
-needs a scaled copy of them (a zero-bubble pipeline schedule runs backward twice on one graph): more
-than the former chunked loss kept (``4 N V``) whenever ``N < d`` (a 7B model's 2,048-token
-micro-batch), and a weight-sized gradient on top of the activations at the peak. Measured on the
-default recipe's shapes, the precomputing variant took 0.81x the time of the head and loss
-(``benchmarks/fused_loss.py``), under 2% of a training step.
+What is kept for backward (the point of fusing; measured in docs/memory.md), one of two ways:
+
+* recomputing (the per-token loss always; a sum where :func:`precomputes` says no): the hidden states,
+  the weight (both alive anyway), the targets and one FP32 log-sum-exp per token. Backward recomputes
+  each chunk's logits and turns them into the softmax gradient with the upstream gradient folded in: a
+  fourth head matmul per step.
+* precomputing (a sum where :func:`precomputes` says yes, as torch's ``linear_cross_entropy`` does: the
+  upstream gradient of a sum is one number): forward computes both gradients for an upstream gradient
+  of 1, chunk by chunk, and keeps them, the FP32 ``dL/dx`` (``4 N d``) and ``dL/dW`` (``4 V d``);
+  backward returns scaled copies (a zero-bubble pipeline schedule runs backward twice on one graph, so
+  the kept ones stay). Three head matmuls, as unfused.
+
+Either way the (tokens x vocab) logits and their gradient never exist whole. Precomputing keeps the
+gradients where recomputing keeps the input, and needs them twice at once in backward; recomputing
+needs them once plus a chunk's temporaries. So precomputing costs no memory at the peak exactly when
+the two gradients are no larger than a chunk's backward temporaries, and that is the rule
+(:func:`precomputes`): it picks precomputing for the default recipe (where recomputing measured 1.3x
+the time of the head and loss and 6% fewer training tokens/s, ``benchmarks/fused_loss.py``,
+``benchmarks/throughput.py``) and recomputing for large models, whose head gradient outweighs a chunk
+(a 7B Llama with 32,000 tokens and 2,048-token micro-batches: 0.55 GB against 0.26 GB), where the
+extra matmul is under 1% of a step.
 
 Vocabulary parallelism (``group``: the tensor-parallel process group): each rank holds rows
 ``[vocab_start, vocab_start + V_local)`` of ``W`` and every token's hidden state. Per chunk the row
@@ -44,13 +53,12 @@ all-reduced once (``N x d``, FP32); ``dL/dW`` is this rank's rows.
 The element-wise work of a chunk is three kernels (:class:`Kernels`): row maxima, sums of exponentials
 and target logits, and the softmax gradient. Run eagerly they are written to allocate little (in-place
 ops); :func:`compiled_kernels` gives ``torch.compile``'d ones (one fused pass each) for runs that
-compile (``OutputHead.compile_loss``, called by the compile stage of ``parallel/apply.py``). The loop around them is never traced by an outer
-``torch.compile`` (see :func:`linear_cross_entropy`).
+compile (``OutputHead.compile_loss``, called by the compile stage of ``parallel/apply.py``). The loop
+around them is never traced by an outer ``torch.compile`` (see :func:`linear_cross_entropy`).
 
 Why lmforge's own autograd Function rather than ``torch.nn.functional.linear_cross_entropy`` (torch 2.13,
 ``LinearCrossEntropyOptions``, a chunked path that precomputes a sum's gradients in forward): (1) it
-cannot shard the
-vocabulary across ranks; (2) on CPU its chunked path runs BF16 inputs through FP32 matmuls (its
+cannot shard the vocabulary across ranks; (2) on CPU its chunked path runs BF16 inputs through FP32 matmuls (its
 ``accurate`` policy; the others fall back to it or to emulated BF16 kernels): 5x slower per head matmul
 here than BF16 and, for the head and loss of the default recipe, about 3.5x slower than this
 (``benchmarks/fused_loss.py``); (3) it returns the loss (and per-token losses) in the input dtype, so
@@ -67,6 +75,26 @@ import torch
 import torch.distributed as dist
 
 IGNORE_INDEX = -100
+
+
+def chunk_bytes(chunk: int, rows: int, d_model: int, compute_bytes: int) -> int:
+    """Bytes of one chunk's temporaries in a recomputing backward (``rows``: this rank's vocabulary
+    rows): the logits, in FP32 all in place, ``4 chunk v``; with 16-bit compute either the FP32 softmax
+    gradient and its 16-bit copy with the logits, or that copy with its product for the head's gradient:
+    ``max((2 c + 4) chunk v, 2 c chunk v + c v d)``."""
+    if compute_bytes >= 4:
+        return 4 * chunk * rows
+    c = compute_bytes
+    return max((2 * c + 4) * chunk * rows, 2 * c * chunk * rows + c * rows * d_model)
+
+
+def precomputes(tokens: int, rows: int, d_model: int, chunk: int, compute_bytes: int) -> bool:
+    """Whether a summed loss computes its gradients in forward: when the two FP32 gradients,
+    ``4 (N + v) d`` bytes, are no larger than one chunk's backward temporaries (:func:`chunk_bytes`;
+    ``chunk`` 0: all ``N`` tokens at once), so that keeping them from forward to backward raises the
+    peak by nothing over recomputing, and saves a head matmul (module docstring)."""
+    chunk = min(chunk or tokens, tokens)
+    return 4 * (tokens + rows) * d_model <= chunk_bytes(chunk, rows, d_model, compute_bytes)
 
 
 def _row_max(z: torch.Tensor) -> torch.Tensor:
@@ -190,6 +218,15 @@ class _Chunks:
     # One chunk's work each: its (chunk x V) temporaries die when the method returns, before the next
     # chunk allocates its own.
 
+    def sum_chunk(self, a: int, b: int, losses, coef, grad_x, grad_w) -> None:
+        """Losses of tokens ``a..b`` and, into the buffers, their gradients for an upstream gradient of 1
+        (``coef``: ``s`` at valid tokens, 0 at ignored ones)."""
+        z = self.logits(a, b)
+        lse, target = self.stats(z, a, b)
+        losses[a:b] = (lse - target) * self.valid[a:b]
+        if grad_x is not None or grad_w is not None:
+            self.accumulate(z, lse, coef, a, b, grad_x, grad_w)
+
     def token_chunk(self, a: int, b: int, losses, lse) -> None:
         """Losses and log-sum-exp of tokens ``a..b``."""
         lse[a:b], target = self.stats(self.logits(a, b), a, b)
@@ -203,6 +240,31 @@ class _Chunks:
 
 def _cast(grad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if grad is None else grad.to(dtype)
+
+
+class _PrecomputedSum(torch.autograd.Function):
+    """``sum_t l_t``; forward also computes both gradients for an upstream gradient of 1, which backward
+    returns scaled (copies: the kept ones stay for a second backward)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels):
+        c = _Chunks(hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels)
+        grad_x, grad_w = c.buffers(ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        coef = c.valid.float() * scale
+        losses = hidden.new_empty(targets.shape, dtype=torch.float32)
+        for a, b in c.spans():
+            c.sum_chunk(a, b, losses, coef, grad_x, grad_w)
+        c.finish(grad_x)
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return losses.sum()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x, grad_w = ctx.saved_tensors
+        gx = None if grad_x is None else (grad_x * grad_out).to(ctx.dtypes[0])
+        gw = None if grad_w is None else (grad_w * grad_out).to(ctx.dtypes[1])
+        return gx, gw, *([None] * 7)
 
 
 class _FusedCrossEntropy(torch.autograd.Function):
@@ -272,5 +334,8 @@ def linear_cross_entropy(
         )
     dtype = dtype or weight.dtype
     args = (hidden, weight, targets, float(scale), chunk, dtype, group, vocab_start, kernels)
-    losses = _FusedCrossEntropy.apply(*args)
-    return losses.sum() if reduction == "sum" else losses
+    if reduction == "none":
+        return _FusedCrossEntropy.apply(*args)
+    if precomputes(hidden.shape[0], weight.shape[0], hidden.shape[1], chunk, dtype.itemsize):
+        return _PrecomputedSum.apply(*args)
+    return _FusedCrossEntropy.apply(*args).sum()
