@@ -16,7 +16,7 @@ a CPU with AVX-512-BF16) or in FP32:
   ``model/fused_loss.py::precomputes`` decides (it precomputes at the default recipe's shapes and at the
   memory shapes below); with ``--compile`` its element-wise kernels compiled (``OutputHead.compile_loss``),
   the loop itself not traced.
-* ``fused_recompute``: the same loss always recomputing (the per-token path summed).
+* ``fused_recompute``: the same loss always recomputing (the per-token path, summed).
 * ``fused_eager_kernels`` (with ``--compile``): ``fused`` with eager kernels.
 * ``fused_traced`` (speed only, with ``--compile``): the fused loss's autograd Function (eager kernels)
   traced into the compiled graph instead of run as it is (what ``torch.compiler.disable`` in
@@ -81,10 +81,8 @@ def variants(head: OutputHead, chunk: int, dtype: torch.dtype) -> dict[str, Loss
     def fused_eager_kernels(h, y):
         return linear_cross_entropy(h, weight, y, chunk=chunk, dtype=compute_dtype(h.device, weight))
 
-    @torch.compiler.disable
-    def fused_recompute(h, y):
-        dtype = compute_dtype(h.device, weight)
-        return _FusedCrossEntropy.apply(h, weight, y, 1.0, chunk, dtype, None, 0, head.kernels).sum()
+    def fused_recompute(h, y):  # the per-token path (never precomputed), summed
+        return head(h, y, chunk=chunk, reduction="none").sum()
 
     def fused_traced(h, y):
         dtype = compute_dtype(h.device, weight)

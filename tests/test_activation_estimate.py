@@ -174,28 +174,28 @@ def test_fused_loss_keeps_its_input_or_its_gradients_and_no_logits(tp: int):
     d``, whole on every TP rank) and one FP32 log-sum-exp per token (``4 N``); precomputing (where
     ``model/fused_loss.py::precomputes`` says so), the FP32 gradients of the hidden states and of this
     rank's head rows (``4 N d + 4 V d / tp``). Never logits or a weight cast (the chunked loss kept the
-    head input, the head's autocast copy and every token's log-probabilities). By hand for SHAPES[0]
-    (llama, d 64, batch 2 x 32 = 64 tokens, vocab 96), where both ways occur without TP."""
-    shape = SHAPES[0]
+    head input, the head's autocast copy and every token's log-probabilities). By hand for SHAPES[4]
+    (llama, d 32, 5 layers, batch 4 x 24 = 96 tokens, vocab 50), where both ways occur without TP."""
+    shape = SHAPES[4]
     args = (shape.model, shape.vocab, shape.seq, shape.batch, "none")
-    tokens, d, vocab = 64, 64, 96
+    tokens, d, vocab, layers = 96, 32, 50, 5
     n = tokens // tp  # the sequence-parallel final norm
     final_norm = 4 * n * d + (4 * n + 4 * n * d)  # input 4 n d, rstd 4 n and x_hat 4 n d (CPU RMSNorm)
     ways = set()
-    for chunk in (0, 7, 48):
+    for chunk in (0, 7, 32):
         for c in (4, 2):
             fused = activation_bytes(*args, c, "flash", chunk, tp=tp, loss="fused")
             chunked = activation_bytes(*args, c, "flash", chunk, tp=tp, loss="chunked")
             precomputing = precomputes(tokens, vocab // tp, d, chunk, c)
             ways.add(precomputing)
             if precomputing:
-                assert (fused.head, fused.loss) == (final_norm, 4 * tokens * d + 4 * vocab * d // tp)
+                assert (fused.head, fused.loss) == (final_norm, 4 * tokens * d + 4 * (vocab // tp) * d)
             else:
                 assert (fused.head, fused.loss) == (final_norm + 4 * tokens * d, 4 * tokens)
             chunks = math.ceil(tokens / (chunk or tokens))
             assert chunked.loss == 4 * tokens * vocab + 4 * chunks
             blocks = activation_bytes(*args, c, "flash", chunk, tp=tp, loss="fused", layers=1)
-            assert fused.weight_casts == 2 * blocks.weight_casts  # the two blocks' casts, no head cast
+            assert fused.weight_casts == layers * blocks.weight_casts  # the blocks' casts, no head cast
             assert chunked.weight_casts - fused.weight_casts == (2 * vocab * d // tp if c == 2 else 0)
     assert ways == ({True, False} if tp == 1 else {False})  # V / 2 rows: the gradients outweigh a chunk
 

@@ -69,6 +69,7 @@ precomputed gradients, so a second backward on the same graph (zero-bubble pipel
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -78,14 +79,14 @@ IGNORE_INDEX = -100
 
 
 def chunk_bytes(chunk: int, rows: int, d_model: int, compute_bytes: int) -> int:
-    """Bytes of one chunk's temporaries in a recomputing backward (``rows``: this rank's vocabulary
-    rows): the logits, in FP32 all in place, ``4 chunk v``; with 16-bit compute either the FP32 softmax
-    gradient and its 16-bit copy with the logits, or that copy with its product for the head's gradient:
-    ``max((2 c + 4) chunk v, 2 c chunk v + c v d)``."""
+    """Bytes of one chunk's softmax gradient with its eager kernels (``rows``: this rank's vocabulary
+    rows, ``v``): in FP32 the logits, turned into the gradient in place, ``4 chunk v``; with ``c``-byte
+    compute the FP32 logits and their ``c``-byte gradient, or that gradient and its ``c``-byte product for
+    the head's gradient: ``max((c + 4) chunk v, c chunk v + c v d)``."""
     if compute_bytes >= 4:
         return 4 * chunk * rows
     c = compute_bytes
-    return max((2 * c + 4) * chunk * rows, 2 * c * chunk * rows + c * rows * d_model)
+    return max((c + 4) * chunk * rows, c * chunk * rows + c * rows * d_model)
 
 
 def precomputes(tokens: int, rows: int, d_model: int, chunk: int, compute_bytes: int) -> bool:
@@ -103,45 +104,61 @@ def _row_max(z: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_exp(z, top, local, mine) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum_j exp(z_j - top), target logit)`` of each row of a chunk: the exponentials in FP32, their
-    sum accumulated in FP64 (so that shards summed apart and then added round to the FP32 log-sum-exp
-    of the whole row), the target logit in FP64, 0 where ``mine`` is false."""
+    """``(sum_j exp(z_j - top), target logit)`` of each row of a chunk, FP64 (the target logit 0 where
+    ``mine`` is false): the exponentials in FP32, summed in FP32 over blocks of up to 256 columns (the
+    largest power of two dividing the row) and the blocks' sums in FP64, so that the shards of a row
+    summed apart and then added round to the log-sum-exp of the whole row (without an FP64 copy of the
+    chunk)."""
     zf = z.float()
     target = zf.gather(1, local[:, None]).squeeze(1) * mine
-    return (zf - top[:, None]).exp_().sum(dim=1, dtype=torch.float64), target.double()
+    e = (zf - top[:, None]).exp_()
+    rows, n = e.shape
+    blocks = e.view(rows, n // math.gcd(n, 256), math.gcd(n, 256)).sum(dim=2)
+    return blocks.sum(dim=1, dtype=torch.float64), target.double()
 
 
-def _grad_in_place(z, lse, local, mine, coef) -> torch.Tensor:
-    """``coef_t (p_t - e_y_t)`` of a chunk in ``z``'s dtype (``p = exp(z - lse)``; ``coef`` is 0 for
-    ignored tokens): in place on the FP32 copy, two allocations (eager)."""
+def _grad_in_place(z, lse, local, mine, coef, dtype: torch.dtype) -> torch.Tensor:
+    """``coef_t (p_t - e_y_t)`` of a chunk in ``dtype`` (``p = exp(z - lse)``; ``coef`` is 0 for ignored
+    tokens): in place on ``z``, made FP32 by :func:`_to_float` (eager)."""
     p = z.float().sub_(lse[:, None]).exp_().mul_(coef[:, None])
     p.scatter_add_(1, local[:, None], (-coef * mine)[:, None])
-    return p.to(z.dtype)
+    return p.to(dtype)
 
 
-def _grad_pointwise(z, lse, local, mine, coef) -> torch.Tensor:
+def _grad_pointwise(z, lse, local, mine, coef, dtype: torch.dtype) -> torch.Tensor:
     """:func:`_grad_in_place` as one element-wise expression (the target a comparison with the column
     index rather than a scatter), so that a compiler fuses it into one pass."""
     hit = (torch.arange(z.shape[1], device=z.device)[None, :] == local[:, None]) & mine[:, None]
-    return (coef[:, None] * (torch.exp(z.float() - lse[:, None]) - hit.float())).to(z.dtype)
+    return (coef[:, None] * (torch.exp(z.float() - lse[:, None]) - hit.float())).to(dtype)
+
+
+def _to_float(z: torch.Tensor) -> torch.Tensor:
+    return z.float()
+
+
+def _as_is(z: torch.Tensor) -> torch.Tensor:
+    return z
 
 
 class Kernels(NamedTuple):
-    """The element-wise work of a chunk: ``row_max(z)``, ``sum_exp(z, top, local, mine)`` and
-    ``grad(z, lse, local, mine, coef)``."""
+    """The element-wise work of a chunk: ``prepare(z)`` (what the others take: eager, the FP32 logits,
+    made once; compiled, the compute-dtype ones, which the fused kernels read and convert on the fly),
+    ``row_max(z)``, ``sum_exp(z, top, local, mine)`` and ``grad(z, lse, local, mine, coef, dtype)``."""
 
+    prepare: object
     row_max: object
     sum_exp: object
     grad: object
 
 
-EAGER = Kernels(_row_max, _sum_exp, _grad_in_place)
+EAGER = Kernels(_to_float, _row_max, _sum_exp, _grad_in_place)
 
 
 @functools.cache
 def compiled_kernels(**options) -> Kernels:
     """:data:`EAGER`'s kernels through ``torch.compile(**options)`` (the point-wise gradient form)."""
-    return Kernels(*(torch.compile(k, **options) for k in (_row_max, _sum_exp, _grad_pointwise)))
+    compiled = (torch.compile(k, **options) for k in (_row_max, _sum_exp, _grad_pointwise))
+    return Kernels(_as_is, *compiled)
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -181,9 +198,10 @@ class _Chunks:
         return [(a, min(a + self.chunk, n)) for a in range(0, n, self.chunk)]
 
     def logits(self, a: int, b: int) -> torch.Tensor:
-        """Logits of tokens ``a..b`` over this rank's vocabulary rows, in the compute dtype, times ``s``."""
+        """Logits of tokens ``a..b`` over this rank's vocabulary rows, in the compute dtype, times ``s``
+        (then as the kernels take them: ``Kernels.prepare``)."""
         z = torch.mm(self.x[a:b], self.w.t())
-        return z.mul_(self.scale) if self.scale != 1.0 else z
+        return self.kernels.prepare(z.mul_(self.scale) if self.scale != 1.0 else z)
 
     def stats(self, z: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(lse, target logit)`` of tokens ``a..b`` over the whole vocabulary: the row maxima
@@ -195,10 +213,13 @@ class _Chunks:
             sums = _all_reduce(torch.stack(sums), dist.ReduceOp.SUM, self.group)
         return (top + sums[0].log()).float(), sums[1].float()
 
-    def accumulate(self, z, lse, coef, a: int, b: int, grad_x, grad_w) -> None:
-        """``grad_x[a:b] = g W`` and ``grad_w += g^T x`` for the softmax gradient ``g`` of the chunk
-        (``coef`` carries the factor ``s``; matmuls in the compute dtype, sums in FP32)."""
-        g = self.kernels.grad(z, lse, self.local[a:b], self.mine[a:b], coef[a:b])
+    def softmax_grad(self, z, lse, coef, a: int, b: int) -> torch.Tensor:
+        """The chunk's softmax gradient ``coef_t (p_t - e_y_t)`` in the compute dtype (``coef`` carries
+        the factor ``s``; ``z`` is consumed)."""
+        return self.kernels.grad(z, lse, self.local[a:b], self.mine[a:b], coef[a:b], self.x.dtype)
+
+    def accumulate(self, g, a: int, b: int, grad_x, grad_w) -> None:
+        """``grad_x[a:b] = g W`` and ``grad_w += g^T x`` (matmuls in the compute dtype, sums in FP32)."""
         if grad_x is not None:
             _mm_into(grad_x[a:b], g, self.w, accumulate=False)
         if grad_w is not None:
@@ -225,7 +246,9 @@ class _Chunks:
         lse, target = self.stats(z, a, b)
         losses[a:b] = (lse - target) * self.valid[a:b]
         if grad_x is not None or grad_w is not None:
-            self.accumulate(z, lse, coef, a, b, grad_x, grad_w)
+            g = self.softmax_grad(z, lse, coef, a, b)
+            del z  # the chunk's logits are not needed past the softmax gradient
+            self.accumulate(g, a, b, grad_x, grad_w)
 
     def token_chunk(self, a: int, b: int, losses, lse) -> None:
         """Losses and log-sum-exp of tokens ``a..b``."""
@@ -235,7 +258,7 @@ class _Chunks:
     def token_chunk_backward(self, a: int, b: int, lse, coef, grad_x, grad_w) -> None:
         """Gradients of tokens ``a..b`` from the recomputed logits (``coef``: the upstream gradient, 0 at
         ignored tokens)."""
-        self.accumulate(self.logits(a, b), lse[a:b], coef, a, b, grad_x, grad_w)
+        self.accumulate(self.softmax_grad(self.logits(a, b), lse[a:b], coef, a, b), a, b, grad_x, grad_w)
 
 
 def _cast(grad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

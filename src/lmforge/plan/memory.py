@@ -456,9 +456,8 @@ def loss_temporary(
     ``fused`` (``model/fused_loss.py``; ``v = V / tp``, this rank's vocabulary rows; eager kernels): under
     autocast forward and backward each make the compute-dtype copies of the hidden states and of the
     head, ``c (N d + v d)`` (under FSDP2, ``fsdp``, the gathered head already is in ``c`` bytes: ``c N
-    d``). Computing a chunk's statistics holds its logits in ``c`` bytes, their FP32 copy under autocast
-    and the shifted exponentials, ``(c + 4 + 4 [c < 4]) * chunk * v``; its gradient
-    ``model/fused_loss.py::chunk_bytes``. Recomputing (``precomputes`` false): the larger of the forward's
+    d``). Computing a chunk's statistics holds its FP32 logits and their shifted exponentials, ``8 * chunk
+    * v``; its gradient ``model/fused_loss.py::chunk_bytes``. Recomputing (``precomputes`` false): the larger of the forward's
     statistics and the backward's FP32 gradients ``4 (N d + v d)`` with a chunk's gradient. Precomputing:
     the larger of the forward's statistics or gradient chunk (the gradients it fills are kept: activations)
     and the backward's scaled copies of the gradients, ``4 (N d + v d)`` (under FSDP2 and autocast, plus
@@ -470,7 +469,7 @@ def loss_temporary(
     if loss == "fused":
         v, autocast = split(vocab_size, tp), c < 4
         casts = c * tokens * d_model + (0 if fsdp else c * v * d_model) if autocast else 0
-        stats = (c + 4 + (4 if autocast else 0)) * chunk_tokens * v
+        stats = 8 * chunk_tokens * v
         grads = 4 * (tokens * d_model + v * d_model)
         if precomputes(tokens, v, d_model, chunk_tokens, c):
             forward = max(stats, chunk_bytes(chunk_tokens, v, d_model, c))
