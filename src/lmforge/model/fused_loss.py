@@ -32,11 +32,11 @@ Either way the (tokens x vocab) logits and their gradient never exist whole. Pre
 gradients where recomputing keeps the input, and needs them twice at once in backward; recomputing
 needs them once plus a chunk's temporaries. So precomputing costs no memory at the peak exactly when
 the two gradients are no larger than a chunk's backward temporaries, and that is the rule
-(:func:`precomputes`): it picks precomputing for the default recipe (where recomputing measured 1.3x
-the time of the head and loss and 6% fewer training tokens/s, ``benchmarks/fused_loss.py``,
-``benchmarks/throughput.py``) and recomputing for large models, whose head gradient outweighs a chunk
-(a 7B Llama with 32,000 tokens and 2,048-token micro-batches: 0.55 GB against 0.26 GB), where the
-extra matmul is under 1% of a step.
+(:func:`precomputes`): it picks precomputing for the default recipe (where recomputing measured 1.23x
+the time of the head and loss, compiled BF16, and 6% fewer training tokens/s: ``benchmarks/fused_loss.py``,
+``benchmarks/throughput.py``, figures in docs/memory.md) and recomputing for large models, whose head
+gradient outweighs a chunk (a 7B Llama with 32,000 tokens and 2,048-token micro-batches: 0.55 GB
+against 0.26 GB), where the extra matmul is under 1% of a step.
 
 Vocabulary parallelism (``group``: the tensor-parallel process group): each rank holds rows
 ``[vocab_start, vocab_start + V_local)`` of ``W`` and every token's hidden state. Per chunk the row
@@ -58,12 +58,15 @@ around them is never traced by an outer ``torch.compile`` (see :func:`linear_cro
 
 Why lmforge's own autograd Function rather than ``torch.nn.functional.linear_cross_entropy`` (torch 2.13,
 ``LinearCrossEntropyOptions``, a chunked path that precomputes a sum's gradients in forward): (1) it
-cannot shard the vocabulary across ranks; (2) on CPU its chunked path runs BF16 inputs through FP32 matmuls (its
-``accurate`` policy; the others fall back to it or to emulated BF16 kernels): 5x slower per head matmul
-here than BF16 and, for the head and loss of the default recipe, about 3.5x slower than this
-(``benchmarks/fused_loss.py``); (3) it returns the loss (and per-token losses) in the input dtype, so
-a BF16 loss sum of thousands of tokens is rounded to 8 significant bits; (4) its backward consumes its
-precomputed gradients, so a second backward on the same graph (zero-bubble pipeline schedules) fails.
+cannot shard the vocabulary across ranks; (2) on CPU its chunked path runs BF16 inputs through FP32
+matmuls (its ``accurate`` policy; the others fall back to it or to emulated BF16 kernels): 5x slower
+per head matmul here than BF16 and, for the head and loss of the default recipe (compiled, BF16), 3.5x
+slower than this (``benchmarks/fused_loss.py``); (3) it returns the loss (and per-token losses) in the
+input dtype, so a BF16 loss sum of thousands of tokens is rounded to 8 significant bits; (4) it always
+precomputes a sum's gradients (more memory than recomputing at large vocabularies, above), and by
+default its backward consumes them, so a second backward on one graph (zero-bubble pipeline schedules)
+fails. In FP32 on one process it measured on par (0.99x the former chunked loss's time against 0.96x
+for this one, within the run's noise); one implementation serves every precision and layout instead.
 """
 
 from __future__ import annotations
