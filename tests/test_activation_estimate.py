@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmforge.config import ModelConfig, TrainConfig
 from lmforge.model.attention import attend, document_causal_mask
+from lmforge.model.fused_loss import precomputes
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import keep_stage
 from lmforge.parallel.apply import ApplyContext, activation_checkpointing
@@ -27,9 +28,9 @@ from tests.conftest import model_of
 # exact byte count: a tolerance would let the small parts (the log-sum-exp, RoPE's casts, the per-chunk
 # loss weights) go wrong unnoticed. An op-level change in a later torch shows here first.
 TOLERANCE = 0.0
-# The loss these tests measure: lmforge.model.loss's NextTokenLoss computes ChunkedCrossEntropy here, so
-# the formula is asked for that loss ("fused" is the planner's default: the fused linear + cross-entropy).
-MEASURED_LOSS = "chunked"
+# The loss these tests measure: lmforge.model.loss's NextTokenLoss computes the fused linear +
+# cross-entropy (model/fused_loss.py), the planner's default.
+MEASURED_LOSS = "fused"
 POLICIES = ("none", "full", "every:2", "selective")
 
 
@@ -168,28 +169,35 @@ def test_policies_order_and_parts():
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_fused_loss_keeps_the_two_gradients_and_no_logits(tp: int):
-    """The fused head + cross-entropy of a summed loss computes both gradients in forward and keeps them
-    (FP32): the hidden states' ``4 N d``, whole on every TP rank, and this rank's head rows' ``4 V d /
-    tp``, whatever the chunk; no head input, no logits, no weight cast (the chunked loss keeps all
-    three). By hand for SHAPES[0] (llama, d 64, batch 2 x 32 = 64 tokens, vocab 96)."""
-    shape = SHAPES[0]
+def test_fused_loss_keeps_its_input_or_its_gradients_and_no_logits(tp: int):
+    """The fused head + cross-entropy keeps, recomputing, its input (the final norm's FP32 output, ``4 N
+    d``, whole on every TP rank) and one FP32 log-sum-exp per token (``4 N``); precomputing (where
+    ``model/fused_loss.py::precomputes`` says so), the FP32 gradients of the hidden states and of this
+    rank's head rows (``4 N d + 4 V d / tp``). Never logits or a weight cast (the chunked loss kept the
+    head input, the head's autocast copy and every token's log-probabilities). By hand for SHAPES[4]
+    (llama, d 32, 5 layers, batch 4 x 24 = 96 tokens, vocab 50), where both ways occur without TP."""
+    shape = SHAPES[4]
     args = (shape.model, shape.vocab, shape.seq, shape.batch, "none")
-    tokens, d, vocab = 64, 64, 96
+    tokens, d, vocab, layers = 96, 32, 50, 5
     n = tokens // tp  # the sequence-parallel final norm
-    for chunk in (0, 7):
+    final_norm = 4 * n * d + (4 * n + 4 * n * d)  # input 4 n d, rstd 4 n and x_hat 4 n d (CPU RMSNorm)
+    ways = set()
+    for chunk in (0, 7, 32):
         for c in (4, 2):
             fused = activation_bytes(*args, c, "flash", chunk, tp=tp, loss="fused")
             chunked = activation_bytes(*args, c, "flash", chunk, tp=tp, loss="chunked")
-            assert fused.loss == 4 * tokens * d + 4 * vocab * d // tp == 16_384 + 24_576 // tp
-            # the final norm: input 4 n d, rstd 4 n and x_hat 4 n d (CPU RMSNorm); chunked: + the head input
-            assert fused.head == 4 * n * d + (4 * n + 4 * n * d)
-            assert chunked.head - fused.head == c * tokens * d
+            precomputing = precomputes(tokens, vocab // tp, d, chunk, c)
+            ways.add(precomputing)
+            if precomputing:
+                assert (fused.head, fused.loss) == (final_norm, 4 * tokens * d + 4 * (vocab // tp) * d)
+            else:
+                assert (fused.head, fused.loss) == (final_norm + 4 * tokens * d, 4 * tokens)
             chunks = math.ceil(tokens / (chunk or tokens))
             assert chunked.loss == 4 * tokens * vocab + 4 * chunks
             blocks = activation_bytes(*args, c, "flash", chunk, tp=tp, loss="fused", layers=1)
-            assert fused.weight_casts == 2 * blocks.weight_casts  # the two blocks' casts, no head cast
+            assert fused.weight_casts == layers * blocks.weight_casts  # the blocks' casts, no head cast
             assert chunked.weight_casts - fused.weight_casts == (2 * vocab * d // tp if c == 2 else 0)
+    assert ways == ({True, False} if tp == 1 else {False})  # V / 2 rows: the gradients outweigh a chunk
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -221,7 +221,7 @@ def test_execution_settings_live_in_train_and_reach_the_model():
     eager = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
     module = training_module(eager, 64, torch.device("cpu"))
     assert module.model.attention == "sdpa"
-    assert module.train_fn.loss.chunk == 7
+    assert module.train_fn.chunk == 7
     assert "attention" not in cfg.model.model_dump() and "loss_chunk" not in cfg.model.model_dump()
 
 

@@ -16,6 +16,7 @@ import pytest
 from lmforge.cli import main
 from lmforge.config import ModelConfig
 from lmforge.errors import ConfigError
+from lmforge.model.fused_loss import precomputes
 from lmforge.plan import comm, hardware, models
 from lmforge.plan.estimate import Layout, Workload, estimate
 from lmforge.plan.limit import check_memory, planned_peak
@@ -166,7 +167,7 @@ def test_the_build_can_set_the_peak_and_the_estimate_says_so():
     between = (e.total + e.build_total) / 2 / H100.memory_bytes
     assert not estimate(work, Layout(dp_shard=32, tp=2), H100, margin=between).fits
     # FSDP2 alone over 64: the embedding drawn once (+ its clone), under the step, which keeps the
-    # fused loss's whole-vocabulary FP32 head gradient (512 MiB)
+    # fused loss's backward with its whole-vocabulary FP32 head gradient (512 MiB)
     alone = estimate(work, Layout(dp_shard=64), H100)
     assert alone.build.temporary == 4 * 131_072 * 1024 * (1 + 1 / 64) and alone.peak_source == "step"
 
@@ -255,39 +256,45 @@ def test_collective_counts():
 
 def test_fused_loss_temporaries_and_vocabulary_parallel_traffic():
     """A micro-batch of 32 tokens (d 64, V 1000), chunks of 16. The fused loss's forward holds one chunk's
-    FP32 logits (and their BF16 copy under autocast), the chunk's product for the head's gradient and,
-    under autocast, BF16 copies of the hidden states and the head; its backward scales the two kept FP32
-    gradients into new tensors, 4 (N d + V d / tp); the larger counts. The chunked loss held the chunk's
-    16-bit logits and their FP32 copy, all V columns on every TP rank. Under TP the fused loss moves the
-    head's FP32 input (all-gathered), its gradient and 3 FP32 statistics per token (all-reduced), not the
-    logits."""
+    logits, their FP32 copy under autocast and the shifted exponentials; its backward the two new FP32
+    gradients, 4 (N d + V d / tp), and the recomputed chunk with its softmax gradient (and under autocast
+    its BF16 copy, or that copy and the BF16 product for the head's gradient); under autocast both make
+    BF16 copies of the hidden states and of the head (under FSDP2 the head is BF16 already); the larger
+    counts. The chunked loss held the chunk's 16-bit logits and their FP32 copy, all V columns on every TP
+    rank. Under TP the fused loss moves the head's FP32 input (all-gathered), its gradient and 20 bytes of
+    statistics per token (all-reduced), not the logits."""
     n, d = 32, 64
-    assert loss_temporary("fused", 16, 1000, 1, 4, n, d) == 4 * 16 * 1000 + 4 * 1000 * d == 320_000
-    assert loss_temporary("fused", 16, 1000, 2, 4, n, d) == 4 * 16 * 500 + 4 * 500 * d == 160_000
-    bf16 = (4 + 2) * 16 * 1000 + 2 * 1000 * d + 2 * (n * d + 1000 * d)
-    assert loss_temporary("fused", 16, 1000, 1, 2, n, d) == bf16 == 356_096
-    # under FSDP2 the gathered head is BF16 already: no copy in forward, its gradient's BF16 copy in backward,
-    # which is then the larger
-    forward = (4 + 2) * 16 * 1000 + 2 * 1000 * d + 2 * n * d  # 228,096
-    backward = 4 * (n * d + 1000 * d) + 2 * 1000 * d  # 392,192
-    assert loss_temporary("fused", 16, 1000, 1, 2, n, d, fsdp=True) == max(forward, backward) == 392_192
-    # one chunk of 2 tokens: the backward's new gradients are the larger
-    assert loss_temporary("fused", 2, 1000, 1, 4, n, d) == max(
-        4 * 2 * 1000 + 4 * 1000 * d, 4 * (n * d + 1000 * d)
-    )
+    assert loss_temporary("fused", 16, 1000, 1, 4, n, d) == 4 * (n * d + 1000 * d) + 4 * 16 * 1000 == 328_192
+    assert loss_temporary("fused", 16, 1000, 2, 4, n, d) == 4 * (n * d + 500 * d) + 4 * 16 * 500 == 168_192
+    casts = 2 * (n * d + 1000 * d)
+    # the backward's gradients, and a chunk's FP32 logits and their BF16 gradient, or that gradient and its
+    # BF16 product for the head's gradient
+    backward = 4 * (n * d + 1000 * d) + max((2 + 4) * 16 * 1000, 2 * 16 * 1000 + 2 * 1000 * d)
+    assert loss_temporary("fused", 16, 1000, 1, 2, n, d) == casts + backward == 556_288
+    # under FSDP2 the gathered head is BF16 already: only the hidden states' copy
+    assert loss_temporary("fused", 16, 1000, 1, 2, n, d, fsdp=True) == 2 * n * d + backward == 428_288
+    # a narrow head (d 8): the two gradients (33,024 B) are no larger than a chunk's temporaries, so the
+    # sum precomputes them (kept: activations); the larger is then the forward's chunk statistics
+    assert precomputes(32, 1000, 8, 16, 4)
+    assert loss_temporary("fused", 16, 1000, 1, 4, 32, 8) == max(8 * 16 * 1000, 4 * (32 * 8 + 1000 * 8))
+    # chunks of 128 tokens (one micro-batch of 128, d 8, BF16): it precomputes too, and the forward's chunk
+    # statistics (its FP32 logits and their exponentials) are the larger
+    assert precomputes(128, 1000, 8, 128, 2)
+    assert loss_temporary("fused", 128, 1000, 1, 2, 128, 8) == 2 * (128 * 8 + 1000 * 8) + 8 * 128 * 1000
     assert loss_temporary("chunked", 16, 1000, 2, 2) == (2 + 4) * 16 * 1000
     tokens, frac = 4096, 1 / 2
     blocks = comm.tp_volume(2, 2, tokens, d, 1000, 2, head=False)
     fused = comm.tp_volume(2, 2, tokens, d, 1000, 2, loss="fused")
     chunked = comm.tp_volume(2, 2, tokens, d, 1000, 2, loss="chunked")
-    # the FP32 hidden states all-gathered, their FP32 gradient and 3 FP32 statistics per token all-reduced
+    # the FP32 hidden states all-gathered, their FP32 gradient and 20 bytes of statistics per token
+    # (the row maximum in FP32, the sum of exponentials and the target logit in FP64) all-reduced
     assert fused - blocks == pytest.approx(
-        frac * 4 * tokens * d + 2 * frac * 4 * tokens * d + 2 * frac * 12 * tokens
+        frac * 4 * tokens * d + 2 * frac * 4 * tokens * d + 2 * frac * 20 * tokens
     )
     assert chunked - blocks == pytest.approx(2 * frac * tokens * 1000 * 2)
     e = estimate(_work(), Layout(), H100)  # FP32, one micro-batch of 32 tokens, chunks of 16
-    assert e.temporaries.loss_chunk == 320_000
-    assert e.activation_parts["loss"] == 4 * T * 64 + 4 * V * 64 == 264_192
+    assert e.temporaries.loss_chunk == 328_192
+    assert e.activation_parts["loss"] == 4 * T
 
 
 # -- the memory limit ---------------------------------------------------------------------------------------

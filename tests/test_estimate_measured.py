@@ -9,7 +9,6 @@ factored rows and columns) with ``plan/memory.py::model_states`` under the ``lmf
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -159,8 +158,5 @@ def test_estimate_activations_equal_what_lmforge_objective_saves(arch: str, prec
     workload = workload_from_config(
         cfg, precision, attention_kind("cpu", cfg.train.attention, cfg.model.doc_mask), "cpu"
     )
-    # the objective measured here computes model/loss.py's ChunkedCrossEntropy (the planner's default is
-    # the fused linear + cross-entropy)
-    workload = dataclasses.replace(workload, loss="chunked")
     e = estimate(workload, layout_from_config(cfg, 1), hardware.cpu(1e11))
     assert e.activations - e.activation_parts["recompute"] == measured

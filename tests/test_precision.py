@@ -12,11 +12,13 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmforge.config import GuardConfig, ModelConfig, ParallelConfig, TrainConfig
 from lmforge.data.loader import Batch
 from lmforge.errors import ConfigError
-from lmforge.model.loss import NextTokenLoss
+from lmforge.model.head import OutputHead
+from lmforge.model.loss import NextTokenLoss, head_loss
 from lmforge.model.transformer import Transformer
 from lmforge.optim.clip import Clipper
 from lmforge.parallel.apply import ApplyContext, apply
@@ -72,7 +74,7 @@ def test_fp8_emulated_matches_bf16(recipe, caplog):
 
     model = fp8_objective.model
     assert sum(isinstance(m, Float8Linear) for m in model.modules()) == 14  # 2 blocks x (4 attn + 3 mlp)
-    assert type(model.lm_head) is nn.Linear  # the output head stays BF16
+    assert type(model.lm_head) is OutputHead  # the output head is not converted: it stays BF16
     assert "14 of 15 linear layers converted" in caplog.text
     got_logits, got_grads = _logits_and_grads(fp8_objective, PrecisionPolicy("fp8", CPU), inputs, targets)
 
@@ -348,25 +350,42 @@ def test_tf32_on_cpu_is_fp32():
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_norms_and_loss_compute_in_fp32(precision, arch):
     """Under autocast the norms get (and return) FP32, the residual stream stays FP32, matrix products run
-    in the low precision, and the loss's logits are upcast before the cross-entropy."""
+    in the low precision (the fused head's too: it returns the FP32 loss, its logits are upcast before the
+    cross-entropy), and the loss is FP32."""
     torch.manual_seed(0)
     model = model_of(ModelConfig(arch=arch, n_layers=2, d_model=32, n_heads=4), 64, 16)
     seen = []
     for m in model.modules():
         if isinstance(m, nn.RMSNorm | nn.LayerNorm):
             m.register_forward_hook(lambda mod, a, out: seen.append((a[0].dtype, out.dtype)))
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) and m is not model.lm_head:
             m.register_forward_hook(lambda mod, a, out: seen.append(("linear", out.dtype)))
     policy = PrecisionPolicy(precision, CPU)
     x = torch.randint(0, 64, (2, 16))
     with policy.autocast():
         hidden = model(x)
         loss, _ = NextTokenLoss(model)(x, x)
+        with _MatmulDtypes() as head:
+            head_loss(model, hidden, x, chunk=8)
     low = policy.compute_dtype
     assert hidden.dtype == torch.float32 and loss.dtype == torch.float32
     norms = [s for s in seen if s[0] != "linear"]
     assert norms and all(s == (torch.float32, torch.float32) for s in norms)
     assert all(s == ("linear", low) for s in seen if s[0] == "linear")
+    assert head.dtypes == {low}
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """The input dtypes of every matrix product run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.dtypes |= {a.dtype for a in args if isinstance(a, torch.Tensor)}
+        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from lmforge.errors import ConfigError
 from lmforge.parallel.tensor import check_tensor_parallel, valid_tp_sizes
 from tests.torchrun import torchrun, worker
 
-CASES = ["llama", "gpt2", "llama-untied-mup", "llama-loss-parallel", "gpt2-untied-loss-parallel", "stages"]
+CASES = ["llama", "gpt2", "llama-untied-mup", "llama-meta", "gpt2-untied-mha", "stages"]
 
 
 @pytest.mark.parametrize(

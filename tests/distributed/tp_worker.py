@@ -7,6 +7,10 @@ after AdamW steps, every parameter must agree with the single-process model; par
 layouts and the sequence-sharded activations between sublayers are checked too. Prints ``OK <case>`` per
 case; any mismatch raises (non-zero exit).
 
+The output head is vocabulary-sharded and the loss vocabulary-parallel in every case (loss parallelism
+is always on under tensor parallelism); ``Transformer.logits`` must still give the whole vocabulary's
+logits.
+
 Usage: ``torchrun --nproc-per-node=2 tp_worker.py [CASE ...]`` (default: every case in CASES, then
 ``stages``: two tensor-parallel pipeline stages).
 """
@@ -21,7 +25,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import loss_parallel
 
 from lmforge.config import ModelConfig
 from lmforge.model.loss import NextTokenLoss
@@ -32,20 +35,17 @@ from lmforge.parallel.tensor import apply_tensor_parallel
 VOCAB, SEQ, BATCH, STEPS = 128, 32, 4, 3
 TINY = {"d_model": 64, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2, "d_ff": 96}
 
-# name -> (model config overrides, loss on vocabulary-sharded logits)
-CASES: dict[str, tuple[dict, bool]] = {
-    "llama": ({"arch": "llama"}, False),  # GQA, RoPE, tied embeddings (the default)
-    "gpt2": ({"arch": "gpt2"}, False),  # learned positions, biases, LayerNorm, tied
-    "llama-untied-mup": (
-        {"arch": "llama", "tie_embeddings": False, "mup": True, "mup_base_width": 32},
-        False,
-    ),
-    "llama-loss-parallel": ({"arch": "llama"}, True),  # also built on the meta device (FROM_META)
-    "gpt2-untied-loss-parallel": ({"arch": "gpt2", "tie_embeddings": False, "n_kv_heads": None}, True),
+# name -> model config overrides
+CASES: dict[str, dict] = {
+    "llama": {"arch": "llama"},  # GQA, RoPE, tied embeddings (the default)
+    "gpt2": {"arch": "gpt2"},  # learned positions, biases, LayerNorm, tied
+    "llama-untied-mup": {"arch": "llama", "tie_embeddings": False, "mup": True, "mup_base_width": 32},
+    "llama-meta": {"arch": "llama"},  # built on the meta device (FROM_META)
+    "gpt2-untied-mha": {"arch": "gpt2", "tie_embeddings": False, "n_kv_heads": None},
 }
 
 
-FROM_META = {"llama-loss-parallel"}
+FROM_META = {"llama-meta"}
 
 
 def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,49 +70,50 @@ def close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = 1e-5) -
         raise AssertionError(f"{name}: tensor-parallel differs from single-process (max |diff| {diff})")
 
 
-def step(objective: NextTokenLoss, opt: torch.optim.Optimizer | None, seed: int, lp: bool) -> torch.Tensor:
-    """Mean token loss of one batch, backward (inside ``loss_parallel()`` when ``lp``), optimizer step."""
+def step(objective: NextTokenLoss, opt: torch.optim.Optimizer | None, seed: int) -> torch.Tensor:
+    """Mean token loss of one batch, backward, optimizer step; the loss must be a plain tensor."""
     inputs, targets, doc_ids = batch(seed)
-    ctx = loss_parallel() if lp else torch.enable_grad()
-    with ctx:
-        total, n = objective(inputs, targets, doc_ids)
-        loss = total / n
-        loss.backward()
-    if lp:
-        if not isinstance(loss, DTensor) or loss.placements != (Replicate(),):
-            raise AssertionError(f"loss_parallel: expected a replicated DTensor loss, got {type(loss)}")
-        loss = loss.to_local()
+    total, n = objective(inputs, targets, doc_ids)
+    if isinstance(total, DTensor):
+        raise AssertionError("the vocabulary-parallel loss should be a plain tensor, got a DTensor")
+    loss = total / n
+    loss.backward()
     if opt is not None:
         opt.step()
         opt.zero_grad(set_to_none=True)
     return loss.detach()
 
 
-def from_meta(ref: Transformer, mesh, lp: bool) -> Transformer:
+def from_meta(ref: Transformer, mesh) -> Transformer:
     """A model parallelised on the meta device, materialised, then loaded from ``ref``'s full state dict
     (as a checkpoint would be): the weights are never initialised after sharding. Its replicated norm
     weights keep ``Partial`` gradients (lmforge/parallel/tensor.py says why)."""
     with torch.device("meta"):
         model = Transformer(ref.cfg, ref.vocab_size, ref.max_seq_len)
-    apply_tensor_parallel(model, mesh, lp).materialize("cpu")
+    apply_tensor_parallel(model, mesh).materialize("cpu")
     set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
     return model
 
 
 def check_layout(model: Transformer, mesh) -> None:
-    """Every parameter a DTensor on the TP mesh, norms replicated, tied weights still one parameter."""
+    """Every parameter a DTensor on the TP mesh, norms replicated, the head sharded by vocabulary rows,
+    tied weights still one parameter."""
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor) or p.device_mesh != mesh:
             raise AssertionError(f"{name}: not a DTensor on the TP mesh ({type(p).__name__})")
         if "norm" in name and p.placements != (Replicate(),):
             raise AssertionError(f"{name}: norm weights should be replicated, got {p.placements}")
+    head = model.lm_head.weight
+    if head.placements != (Shard(0),) or head.to_local().shape != (VOCAB // mesh.size(), model.cfg.d_model):
+        raise AssertionError(f"lm_head.weight: {head.placements} {tuple(head.to_local().shape)}")
     if model.cfg.tie_embeddings and model.lm_head.weight is not model.embed.weight:
         raise AssertionError("tied embeddings were untied by tensor parallelism")
 
 
-def check_activations(model: Transformer, mesh, lp: bool) -> None:
+def check_activations(model: Transformer, ref: Transformer, mesh) -> None:
     """Sequence parallelism really shards: between sublayers each rank holds ``SEQ / 2`` positions, the
-    attention and MLP inputs are gathered to the whole sequence, and each rank computes half the heads."""
+    attention and MLP inputs are gathered to the whole sequence, and each rank computes half the heads;
+    ``logits`` gathers the whole vocabulary's logits (those of the unparallelised model ``ref``)."""
     seen: dict[str, tuple] = {}
 
     def record(name: str):
@@ -151,28 +152,26 @@ def check_activations(model: Transformer, mesh, lp: bool) -> None:
     if isinstance(hidden, DTensor) or hidden.shape != (BATCH, SEQ, d):
         raise AssertionError(f"final hidden states: {type(hidden).__name__} {tuple(hidden.shape)}")
     with torch.no_grad():
-        logits = model.logits(hidden[0])
-    if lp != isinstance(logits, DTensor) or (lp and logits.placements != (Shard(1),)):
-        raise AssertionError(f"logits: {type(logits).__name__} {getattr(logits, 'placements', '')}")
+        logits, want = model.logits(hidden[0]), ref.logits(ref(inputs, doc_ids)[0])
+    if isinstance(logits, DTensor) or logits.shape != (SEQ, VOCAB):
+        raise AssertionError(f"logits: {type(logits).__name__} {tuple(logits.shape)}")
+    close("logits", logits, want)
 
 
 def run_case(name: str, mesh) -> None:
-    overrides, lp = CASES[name]
-    cfg = ModelConfig(**(TINY | overrides))
+    cfg = ModelConfig(**(TINY | CASES[name]))
     torch.manual_seed(0)
     ref = Transformer(cfg, VOCAB, SEQ)
     ref.init_weights()
-    tp = (
-        from_meta(ref, mesh, lp) if name in FROM_META else apply_tensor_parallel(copy.deepcopy(ref), mesh, lp)
-    )
+    tp = from_meta(ref, mesh) if name in FROM_META else apply_tensor_parallel(copy.deepcopy(ref), mesh)
     check_layout(tp, mesh)
-    check_activations(tp, mesh, lp)
+    check_activations(tp, ref, mesh)
     if len(list(tp.parameters())) != len(list(ref.parameters())):
         raise AssertionError("parameter count changed")
 
     # one forward/backward: loss, every gradient, the global gradient norm
     ref_obj, tp_obj = NextTokenLoss(ref, chunk=40), NextTokenLoss(tp, chunk=40)  # 128 tokens: 4 chunks
-    ref_loss, tp_loss = step(ref_obj, None, 1, False), step(tp_obj, None, 1, lp)
+    ref_loss, tp_loss = step(ref_obj, None, 1), step(tp_obj, None, 1)
     close(f"{name} loss", tp_loss, ref_loss)
     ref_params, tp_params = dict(ref.named_parameters()), dict(tp.named_parameters())
     for pname, p in ref_params.items():
@@ -191,7 +190,7 @@ def run_case(name: str, mesh) -> None:
     ref_opt.step(), tp_opt.step()
     ref_opt.zero_grad(set_to_none=True), tp_opt.zero_grad(set_to_none=True)
     for s in range(2, STEPS + 1):
-        close(f"{name} loss at step {s}", step(tp_obj, tp_opt, s, lp), step(ref_obj, ref_opt, s, False))
+        close(f"{name} loss at step {s}", step(tp_obj, tp_opt, s), step(ref_obj, ref_opt, s))
     for pname, p in ref_params.items():
         close(f"{name} param {pname} after {STEPS} AdamW steps", tp_params[pname], p)
     if dist.get_rank() == 0:
@@ -230,8 +229,10 @@ def main(names: list[str]) -> None:
     try:
         for name in names or [*CASES, "stages"]:
             run_stages(mesh) if name == "stages" else run_case(name, mesh)
-    finally:
-        end_process_group()
+    except BaseException:
+        end_process_group(wait=False)  # a failed rank does not wait at a barrier its peer may never reach
+        raise
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from torch import nn
 
 from lmforge.config import ModelConfig
 from lmforge.model.attention import apply_rope, attend, document_causal_mask, flex_block_mask, rope_cache
+from lmforge.model.head import OutputHead
 from lmforge.model.init import (
     InitStep,
     attention_scale,
@@ -165,7 +166,7 @@ class Transformer(nn.Module):
         self.pos_embed = nn.Embedding(max_seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
         self.blocks = Blocks({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = make_norm(cfg)
-        self.lm_head: nn.Linear | None = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self.lm_head: OutputHead | None = OutputHead(cfg.d_model, vocab_size)
         self.tie_weights()
         self.width_mult = width_mult(cfg.d_model, cfg.mup_base_width, cfg.mup)
         self.logit_scale = logit_scale(self.width_mult)
@@ -258,7 +259,9 @@ class Transformer(nn.Module):
         return self.norm(x) if self.norm is not None else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``lm_head(hidden)``, times ``1 / width_mult`` under muP."""
+        """``lm_head(hidden)``, times ``1 / width_mult`` under muP: the whole vocabulary's logits (under
+        tensor parallelism gathered from the vocabulary shards). Training computes its loss without them
+        (``lmforge/model/loss.py``)."""
         if self.lm_head is None:
             raise RuntimeError("this pipeline stage has no output head")
         out = self.lm_head(hidden)

@@ -31,9 +31,11 @@ parallelism cuts the model into stages (``lmforge/parallel/pipeline.py``)
 before any of them; the stages then run on each stage's objective.
 
 Compilation: a single process compiles the whole training objective
-(:class:`~lmforge.model.loss.NextTokenLoss`: blocks, output head and chunked loss as one graph); it never
-replaces a method of the model. Measured on 2 CPU cores (default Llama 4 x 256, vocab 4096, batch 8 x 256,
-BF16): eager 3,540 tokens/s, every block compiled separately 3,350, the whole objective compiled 4,070.
+(:class:`~lmforge.model.loss.NextTokenLoss`); it never replaces a method of the model. The fused output
+head + loss inside it is not traced (``model/fused_loss.py`` says why: the graph breaks around it) and
+its element-wise kernels are compiled on their own (``OutputHead.compile_loss``), in every layout.
+Measured on 2 CPU cores (default Llama 4 x 256, vocab 4096, batch 8 x 256, BF16, with the former chunked
+loss): eager 3,540 tokens/s, every block compiled separately 3,350, the whole objective compiled 4,070.
 Several processes compile each block in place instead (``Module.compile``), so that the hooks of
 FSDP2, DDP and tensor parallelism stay at block boundaries, outside the compiled graphs.
 """
@@ -221,6 +223,8 @@ def compile_module(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn
     each block in place in several."""
     if not can_compile(ctx.train.compile, ctx.device):
         return module
+    if model.lm_head is not None:  # the fused loss runs outside the graph; its kernels compile alone
+        model.lm_head.compile_loss(**COMPILE_OPTIONS)
     if ctx.layout.distributed:
         for block in model.blocks.values():
             block.compile(**COMPILE_OPTIONS)

@@ -76,7 +76,7 @@ from torch.distributed.pipelining import (
 )
 
 from lmforge.errors import ConfigError
-from lmforge.model.loss import ChunkedCrossEntropy
+from lmforge.model.loss import head_loss
 from lmforge.model.transformer import Transformer, keep_stage
 from lmforge.parallel.materialize import Init, materialize
 from lmforge.parallel.tied_embedding import TiedEmbedding, tie_stages
@@ -309,8 +309,8 @@ class Pipeline:
         ]
         self.has_first = 0 in self.stage_ids
         self.has_last = n_stages - 1 in self.stage_ids
-        self._head = self.models[self.stage_ids.index(n_stages - 1)].logits if self.has_last else None
-        self._ce = ChunkedCrossEntropy(loss_chunk)
+        self._last = self.models[self.stage_ids.index(n_stages - 1)] if self.has_last else None
+        self._chunk = loss_chunk
         self._scale = 1.0
         cls = SCHEDULES[schedule]
         first = self.stages[0] if schedule in SINGLE_STAGE else self.stages
@@ -335,8 +335,7 @@ class Pipeline:
         """Loss of one microbatch on the last stage: ``sum of token CE * loss_scale``."""
         sync(self.device)
         start = time.perf_counter()
-        loss_sum, _ = self._ce(hidden, targets, self._head)
-        loss = loss_sum * self._scale
+        loss = head_loss(self._last, hidden, targets, self._chunk) * self._scale
         sync(self.device)
         self._clock[0] += time.perf_counter() - start
         return loss
@@ -408,7 +407,7 @@ class Pipeline:
                     dist.recv(h_in, src=dist.get_global_rank(self.group, owner[s - 1]), group=self.group)
                 h = model(h_in, d)
                 if s == n_stages - 1:
-                    total += self._ce(h, y.to(self.device), model.logits)[0]
+                    total += head_loss(model, h, y.to(self.device), self._chunk)
                 elif owner[s + 1] == self.rank:
                     local[i] = h
                 else:

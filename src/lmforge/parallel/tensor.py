@@ -22,13 +22,14 @@ Layout of one rank (``b`` batch, ``t`` sequence, ``d`` model width, ``h`` heads)
   ``down_proj`` / ``fc_out`` row-parallel, reduce-scattered back to the sequence shard. RoPE tables and
   the document mask are full-sequence and replicated: attention sees every position of its heads.
 * ``norm`` on the sequence shard; the root's output is all-gathered into an ordinary full tensor
-  ``(b, t, d)``, so :class:`~lmforge.model.loss.NextTokenLoss` works unchanged.
-* ``lm_head`` column-parallel (vocabulary sharded), its logits either all-gathered
-  (``loss_parallel=False``: every TP rank then computes the same cross-entropy over the whole
-  vocabulary) or left vocabulary-sharded (``loss_parallel=True``, below: each rank's softmax covers
-  only its shard). With ``model.tie_embeddings`` both ``embed.weight`` and ``lm_head.weight`` are
-  ``Shard(0)`` of the same ``(vocab, d)`` matrix, so they are tied again after parallelising and stay
-  one parameter.
+  ``(b, t, d)``, so every TP rank sees every token's final hidden state.
+* ``lm_head`` (``model/head.py::OutputHead``): its weight sharded by vocabulary rows (``Shard(0)``,
+  :class:`VocabParallelHead`), and no hook on its call. The training loss is computed
+  vocabulary-parallel on each rank's ``V / tp`` rows (loss parallelism, always on when ``tp > 1``; below),
+  so no ``b x t x V`` logits are ever gathered in training; ``Transformer.logits()`` (sampling,
+  evaluation, muP checks) gathers the full logits. With ``model.tie_embeddings`` both ``embed.weight``
+  and ``lm_head.weight`` are ``Shard(0)`` of the same ``(vocab, d)`` matrix, so they are tied again after
+  parallelising and stay one parameter.
 
 Every parameter ends up a DTensor on the TP mesh (``Shard`` for the projections and embeddings,
 ``Replicate`` for norms and row-parallel biases), so FSDP2's ``fully_shard`` over the data-parallel
@@ -53,13 +54,18 @@ checkpoint; shards are cut from the first rank's copy). Initialising a sharded m
 random ops is not the same: they follow the global RNG per shard only on CUDA, so on CPU every rank
 draws the same values for its shard (duplicated heads).
 
-Loss parallelism (``loss_parallel=True``): the head's logits stay ``Shard(-1)`` over the vocabulary and
-``F.cross_entropy`` in :class:`~lmforge.model.loss.ChunkedCrossEntropy` runs on them inside PyTorch's
-``loss_parallel()`` context, which computes the log-sum-exp with small all-reduces per chunk (a few
-values per token) instead of all-gathering ``chunk x vocab`` logits. The chunked loss needs no change
-(the logit chunks are DTensors, its running sum becomes one); the caller must run forward *and*
-backward inside ``loss_parallel()`` (outside it ``F.cross_entropy`` refuses the sharded logits) and gets
-the loss sum as a replicated DTensor (``.to_local()`` is the plain value, the same on every TP rank).
+Loss parallelism: ``model/fused_loss.py`` computes the head and the cross-entropy fused, chunk by
+chunk, on this rank's vocabulary rows; per chunk of ``c`` tokens the row maxima (``c`` FP32 values,
+MAX) and then the sums of exponentials with the target logits (``2 c`` FP64 values, SUM) are
+all-reduced over the TP group in forward (backward reuses the saved log-sum-exp), and the hidden-state
+gradient (a partial sum over each rank's rows) is all-reduced once, ``N x d`` in FP32. Against the
+former layout (a column-parallel head whose logits were all-gathered so that every rank computed the
+whole cross-entropy) this removes the ``(tp - 1) / tp x N x V`` all-gather and the full-vocabulary
+softmax on every rank; the loss equals the replicated one within 1e-6 in FP32
+(``tests/distributed/fused_loss_worker.py`` counts the collectives of both). It needs no context
+manager and returns an ordinary tensor, the same on every TP rank. PyTorch's ``loss_parallel()``
+(vocabulary-sharded logits into ``F.cross_entropy``) is not used: it needs the logits of a chunk as a
+DTensor and keeps its log-softmax for backward, which the fused loss exists to avoid.
 
 Sequence lengths: every forward's sequence length must be a multiple of ``tp`` (training sequences of
 ``data.seq_len`` are checked by :func:`check_tensor_parallel`; anything shorter, such as sampling from
@@ -72,9 +78,10 @@ from collections.abc import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -222,16 +229,29 @@ def _block_plan(model: Transformer, float8_comm: bool = True) -> dict[str, objec
     return plan
 
 
-def apply_tensor_parallel(
-    model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool = False
-) -> Transformer:
+class VocabParallelHead(ParallelStyle):
+    """The output head's layout: its weight ``Shard(0)`` (vocabulary rows, as ``ColwiseParallel`` shards
+    a linear layer) and nothing else. Unlike ``ColwiseParallel`` it registers no input or output hook:
+    the head's own forward (``model/head.py``) takes the replicated hidden states and the targets as
+    they are and computes the loss vocabulary-parallel, or gathers logits when asked for them."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._shard_rows)
+
+    def _shard_rows(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        weight = module.weight
+        sharded = distribute_tensor(weight, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+        module.register_parameter("weight", nn.Parameter(sharded, requires_grad=weight.requires_grad))
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
     """Shard ``model`` in place over the 1-D ``tp_mesh`` (layout in the module docstring); returns it.
 
     Every rank must hold the same initialised (or loaded) weights beforehand; see the module docstring
     for why not to initialise afterwards. Works on a meta-device model too (to load a sharded
-    checkpoint into). Pipeline stages cut by ``keep_stage`` work too: a stage
-    without the embedding takes full hidden states and scatters them itself. ``loss_parallel`` keeps the
-    logits vocabulary-sharded for ``torch.distributed.tensor.parallel.loss_parallel()``.
+    checkpoint into, or materialised shard by shard). Pipeline stages cut by ``keep_stage`` work too: a
+    stage without the embedding takes full hidden states and scatters them itself. The output head is
+    vocabulary-sharded and its loss vocabulary-parallel (the module docstring).
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs a 1-D TP mesh, got {tp_mesh.ndim} dimensions")
@@ -260,11 +280,7 @@ def apply_tensor_parallel(
     if model.norm is not None:
         plan["norm"] = SequenceParallel()
     if model.lm_head is not None:
-        plan["lm_head"] = ColwiseParallel(
-            input_layouts=full,
-            output_layouts=Shard(-1) if loss_parallel else full,
-            use_local_output=not loss_parallel,
-        )
+        plan["lm_head"] = VocabParallelHead()
     parallelize_module(model, tp_mesh, plan)
     # the root returns the full hidden states (b, t, d) as an ordinary tensor, replicated over TP
     parallelize_module(model, tp_mesh, PrepareModuleOutput(output_layouts=seq, desired_output_layouts=full))

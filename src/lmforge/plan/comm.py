@@ -32,10 +32,10 @@ Tensor parallelism with sequence parallelism (Korthikanti et al. 2022): per bloc
 all-gathers and two reduce-scatters of the ``b x T x d`` activations in forward and as many in backward,
 ``8 (t - 1)/t * b T d c`` bytes. The output head: with the fused, vocabulary-parallel loss
 (``model/fused_loss.py``), the final norm's FP32 output is all-gathered for the head, each token's
-softmax statistics (its maximum, then the sum of exponentials and the target's logit:
-``VOCAB_PARALLEL_STATS`` FP32 values) are all-reduced, and the hidden states' FP32 gradient, a partial sum
+softmax statistics (its maximum in FP32, then the sum of exponentials and the target's logit in FP64:
+``VOCAB_PARALLEL_STATS`` bytes) are all-reduced, and the hidden states' FP32 gradient, a partial sum
 over each rank's vocabulary rows, is all-reduced once: ``(t - 1)/t * 4 b T d + all_reduce(4 b T d) +
-all_reduce(12 b T)``; with the chunked loss the logits were all-gathered instead, ``(t - 1)/t * b T V c``
+all_reduce(20 b T)``; with the chunked loss the logits were all-gathered instead, ``(t - 1)/t * b T V c``
 in forward and again for their gradient in backward. A full-recompute policy adds the blocks' forward four
 again.
 
@@ -152,7 +152,7 @@ def dp_volume(
     )
 
 
-VOCAB_PARALLEL_STATS = 3  # FP32 values per token all-reduced by a vocabulary-parallel cross-entropy
+VOCAB_PARALLEL_STATS = 4 + 2 * 8  # bytes per token all-reduced by the vocabulary-parallel cross-entropy
 
 
 def tp_volume(
@@ -169,7 +169,7 @@ def tp_volume(
     """Bytes per device of tensor parallelism for ``tokens`` (= b x T summed over the step's
     micro-batches): ``(8 + 4 r) (t - 1)/t * tokens * d * c`` per block (``r`` the recomputed share of
     forwards) plus, on the rank holding the head, ``(t - 1)/t * 4 tokens d + all_reduce(4 tokens d, t) +
-    all_reduce(4 * 3 * tokens, t)`` (``loss="fused"``, vocabulary-parallel: the hidden states gathered in
+    all_reduce(20 * tokens, t)`` (``loss="fused"``, vocabulary-parallel: the hidden states gathered in
     FP32, their gradient and the statistics all-reduced) or ``2 (t - 1)/t * tokens * V * c``
     (``loss="chunked"``, the logits all-gathered)."""
     if tp == 1:
@@ -185,7 +185,7 @@ def tp_volume(
         blocks
         + all_gather(hidden, tp)
         + all_reduce(hidden, tp)
-        + all_reduce(4 * VOCAB_PARALLEL_STATS * tokens, tp)
+        + all_reduce(VOCAB_PARALLEL_STATS * tokens, tp)
     )
 
 

@@ -62,6 +62,7 @@ import math
 from dataclasses import dataclass
 
 from lmforge.config import ModelConfig
+from lmforge.model.fused_loss import chunk_bytes, precomputes
 from lmforge.model.transformer import ff_width, uses_bias
 from lmforge.plan.activations import LOSSES
 
@@ -452,26 +453,30 @@ def loss_temporary(
     """Bytes the loss of one micro-batch of ``tokens`` tokens (``d_model`` wide) holds beyond what it
     keeps for backward, at its largest, computed ``chunk_tokens`` at a time.
 
-    ``fused`` (``model/fused_loss.py``; ``v = V / tp``, this rank's vocabulary rows): the larger of its
-    forward, one chunk's FP32 logits, their compute-dtype copy under autocast, and the chunk's product for
-    the head's gradient, ``(4 + c [c < 4]) * chunk * v + c * v * d``, plus under autocast the
-    compute-dtype copies of the hidden states and of the head, ``c (N d + v d)`` (under FSDP2, ``fsdp``,
-    the gathered head already is in ``c`` bytes: ``c N d``); and its backward, which scales the two kept
-    gradients into new FP32 tensors, ``4 (N d + v d)`` (under FSDP2 and autocast, plus the head
-    gradient's ``c``-byte copy for the ``c``-byte parameter, ``c v d``). Read from the code; the
-    per-chunk slope (``4 v`` bytes per token in FP32, ``6 v`` in BF16) measured with PyTorch's
-    ``MemTracker`` on CPU. ``chunked`` (a head then ``F.cross_entropy`` per chunk): the chunk's logits in
-    ``c`` bytes and their FP32 copy (``.float()`` before the softmax), all-gathered over the vocabulary
-    under TP: ``(c + 4) * chunk * V``.
+    ``fused`` (``model/fused_loss.py``; ``v = V / tp``, this rank's vocabulary rows; eager kernels): under
+    autocast forward and backward each make the compute-dtype copies of the hidden states and of the
+    head, ``c (N d + v d)`` (under FSDP2, ``fsdp``, the gathered head already is in ``c`` bytes: ``c N
+    d``). Computing a chunk's statistics holds its FP32 logits and their shifted exponentials, ``8 * chunk
+    * v``; its gradient ``model/fused_loss.py::chunk_bytes``. Recomputing (``precomputes`` false): the larger of the forward's
+    statistics and the backward's FP32 gradients ``4 (N d + v d)`` with a chunk's gradient. Precomputing:
+    the larger of the forward's statistics or gradient chunk (the gradients it fills are kept: activations)
+    and the backward's scaled copies of the gradients, ``4 (N d + v d)`` (under FSDP2 and autocast, plus
+    the head gradient's ``c``-byte copy, ``c v d``). Read from the code; within 5% of PyTorch's
+    ``MemTracker`` on CPU (``tests/test_fused_loss.py``). ``chunked`` (a head
+    then ``F.cross_entropy`` per chunk): the chunk's logits in ``c`` bytes and their FP32 copy
+    (``.float()`` before the softmax), all-gathered over the vocabulary under TP: ``(c + 4) * chunk * V``.
     """
     if loss == "fused":
         v, autocast = split(vocab_size, tp), c < 4
-        forward = (4 + (c if autocast else 0)) * chunk_tokens * v + c * v * d_model
-        backward = 4 * (tokens * d_model + v * d_model)
-        if autocast:
-            forward += c * tokens * d_model + (0 if fsdp else c * v * d_model)
-            backward += c * v * d_model if fsdp else 0
-        return max(forward, backward)
+        casts = c * tokens * d_model + (0 if fsdp else c * v * d_model) if autocast else 0
+        stats = 8 * chunk_tokens * v
+        grads = 4 * (tokens * d_model + v * d_model)
+        if precomputes(tokens, v, d_model, chunk_tokens, c):
+            forward = max(stats, chunk_bytes(chunk_tokens, v, d_model, c))
+            backward = grads + (c * v * d_model if fsdp and autocast else 0)
+        else:
+            forward, backward = stats, grads + chunk_bytes(chunk_tokens, v, d_model, c)
+        return casts + max(forward, backward)
     if loss == "chunked":
         return (c + 4) * chunk_tokens * vocab_size
     raise ValueError(f"loss {loss!r}: use one of {', '.join(LOSSES)}")

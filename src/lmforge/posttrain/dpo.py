@@ -25,6 +25,7 @@ from torch import nn
 
 from lmforge.config import DPOConfig
 from lmforge.errors import ConfigError
+from lmforge.model.loss import head_loss
 from lmforge.model.transformer import Transformer
 from lmforge.posttrain.dpo_data import PairBatch
 from lmforge.precision import PrecisionPolicy
@@ -93,10 +94,10 @@ class SequenceLogps(nn.Module):
     """``model`` and its head: ``(inputs, targets, doc_ids) -> (B,)`` float32, row ``i`` the sum of
     ``log p(targets[i, t] | inputs[i, :t+1])`` over the targets ``!= -100``.
 
-    The head and log-softmax run ``chunk`` tokens at a time (``0``: all at once) as in
-    ``model/loss.py::ChunkedCrossEntropy`` (same operations, so ``-sum(SequenceLogps)`` is its loss sum):
-    the FP32 logits of the whole batch never exist at once. Training keeps each chunk's FP32 log-softmax
-    for backward, as that loss does.
+    The per-token values come from the fused head and cross-entropy (``model/loss.py::head_loss`` with
+    ``reduction="none"``, ``chunk`` tokens at a time, ``0``: all at once), the same computation as the
+    next-token loss, so ``-sum(SequenceLogps)`` is its loss sum: no (tokens x vocab) logits or
+    log-probabilities are kept for backward, only the hidden states and one log-sum-exp per token.
     """
 
     def __init__(self, model: Transformer, chunk: int = 1024):
@@ -107,14 +108,8 @@ class SequenceLogps(nn.Module):
     def forward(
         self, inputs: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        hidden = self.model(inputs, doc_ids).flatten(0, -2)
-        flat = targets.flatten()
-        chunk = self.chunk or hidden.shape[0]
-        parts = [
-            -F.cross_entropy(self.model.logits(h).float(), y, ignore_index=-100, reduction="none")
-            for h, y in zip(hidden.split(chunk), flat.split(chunk), strict=True)
-        ]
-        return torch.cat(parts).view(targets.shape).sum(dim=1)
+        hidden = self.model(inputs, doc_ids)
+        return -head_loss(self.model, hidden, targets, self.chunk, reduction="none").sum(dim=1)
 
 
 class DPOObjective:
