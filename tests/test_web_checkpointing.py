@@ -87,7 +87,7 @@ def test_checkpointing_page_shows_estimate_and_benchmark(
         assert figure(page, f"measured.0.{p}.flops_ratio") == r["flops_ratio"]
         assert figure(page, f"measured.0.{p}.time_ratio") == r["time_ratio"]
         formula = activation_bytes(
-            cfg, s["vocab"], s["seq"], s["batch"], p, 4, "flash", 1024, device_type="cpu", loss="chunked"
+            cfg, s["vocab"], s["seq"], s["batch"], p, 4, "flash", 1024, device_type="cpu", loss="fused"
         )
         assert figure(page, f"formula.0.{p}.saved_bytes") == formula.total
         assert formula.total == pytest.approx(r["saved_bytes"], rel=0.02), p  # docs/activation_memory.md

@@ -119,7 +119,7 @@ def benchmark_files(root: Path) -> list[str]:
 def benchmark_formula(shape: dict, policy: str) -> dict:
     """The formula for the benchmark's own run: ``activation_bytes`` of its Llama model (``layers``,
     ``d_model``, ``heads``; no document mask: it passes no document ids), FP32 on CPU, flash attention,
-    loss chunk 1024 of the chunked loss it measures (``model/loss.py``'s ``ChunkedCrossEntropy``);
+    loss chunk 1024 of the fused head + loss it measures (``model/fused_loss.py``, through ``NextTokenLoss``);
     ``saved_bytes`` is ``ActivationBytes.total`` (what the benchmark measures) and the compute factor
     ``recompute_factor(policy)``."""
     cfg = ModelConfig(
@@ -139,7 +139,7 @@ def benchmark_formula(shape: dict, policy: str) -> dict:
         "flash",
         1024,
         device_type="cpu",
-        loss="chunked",
+        loss="fused",
     )
     return {"saved_bytes": a.total, "compute_ratio": recompute_factor(policy)}
 
