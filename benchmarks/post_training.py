@@ -58,9 +58,13 @@ def load_at(run: Path, step: int | None):
 
 
 def held_out(run: Path, step: int | None) -> dict:
-    """The held-out figures of ``run`` at checkpoint ``step``, scored as training scores them."""
+    """The held-out figures of ``run`` at checkpoint ``step``, scored as training scores them: in the run's
+    precision (a DPO run's cached reference was scored in it; in FP32 the step-0 margin is BF16's rounding,
+    not 0)."""
     cfg, model = load_at(run, step)
-    return evaluate_posttrain(cfg, model, run, PrecisionPolicy.resolve("fp32", torch.device("cpu")))
+    return evaluate_posttrain(
+        cfg, model, run, PrecisionPolicy.resolve(cfg.train.precision, torch.device("cpu"))
+    )
 
 
 def answers(run: Path, step: int | None, questions: list[str], n: int) -> list[str]:
