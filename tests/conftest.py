@@ -55,6 +55,20 @@ def cli_logging():
     logger.setLevel(level)
 
 
+@pytest.fixture
+def estimate_command(capsys, cli_logging):
+    """``lmforge estimate ARGS`` in this process: ``(exit code, stdout, stderr)``."""
+    from lmforge.cli import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        with pytest.raises(SystemExit) as done:
+            main(["estimate", *args])
+        out = capsys.readouterr()
+        return done.value.code, out.out, out.err
+
+    return run
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     torch.set_num_threads(2)

@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import pytest
 
-from lmforge.cli import main
 from lmforge.plan import comm, hardware, models
 from lmforge.plan.estimate import Layout, Workload, estimate
 from lmforge.plan.flops import flops_per_token
@@ -269,30 +268,17 @@ def test_cpu_device_uses_host_memory_and_the_given_peak():
 # -- command line ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def cli(capsys, cli_logging):
-    """``lmforge estimate ARGS`` in this process: ``(exit code, stdout, stderr)``."""
-
-    def run(*args: str) -> tuple[int, str, str]:
-        with pytest.raises(SystemExit) as done:
-            main(["estimate", *args])
-        out = capsys.readouterr()
-        return done.value.code, out.out, out.err
-
-    return run
-
-
-def test_cli_table(cli):
-    code, out, err = cli("--model", "llama-7b", "--gpus", "8")
+def test_cli_table(estimate_command):
+    code, out, err = estimate_command("--model", "llama-7b", "--gpus", "8")
     assert code == 0, err
     for row in ("parameters", "gradients", "master weights", "optimizer states", "activations", "total"):
         assert row in out
     assert "fits" in out and "Chinchilla" in out and "tokens/s" in out
 
 
-def test_cli_json_search_and_plot(cli, tmp_path):
+def test_cli_json_search_and_plot(estimate_command, tmp_path):
     png = tmp_path / "m.png"
-    code, text, err = cli(
+    code, text, err = estimate_command(
         "--model", "llama-7b", "--gpus", "8", "--search", "--top", "3", "--json", "--plot", str(png)
     )
     assert code == 0, err
@@ -304,8 +290,8 @@ def test_cli_json_search_and_plot(cli, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_overrides_and_zero_paper_weights(cli):
-    code, out, err = cli(
+def test_cli_overrides_and_zero_paper_weights(estimate_command):
+    code, out, err = estimate_command(
         "--model", "llama-7b", "--gpus", "4", "--weights", "zero-paper", "--json", "--optim.name=lion"
     )
     assert code == 0, err
@@ -316,8 +302,8 @@ def test_cli_overrides_and_zero_paper_weights(cli):
     assert e["states"]["optim"] == pytest.approx(4 * p / 4)  # Lion: one FP32 momentum
 
 
-def test_cli_cpu_plans_for_this_host(cli):
-    code, out, err = cli("--gpu", "cpu", "--json", "--model.n_layers=2")
+def test_cli_cpu_plans_for_this_host(estimate_command):
+    code, out, err = estimate_command("--gpu", "cpu", "--json", "--model.n_layers=2")
     assert code == 0, err
     e = json.loads(out)["estimate"]
     assert e["device"] == "cpu" and e["memory_bytes"] == hardware.host_memory_bytes()
@@ -337,8 +323,8 @@ def test_cli_cpu_plans_for_this_host(cli):
         (["--model", "llama-7b", "--gpus", "2", "--parallel.pp=2"], "parallel.pp_microbatches"),
     ],
 )
-def test_cli_bad_input_is_one_line_exit_2(cli, args: list[str], flag: str):
-    code, _, err = cli(*args)
+def test_cli_bad_input_is_one_line_exit_2(estimate_command, args: list[str], flag: str):
+    code, _, err = estimate_command(*args)
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"lmforge estimate: error: {flag}"), err

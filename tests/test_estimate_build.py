@@ -13,7 +13,6 @@ from dataclasses import replace
 
 import pytest
 
-from lmforge.cli import main
 from lmforge.config import ModelConfig
 from lmforge.errors import ConfigError
 from lmforge.model.fused_loss import precomputes
@@ -109,22 +108,9 @@ def test_llama_65b_on_64_gpus_reports_the_sharded_build():
     assert e.peak_source == "step" and e.peak == e.total > e.build_total  # activations of 2,048 tokens
 
 
-@pytest.fixture
-def cli(capsys, cli_logging):
-    """``lmforge estimate ARGS`` in this process: ``(exit code, stdout, stderr)``."""
-
-    def run(*args: str) -> tuple[int, str, str]:
-        with pytest.raises(SystemExit) as done:
-            main(["estimate", *args])
-        out = capsys.readouterr()
-        return done.value.code, out.out, out.err
-
-    return run
-
-
-def test_cli_shows_the_build_in_text_and_json(cli):
+def test_cli_shows_the_build_in_text_and_json(estimate_command):
     args = ("--model", "llama-65b", "--gpus", "64", "--parallel.dp_shard=64")
-    code, text, err = cli(*args)
+    code, text, err = estimate_command(*args)
     assert code == 0, err
     build = (4_080_353_792 + 1_064_960_000) * 1.05 + GIB
     line = next(x for x in text.splitlines() if x.strip().startswith("build"))
@@ -133,7 +119,7 @@ def test_cli_shows_the_build_in_text_and_json(cli):
         and "FP32 parameters 3.80" in line
         and "largest whole parameter 0.99" in line
     )
-    code, text, err = cli(*args, "--json")
+    code, text, err = estimate_command(*args, "--json")
     assert code == 0, err
     e = json.loads(text)["estimate"]
     assert e["build"] == {"shards": 4_080_353_792, "temporary": 1_064_960_000, "ddp_buckets": 0}
@@ -432,9 +418,9 @@ def test_build_peak_equals_what_each_rank_allocates(nproc: int):
             assert 0 <= extra <= (ROPE if layout.kind == "ddp" else 0) + 64, (name, rank, peak, planned)
 
 
-def test_cli_plans_defer_grad_sync(cli):
+def test_cli_plans_defer_grad_sync(estimate_command):
     """``--parallel.defer_grad_sync`` reaches the planned layout (and its description)."""
-    code, text, err = cli(
+    code, text, err = estimate_command(
         "--model", "llama-7b", "--gpus", "8", "--json", "--train.tokens_per_step=65536",
         "--parallel.defer_grad_sync=true",
     )  # fmt: skip

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -29,20 +29,30 @@ def evaluate(
 
 
 @torch.no_grad()
-def loss_sum(objective: nn.Module, batches: Iterable[Batch], precision: PrecisionPolicy) -> tuple[float, int]:
-    """(sum of next-token cross-entropies in nats, number of targets) of ``objective`` over ``batches``,
-    in eval mode and the precision's autocast."""
-    was_training = objective.training
-    objective.eval()
+def token_loss_sum(
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], batches: Iterable[Batch], precision: PrecisionPolicy
+) -> tuple[float, int]:
+    """``(sum of next-token cross-entropies in nats, number of targets)`` of ``fn(inputs, targets,
+    doc_ids) -> (loss_sum, n_targets)`` over ``batches`` in the precision's autocast (the caller sets
+    eval mode)."""
     total, count = 0.0, 0
     for batch in batches:
         batch = batch.to(precision.device)
         with precision.autocast():
-            part, n = objective(batch.inputs, batch.targets, batch.doc_ids)
+            part, n = fn(batch.inputs, batch.targets, batch.doc_ids)
         total += float(part)
         count += int(n)
-    objective.train(was_training)
     return total, count
+
+
+def loss_sum(objective: nn.Module, batches: Iterable[Batch], precision: PrecisionPolicy) -> tuple[float, int]:
+    """:func:`token_loss_sum` of ``objective`` in eval mode (its mode given back afterwards)."""
+    was_training = objective.training
+    objective.eval()
+    try:
+        return token_loss_sum(objective, batches, precision)
+    finally:
+        objective.train(was_training)
 
 
 def eval_targets(stream: TokenStream, seq_len: int, max_tokens: int) -> np.ndarray:

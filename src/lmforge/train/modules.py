@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.data.loader import Batch
+from lmforge.evaluate.validation import token_loss_sum
 from lmforge.model.loss import NextTokenLoss
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.parallel.pipeline import Pipeline
@@ -85,20 +86,6 @@ class TrainModule(Protocol):
         ...
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
-
-
-@torch.no_grad()
-def token_loss_sum(fn: LossFn, batches: Iterable[Batch], precision: PrecisionPolicy) -> tuple[float, int]:
-    """``(sum of next-token cross-entropies in nats, number of targets)`` of ``fn`` over ``batches`` in
-    the precision's autocast (the caller sets eval mode)."""
-    total, count = 0.0, 0
-    for batch in batches:
-        batch = batch.to(precision.device)
-        with precision.autocast():
-            part, n = fn(batch.inputs, batch.targets, batch.doc_ids)
-        total += float(part)
-        count += int(n)
-    return total, count
 
 
 @contextlib.contextmanager
