@@ -43,7 +43,7 @@ from lmforge.model.fused_loss import precomputes
 from lmforge.model.head import OutputHead
 from lmforge.model.loss import NextTokenLoss, head_loss
 from lmforge.model.transformer import Transformer
-from lmforge.parallel.layout import end_process_group
+from lmforge.parallel.layout import process_group_scope
 from lmforge.parallel.tensor import VocabParallelHead, apply_tensor_parallel
 from lmforge.posttrain.dpo import SequenceLogps
 from lmforge.probes.activation_memory import saved_activation_bytes
@@ -231,13 +231,9 @@ CASES = {"tp": run_tp, "model": run_model, "fsdp": run_fsdp}
 def main(names: list[str]) -> None:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2,))
-    try:
+    with process_group_scope():
         for name in names or CASES:
             CASES[name](mesh)
-    except BaseException:
-        end_process_group(wait=False)  # a failed rank does not wait at a barrier its peer may never reach
-        raise
-    end_process_group()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from lmforge.config import ModelConfig
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer, keep_stage
-from lmforge.parallel.layout import end_process_group
+from lmforge.parallel.layout import process_group_scope
 from lmforge.parallel.tensor import apply_tensor_parallel
 
 VOCAB, SEQ, BATCH, STEPS = 128, 32, 4, 3
@@ -226,13 +226,9 @@ def run_stages(mesh) -> None:
 def main(names: list[str]) -> None:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    try:
+    with process_group_scope():
         for name in names or [*CASES, "stages"]:
             run_stages(mesh) if name == "stages" else run_case(name, mesh)
-    except BaseException:
-        end_process_group(wait=False)  # a failed rank does not wait at a barrier its peer may never reach
-        raise
-    end_process_group()
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ mesh. A single process without ``torchrun`` gets :data:`SINGLE`, with no process
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -221,3 +223,16 @@ def end_process_group(wait: bool = True) -> None:
     if wait:
         dist.barrier()
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group_scope() -> Iterator[None]:
+    """Ends the default process group when the block exits (:func:`end_process_group`): after a barrier
+    when the block finished, at once when it raised (a failed rank does not wait at a barrier its peers
+    may never reach)."""
+    try:
+        yield
+    except BaseException:
+        end_process_group(wait=False)
+        raise
+    end_process_group()
