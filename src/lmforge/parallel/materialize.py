@@ -22,13 +22,16 @@ What :func:`materialize` does on a rank:
    the shard, and the temporary is freed. A parameter the rank holds whole is initialised in place.
 
 Peak memory of the build on a rank: its own shards plus the largest single parameter of the whole model
-(the temporary), never the whole model (``tests/test_sharded_build.py`` and the ``torchrun`` test with a
-1 GB model measure it). Cost: every rank draws every parameter of the whole model once, in the time one
+(the temporary), never the whole model (``tests/test_distributed.py``'s sharded-build tests measure it
+on 2 ranks and, with a 1 GB model, on 8). Cost: every rank draws every parameter of the whole model once, in the time one
 process takes to initialise it.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +40,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmforge.model.init import InitStep
+
+log = logging.getLogger(__name__)
+PROGRESS_S = 10.0  # a build that initialises for longer says how far it is, every this many seconds
 
 
 @dataclass(frozen=True)
@@ -69,8 +75,23 @@ def local_part(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def initialize(params: dict[str, torch.Tensor], plan: Sequence[InitStep], device: torch.device) -> None:
     """Walk ``plan`` (the whole model's, in order) and fill the parameters of ``params`` (this rank's,
-    by whole-model name) that it names; every step that draws is drawn in full, held or not."""
+    by whole-model name) that it names; every step that draws is drawn in full, held or not. Past
+    ``PROGRESS_S`` seconds it logs how many of the plan's elements are done and the time left."""
+    total = sum(math.prod(step.shape) for step in plan)
+    start = last = time.monotonic()
+    done = 0
     for step in plan:
+        now = time.monotonic()
+        if now - last >= PROGRESS_S and done:
+            last = now
+            left = (now - start) * (total - done) / done
+            log.info(
+                "initialising parameters: %.0f%% of %.3gB values, about %.0f s left",
+                100 * done / total,
+                total / 1e9,
+                left,
+            )
+        done += math.prod(step.shape)
         mine = list({id(params[n]): params[n] for n in step.names if n in params}.values())
         if not mine and not step.draws:
             continue
