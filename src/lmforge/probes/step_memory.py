@@ -1,0 +1,88 @@
+"""What one real training step allocates, by category, at its peak: the measurement the planner
+(``plan/estimate.py``) is held to.
+
+:func:`measure_step` takes ``warmup`` steps of a run built by ``train/build.py::build_run`` (the optimizer
+states exist from the first on), then one more step under PyTorch's own memory tracker: ``FSDPMemTracker``
+when the model holds FSDP2 units (it tells sharded from gathered parameters and gradients, and the
+all-gather and reduce-scatter buffers), else ``MemTracker``. Both follow every tensor storage through the
+dispatcher and keep the snapshot of the moment the device's total was highest; :class:`StepMemory` holds
+that snapshot's categories, in bytes, and its module-phase label (which module's forward or backward the
+peak fell in, or the optimizer step).
+
+They see tensors only: not the allocator's rounding and caching, not the interpreter, not what kernels
+allocate outside the dispatcher (``torch.compile``'s): measure eager runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# the tracker's categories, grouped as the planner's rows (plan/estimate.py::Estimate.rows)
+ROWS = {
+    "parameters": ("Parameter", "Sharded Param", "Buffer"),
+    "gradients": ("Gradient", "Sharded Grad"),
+    "optimizer states": ("Optstate", "OptState"),
+    "activations": ("Activation",),
+    "temporaries": ("Temp", "Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"),
+    "inputs": ("Inputs",),
+}
+
+
+@dataclass
+class StepMemory:
+    """A step's peak (``total``, bytes of live tensors on the device) and its categories at that moment
+    (``categories``: the tracker's names; :meth:`rows`: grouped as the planner's rows)."""
+
+    total: int
+    categories: dict[str, int] = field(default_factory=dict)
+
+    def rows(self) -> dict[str, int]:
+        """The categories summed into the planner's rows (:data:`ROWS`); anything else under ``other``."""
+        out = {row: sum(self.categories.get(c, 0) for c in names) for row, names in ROWS.items()}
+        known = {c for names in ROWS.values() for c in names}
+        out["other"] = sum(v for c, v in self.categories.items() if c not in known)
+        return out
+
+
+def _has_fsdp(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def _tracked(run) -> torch.nn.Module:
+    """The module the step's forward runs through (the training objective, which holds the model)."""
+    fn = getattr(run.module, "train_fn", None)
+    return fn if isinstance(fn, torch.nn.Module) else run.model
+
+
+def take_step(run) -> None:
+    """One optimizer step of ``run`` (its ``accum`` micro-batches), as the trainer takes it."""
+    from lmforge.train.step import train_step
+
+    batches = [run.loader.next_batch() for _ in range(run.accum)]
+    train_step(run.module, run.optimizer, batches, 1e-3, run.clipper, run.precision, reduce=run.reduce)
+
+
+def measure_step(run, warmup: int = 1) -> StepMemory:
+    """``warmup`` steps, then the peak of one step under the tracker (module docstring)."""
+    for _ in range(warmup):
+        take_step(run)
+    module = _tracked(run)
+    if _has_fsdp(module):
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        tracker = FSDPMemTracker(module, run.optimizer)
+    else:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(run.model, run.optimizer)
+    with tracker:
+        take_step(run)
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    categories = {str(getattr(k, "value", k)): int(v) for k, v in peak.items()}
+    total = categories.pop("Total")
+    return StepMemory(total, categories)
