@@ -219,6 +219,8 @@ class Estimate:
     warnings: list[str] = field(default_factory=list)
     pp_rank_totals: list[float] = field(default_factory=list)  # the step's total per pipeline rank
     pp_rank_build_totals: list[float] = field(default_factory=list)  # the build's total per pipeline rank
+    temporaries_alive: dict[str, float] = field(default_factory=dict)  # Temporaries fields alive at the peak
+    phase_totals: dict[str, float] = field(default_factory=dict)  # each phase's allocated bytes, no overhead
 
     @property
     def peak(self) -> float:
@@ -394,8 +396,8 @@ def _pipeline(workload: Workload, layout: Layout) -> _Pipeline:
 
 @dataclass(frozen=True)
 class _RankMemory:
-    """One pipeline rank's memory: the training step's peak phase ``(name, gradients, activations,
-    temporaries)`` and total, and the build's."""
+    """One pipeline rank's memory: the training step's peak :class:`Phase` and total, each phase's
+    allocated bytes (states included, overhead not), and the build's."""
 
     rank: int
     mine: list[ParamTensor]
@@ -404,10 +406,11 @@ class _RankMemory:
     parts: dict
     temps: Temporaries
     overhead: float
-    at_peak: tuple[str, float, float, float]
+    at_peak: Phase
     total: float
     build: BuildBytes
     build_overhead: float
+    phase_totals: dict[str, float]
 
     @property
     def build_total(self) -> float:
@@ -427,25 +430,138 @@ def accumulating_gradients(
     return float(per_value * sum(math.prod(tp_shape(t, layout.tp)) for t in mine))
 
 
+@dataclass(frozen=True)
+class Phase:
+    """One moment of a training step on one rank: its gradient and activation bytes and the temporaries
+    alive in it, by :class:`~lmforge.plan.memory.Temporaries` field (the model states' other rows are
+    alive throughout)."""
+
+    name: str
+    gradients: float
+    activations: float
+    temporaries: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        """``gradients + activations + sum(temporaries)``."""
+        return self.gradients + self.activations + sum(self.temporaries.values())
+
+
+def _gathered(temps: Temporaries, kind: str, pipeline: bool) -> tuple[float, ...]:
+    """FSDP2's gathered parameter bytes in the loss's forward, the loss's backward, the last block's
+    backward, the first block's and at the end of backward (:func:`step_phases`)."""
+    if kind not in ("zero2", "zero3"):
+        return 0.0, 0.0, 0.0, 0.0, 0.0
+    root, head, unit = temps.fsdp_root, temps.fsdp_head, temps.fsdp_unit
+    if pipeline:  # nothing resharded until the step's gradients are reduced
+        return (temps.fsdp_gathered,) * 5
+    # in forward the last all-gather's buffer (one unit) is still held when the loss runs
+    if kind == "zero2":  # gathered from forward to each unit's backward, then resharded
+        every = temps.fsdp_gathered
+        return every + unit, every, every, root + unit, root
+    return root + head + unit, root + head + unit, root + 2 * unit, root + unit, root
+
+
 def step_phases(
-    states: StateBytes, acts: float, temps: Temporaries, micro_batches: int, accumulating: float
-) -> list[tuple[str, float, float, float]]:
-    """The candidate peaks ``(phase, gradients, activations, temporaries)`` of a training step of
-    ``micro_batches`` (micro-batches times pipeline micro-batches) on one rank (module docstring);
-    ``accumulating``: the gradient bytes while they accumulate (:func:`accumulating_gradients`)."""
-    if micro_batches > 1:  # gradients accumulate over micro-batches: they coexist with the activations
-        name = "backward, gradients accumulating"
-        if accumulating != states.grads:
-            name = "backward, unsharded gradients accumulating"
-        return [
-            (name, accumulating, acts, temps.during_backward),
-            ("optimizer step", states.grads, 0.0, temps.optimizer_step),
+    states: StateBytes,
+    parts: dict[str, float],
+    temps: Temporaries,
+    micro_batches: int,
+    accumulating: float,
+    kind: str = "none",
+    pipeline: bool = False,
+    in_flight: int = 1,
+    blocks: int = 1,
+    block_grads: float = 0.0,
+) -> list[Phase]:
+    """The phases of a training step of ``micro_batches`` (micro-batches times pipeline micro-batches) on
+    one rank, in the order PyTorch allocates and frees them (``parts``: the activation parts of
+    ``_activations``, ``in_flight`` pipeline micro-batches; ``accumulating``: the gradient bytes while
+    micro-batches accumulate, :func:`accumulating_gradients`; ``kind``: the layout's). ``A`` the saved
+    activations (every part but ``recompute``), ``G`` the gradients before the last backward ends (0 with
+    one micro-batch: each step ends with ``zero_grad(set_to_none=True)``; else ``accumulating``), ``B``
+    DDP's buckets (alive throughout), FSDP2's gathered copies as ZeRO-3 holds them (root ``R``, untied head
+    ``H``, largest block ``U``; ZeRO-2 and a pipeline stage keep every unit gathered)::
+
+        forward: head and loss   G + A + B + R + H + U (the last all-gather's buffer) + loss forward buffers
+        backward: head and loss  G + A + B + R + H + U (the next block prefetched) + loss backward buffers
+        backward: last block     G + A - (head + loss) / in_flight + recompute + B + R + 2 U
+                                   + one block's backward working set W
+        backward: first block    G' + A_1 + recompute + B + R + U + one unit's reduce-scatter buffers S + W
+        end of backward          grads + B + R + S + tied copies
+        optimizer step           grads + B + the step's scratch
+
+    The loss's kept gradients (precomputing) are activations of the first two; its buffers and the head's
+    saved tensors are freed before the blocks' backward, where a checkpointed block recomputes; the first
+    reduce-scatter starts after the last block's backward has freed that block's activations. Between the
+    last block's backward and the first's (``blocks`` on this rank), activations fall and gradients grow
+    block by block, so the larger end is the peak: at the first block's, ``A_1`` is one block's saved
+    activations (``(A - head - loss - embedding) / (in_flight * blocks)`` plus the embedding's) and ``G'``
+    every gradient but that block's (``grads - block_grads``; while accumulating, ``G``); under
+    checkpointing, whose saved activations are small, this end is the larger. Then the end of backward
+    (measured against PyTorch's MemTracker / FSDPMemTracker (measured against PyTorch's MemTracker / FSDPMemTracker:
+    ``tests/test_estimate_phases.py``). A pipeline rank without the head has no loss phases."""
+    g = accumulating if micro_batches > 1 else 0.0
+    suffix = ""
+    if micro_batches > 1:
+        suffix = (
+            ", unsharded gradients accumulating"
+            if accumulating != states.grads
+            else ", gradients accumulating"
+        )
+    saved = sum(v for k, v in parts.items() if k != "recompute")
+    freed = (parts.get("head", 0.0) + parts.get("loss", 0.0)) / in_flight
+    fwd, bwd, last, first, end = _gathered(temps, kind, pipeline)
+
+    def alive(**kw: float) -> dict[str, float]:
+        return {k: v for k, v in ({"ddp_buckets": temps.ddp_buckets} | kw).items() if v}
+
+    out = []
+    if temps.loss_chunk:
+        out += [
+            Phase(
+                "forward: head and loss" + suffix,
+                g,
+                saved,
+                alive(fsdp_gathered=fwd, loss_forward=temps.loss_forward),
+            ),
+            Phase(
+                "backward: head and loss" + suffix,
+                g,
+                saved,
+                alive(fsdp_gathered=bwd, loss_backward=temps.loss_backward),
+            ),
         ]
-    end_temps = max(temps.during_backward - temps.loss_chunk, temps.optimizer_step)
-    return [  # one micro-batch: no gradient before its backward
-        ("start of backward (no gradients yet)", 0.0, acts, temps.during_backward),
-        ("end of backward / optimizer step", states.grads, 0.0, end_temps),
+    recompute = parts.get("recompute", 0.0)
+    recomputing = ", a checkpointed block recomputing" if recompute else ""
+    embedding = parts.get("embedding", 0.0) / in_flight
+    one_block = (saved - in_flight * freed - in_flight * embedding) / (in_flight * max(blocks, 1)) + embedding
+    out += [
+        Phase(
+            "backward: last block" + recomputing + suffix,
+            g,
+            saved - freed + recompute,
+            alive(fsdp_gathered=last, block_backward=temps.block_backward),
+        ),
+        Phase(
+            "backward: first block" + recomputing + suffix,
+            g if micro_batches > 1 else max(states.grads - block_grads, 0.0),
+            one_block + recompute,
+            alive(
+                fsdp_gathered=first,
+                fsdp_grad_reduce=temps.fsdp_grad_reduce,
+                block_backward=temps.block_backward,
+            ),
+        ),
+        Phase(
+            "end of backward",
+            max(states.grads, accumulating) if micro_batches > 1 else states.grads,
+            0.0,
+            alive(fsdp_gathered=end, fsdp_grad_reduce=temps.fsdp_grad_reduce, tied_grads=temps.tied_grads),
+        ),
+        Phase("optimizer step", states.grads, 0.0, alive(optimizer_step=temps.optimizer_step)),
     ]
+    return out
 
 
 def _rank_memory(
@@ -481,15 +597,44 @@ def _rank_memory(
         tokens,
     )
     accumulating = accumulating_gradients(states, mine, layout, accounting)
-    phases = step_phases(states, acts, temps, accum * pipe.m, accumulating)
-    at_peak = max(phases, key=lambda ph: ph[1] + ph[2] + ph[3])
-    allocated = states.total - states.grads + sum(at_peak[1:])
+    local = [math.prod(tp_shape(t, layout.tp)) for t in mine]
+    per_block: dict[int, int] = {}
+    for t, n in zip(mine, local, strict=True):
+        if t.layer is not None:
+            per_block[t.layer] = per_block.get(t.layer, 0) + n
+    block_grads = states.grads * max(per_block.values(), default=0) / max(sum(local), 1)
+    phases = step_phases(
+        states,
+        parts,
+        temps,
+        accum * pipe.m,
+        accumulating,
+        layout.kind,
+        layout.pp > 1,
+        pipe.in_flight(layout, rank),
+        len(per_block),
+        block_grads,
+    )
+    at_peak = max(phases, key=lambda ph: ph.total)  # the first of equal phases
+    base = states.total - states.grads
+    allocated = base + at_peak.total
     overhead = overhead_model.runtime_bytes + overhead_model.fragmentation * allocated
     whole = _param_tensors(model_json, workload.vocab_size, workload.seq_len)
     build = build_bytes(whole, mine, layout.kind, layout.dp_shard, layout.tp)
     build_overhead = overhead_model.runtime_bytes + overhead_model.fragmentation * build.total
     return _RankMemory(
-        rank, mine, states, acts, parts, temps, overhead, at_peak, allocated + overhead, build, build_overhead
+        rank,
+        mine,
+        states,
+        acts,
+        parts,
+        temps,
+        overhead,
+        at_peak,
+        allocated + overhead,
+        build,
+        build_overhead,
+        {ph.name: base + ph.total for ph in phases},
     )
 
 
@@ -628,10 +773,12 @@ def estimate(
         overhead_fraction=overhead_model.fragmentation,
         overhead_note=overhead_model.note,
         total=peak.total,
-        peak_phase=peak.at_peak[0],
-        gradients_at_peak=peak.at_peak[1],
-        activations_at_peak=peak.at_peak[2],
-        temporaries_at_peak=peak.at_peak[3],
+        peak_phase=peak.at_peak.name,
+        gradients_at_peak=peak.at_peak.gradients,
+        activations_at_peak=peak.at_peak.activations,
+        temporaries_at_peak=sum(peak.at_peak.temporaries.values()),
+        temporaries_alive=dict(peak.at_peak.temporaries),
+        phase_totals=peak.phase_totals,
         flops_per_token=fpt,
         flops_per_step=flops_step,
         tokens_per_step=tokens,
