@@ -294,6 +294,14 @@ def recompute_factor(policy: str) -> float:
     return 1 + 1 / (3 * k)
 
 
+def checkpointed(policy: str, index: int) -> bool:
+    """Whether block ``index`` recomputes in backward: every block under ``full`` and ``selective``, those
+    with ``index % K == 0`` under ``every:K`` (``parallel/apply.py``'s rule)."""
+    if policy in ("full", "selective"):
+        return True
+    return policy.startswith("every:") and index % int(policy.split(":")[1]) == 0
+
+
 def recomputed_forwards(policy: str) -> float:
     """Share of blocks whose forward runs twice (for the TP volume)."""
     if policy == "full":
@@ -473,13 +481,17 @@ def step_phases(
     in_flight: int = 1,
     blocks: int = 1,
     block_grads: float = 0.0,
+    rounds: int = 1,
+    last_checkpointed: bool = True,
 ) -> list[Phase]:
     """The phases of a training step of ``micro_batches`` (micro-batches times pipeline micro-batches) on
     one rank, in the order PyTorch allocates and frees them (``parts``: the activation parts of
     ``_activations``, ``in_flight`` pipeline micro-batches; ``accumulating``: the gradient bytes while
-    micro-batches accumulate, :func:`accumulating_gradients`; ``kind``: the layout's). ``A`` the saved
-    activations (every part but ``recompute``), ``G`` the gradients before the last backward ends (0 with
-    one micro-batch: each step ends with ``zero_grad(set_to_none=True)``; else ``accumulating``), ``B``
+    micro-batches accumulate, :func:`accumulating_gradients`; ``kind``: the layout's; ``rounds``: the
+    step's micro-batches of ``train.tokens_per_step``, each split in pipeline micro-batches). ``A`` the
+    saved activations (every part but ``recompute``), ``G`` the gradients at the step's first backward of
+    its last round (0 with one round: each step ends with ``zero_grad(set_to_none=True)``; else
+    ``accumulating``), ``B``
     DDP's buckets (alive throughout), FSDP2's gathered copies as ZeRO-3 holds them (root ``R``, untied head
     ``H``, largest block ``U``; ZeRO-2 and a pipeline stage keep every unit gathered)::
 
@@ -492,57 +504,69 @@ def step_phases(
         optimizer step           grads + B + the step's scratch
 
     The loss's kept gradients (precomputing) are activations of the first two; its buffers and the head's
-    saved tensors are freed before the blocks' backward, where a checkpointed block recomputes; the first
+    saved tensors are freed before the blocks' backward, where a checkpointed block recomputes (the last
+    block when it is checkpointed, ``last_checkpointed``; under ``every:K`` otherwise a lower one, once a
+    block at least as large has freed its activations: then no recompute is added there); the first
     reduce-scatter starts after the last block's backward has freed that block's activations. Between the
     last block's backward and the first's (``blocks`` on this rank), activations fall and gradients grow
     block by block, so the larger end is the peak: at the first block's, ``A_1`` is one block's saved
     activations (``(A - head - loss - embedding) / (in_flight * blocks)`` plus the embedding's) and ``G'``
     every gradient but that block's (``grads - block_grads``; while accumulating, ``G``); under
-    checkpointing, whose saved activations are small, this end is the larger. Then the end of backward
-    (measured against PyTorch's MemTracker / FSDPMemTracker (measured against PyTorch's MemTracker / FSDPMemTracker:
-    ``tests/test_estimate_phases.py``). A pipeline rank without the head has no loss phases."""
-    g = accumulating if micro_batches > 1 else 0.0
-    suffix = ""
-    if micro_batches > 1:
-        suffix = (
-            ", unsharded gradients accumulating"
-            if accumulating != states.grads
-            else ", gradients accumulating"
-        )
+    checkpointing, whose saved activations are small, this end is the larger. A pipeline rank holding
+    ``in_flight`` micro-batches at its first backward has every gradient but one micro-batch's activations
+    at its last (1F1B and GPipe alike; the last rank holds one, but a micro-batch's gradients at its
+    second), so the loss and last-block phases come twice: ``G`` with ``A``, and
+    ``accumulating`` with ``A / in_flight``. Measured against PyTorch's MemTracker / FSDPMemTracker:
+    ``tests/test_estimate_phases.py``. A pipeline rank without the head has no loss phases."""
+    accumulating_suffix = (
+        ", unsharded gradients accumulating" if accumulating != states.grads else ", gradients accumulating"
+    )
     saved = sum(v for k, v in parts.items() if k != "recompute")
     freed = (parts.get("head", 0.0) + parts.get("loss", 0.0)) / in_flight
     fwd, bwd, last, first, end = _gathered(temps, kind, pipeline)
+    recompute = parts.get("recompute", 0.0)
+    recomputing = ", a checkpointed block recomputing" if recompute else ""
 
     def alive(**kw: float) -> dict[str, float]:
         return {k: v for k, v in ({"ddp_buckets": temps.ddp_buckets} | kw).items() if v}
 
+    # (gradients, saved activations, name) of the step's first backward (of its last micro-batch round) and,
+    # with pipeline micro-batches in flight, of its last micro-batch (every gradient, one micro-batch held)
+    variants = [(accumulating if rounds > 1 else 0.0, saved, "")]
+    if micro_batches > rounds:  # pipeline micro-batches
+        if in_flight > 1:
+            variants = [(variants[0][0], saved, f", {in_flight} micro-batches in flight")]
+        variants.append((accumulating, saved / in_flight, ", the last micro-batch"))
     out = []
-    if temps.loss_chunk:
-        out += [
+    for g, held, name in variants:
+        name += accumulating_suffix if g else ""
+        if temps.loss_chunk:
+            out += [
+                Phase(
+                    "forward: head and loss" + name,
+                    g,
+                    held,
+                    alive(fsdp_gathered=fwd, loss_forward=temps.loss_forward),
+                ),
+                Phase(
+                    "backward: head and loss" + name,
+                    g,
+                    held,
+                    alive(fsdp_gathered=bwd, loss_backward=temps.loss_backward),
+                ),
+            ]
+        out.append(
             Phase(
-                "forward: head and loss" + suffix,
+                "backward: last block" + (recomputing if last_checkpointed else "") + name,
                 g,
-                saved,
-                alive(fsdp_gathered=fwd, loss_forward=temps.loss_forward),
-            ),
-            Phase(
-                "backward: head and loss" + suffix,
-                g,
-                saved,
-                alive(fsdp_gathered=bwd, loss_backward=temps.loss_backward),
-            ),
-        ]
-    recompute = parts.get("recompute", 0.0)
-    recomputing = ", a checkpointed block recomputing" if recompute else ""
+                held - freed + (recompute if last_checkpointed else 0.0),
+                alive(fsdp_gathered=last, block_backward=temps.block_backward),
+            )
+        )
     embedding = parts.get("embedding", 0.0) / in_flight
     one_block = (saved - in_flight * freed - in_flight * embedding) / (in_flight * max(blocks, 1)) + embedding
+    suffix = accumulating_suffix if micro_batches > 1 else ""
     out += [
-        Phase(
-            "backward: last block" + recomputing + suffix,
-            g,
-            saved - freed + recompute,
-            alive(fsdp_gathered=last, block_backward=temps.block_backward),
-        ),
         Phase(
             "backward: first block" + recomputing + suffix,
             g if micro_batches > 1 else max(states.grads - block_grads, 0.0),
@@ -614,6 +638,8 @@ def _rank_memory(
         pipe.in_flight(layout, rank),
         len(per_block),
         block_grads,
+        accum,
+        checkpointed(layout.activation_checkpointing, max(r.stop for r in owned) - 1),
     )
     at_peak = max(phases, key=lambda ph: ph.total)  # the first of equal phases
     base = states.total - states.grads
