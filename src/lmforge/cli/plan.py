@@ -107,7 +107,9 @@ def _estimate_text(e, name: str, optimizer: str, hw) -> str:
         else f"{e.states.grads / GIB:.2f} GiB by the end of backward"
     )
     acts_note = (
-        acts if e.activations_at_peak else f"{e.activations / GIB:.2f} GiB at the end of forward: {acts}"
+        acts
+        if e.activations_at_peak >= e.activations
+        else f"{e.activations / GIB:.2f} GiB saved by the end of forward, the rest freed by this phase: {acts}"
     )
     for row, value in e.rows().items():
         detail = {

@@ -17,21 +17,18 @@ Activations: ``plan/activations.py`` for the rank's blocks, times the micro-batc
 ``m``; 1F1B and the others ``min(m, p - rank)``, Narayanan et al. 2021; interleaved schedules hold
 somewhat more on the first rank, not modelled), plus one checkpointed block's recomputation.
 
-Peak: activations coexist with the parameters, master weights, optimizer states and the backward
-temporaries; the optimizer step's own scratch comes after the activations are freed. Gradients coexist
-with the activations only when a step has more than one micro-batch (gradient accumulation, or several
-pipeline micro-batches): ``train/step.py`` ends every step with ``zero_grad(set_to_none=True)``, so with
-one micro-batch the backward starts with no gradient, and each layer's gradient appears as that layer's
-activations are freed; activations plus gradients then peak at one end of the backward (linear in
-between), at its start (all activations) or its end (all gradients, with the FSDP2 / DDP buffers)::
+Peak: the largest of the step's phases (:func:`step_phases`: the loss's forward and backward, the last
+and the first block's backward, the end of backward, the optimizer step), each the bytes alive in it as
+PyTorch allocates and frees them: the parameters, master weights and optimizer states throughout, and the
+phase's gradients, activations and temporaries::
 
-    several micro-batches:  total = states + overhead + max(activations + backward temporaries, step scratch)
-    one micro-batch:        total = states - grads + overhead + max(activations + backward temporaries,
-                                    grads + backward temporaries but the loss chunk, grads + step scratch)
+    total = states - grads + overhead + max over phases (gradients + activations + temporaries alive)
 
-(measured against PyTorch's FSDP memory tracker on real FSDP2 runs: tests/test_estimate_fsdp_tracker.py).
-``peak_phase`` names the phase of the peak; ``gradients_at_peak``, ``activations_at_peak`` and
-``temporaries_at_peak`` are its rows (they add up to the total).
+(measured against PyTorch's MemTracker and FSDPMemTracker on real runs: tests/test_estimate_phases.py,
+tests/test_estimate_fsdp_tracker.py). ``peak_phase`` names the phase of the peak; ``gradients_at_peak``,
+``activations_at_peak`` and ``temporaries_at_peak`` are its rows (they add up to the total),
+``temporaries_alive`` its temporaries by :class:`~lmforge.plan.memory.Temporaries` field and
+``phase_totals`` every phase's bytes (overhead left out).
 
 Time (``mfu`` the model-FLOPs utilisation a plain layout reaches on this device, default 0.4 on GPUs: a
 typical well-tuned dense run reaches 0.35-0.5 on A100/H100)::
@@ -470,6 +467,45 @@ def _gathered(temps: Temporaries, kind: str, pipeline: bool) -> tuple[float, ...
     return root + head + unit, root + head + unit, root + 2 * unit, root + unit, root
 
 
+def _alive(temps: Temporaries, **kw: float) -> dict[str, float]:
+    """The temporaries ``kw`` (by field) and DDP's buckets, those not 0."""
+    return {k: v for k, v in ({"ddp_buckets": temps.ddp_buckets} | kw).items() if v}
+
+
+def _head_and_last_block(
+    temps: Temporaries,
+    g: float,
+    held: float,
+    name: str,
+    gathered: tuple[float, float, float],
+    freed: float,
+    recompute: float,
+) -> list[Phase]:
+    """The loss's forward and backward (on the rank holding the head) and the last block's backward, with
+    ``g`` gradient bytes and ``held`` saved activations (:func:`step_phases`); ``gathered``: FSDP2's
+    gathered bytes in each, ``freed`` the head's and loss's activations, ``recompute`` the last block's."""
+    fwd, bwd, last = gathered
+    out = []
+    if temps.loss_chunk:
+        out += [
+            Phase(
+                "forward: head and loss" + name,
+                g,
+                held,
+                _alive(temps, fsdp_gathered=fwd, loss_forward=temps.loss_forward),
+            ),
+            Phase(
+                "backward: head and loss" + name,
+                g,
+                held,
+                _alive(temps, fsdp_gathered=bwd, loss_backward=temps.loss_backward),
+            ),
+        ]
+    recomputing = ", a checkpointed block recomputing" if recompute else ""
+    last_block = _alive(temps, fsdp_gathered=last, block_backward=temps.block_backward)
+    return [*out, Phase("backward: last block" + recomputing + name, g, held - freed + recompute, last_block)]
+
+
 def step_phases(
     states: StateBytes,
     parts: dict[str, float],
@@ -528,7 +564,7 @@ def step_phases(
     recomputing = ", a checkpointed block recomputing" if recompute else ""
 
     def alive(**kw: float) -> dict[str, float]:
-        return {k: v for k, v in ({"ddp_buckets": temps.ddp_buckets} | kw).items() if v}
+        return _alive(temps, **kw)
 
     # (gradients, saved activations, name) of the step's first backward (of its last micro-batch round) and,
     # with pipeline micro-batches in flight, of its last micro-batch (every gradient, one micro-batch held)
@@ -540,28 +576,8 @@ def step_phases(
     out = []
     for g, held, name in variants:
         name += accumulating_suffix if g else ""
-        if temps.loss_chunk:
-            out += [
-                Phase(
-                    "forward: head and loss" + name,
-                    g,
-                    held,
-                    alive(fsdp_gathered=fwd, loss_forward=temps.loss_forward),
-                ),
-                Phase(
-                    "backward: head and loss" + name,
-                    g,
-                    held,
-                    alive(fsdp_gathered=bwd, loss_backward=temps.loss_backward),
-                ),
-            ]
-        out.append(
-            Phase(
-                "backward: last block" + (recomputing if last_checkpointed else "") + name,
-                g,
-                held - freed + (recompute if last_checkpointed else 0.0),
-                alive(fsdp_gathered=last, block_backward=temps.block_backward),
-            )
+        out += _head_and_last_block(
+            temps, g, held, name, (fwd, bwd, last), freed, recompute if last_checkpointed else 0.0
         )
     embedding = parts.get("embedding", 0.0) / in_flight
     one_block = (saved - in_flight * freed - in_flight * embedding) / (in_flight * max(blocks, 1)) + embedding
@@ -569,7 +585,7 @@ def step_phases(
     out += [
         Phase(
             "backward: first block" + recomputing + suffix,
-            g if micro_batches > 1 else max(states.grads - block_grads, 0.0),
+            accumulating if micro_batches > 1 else max(states.grads - block_grads, 0.0),
             one_block + recompute,
             alive(
                 fsdp_gathered=first,
