@@ -115,3 +115,33 @@ def test_zero3_peak_is_the_last_blocks_backward_with_what_the_tracker_shows_aliv
     )
     assert alive.get("fsdp_grad_reduce", 0) == measured.get("Reduce Scatter", 0) == 0, report
     assert "loss_forward" not in alive and "loss_backward" not in alive, report
+
+
+@pytest.mark.distributed
+def test_1f1b_pipeline_ranks_against_the_tracker(corpus_dir, tmp_path_factory):
+    """1F1B over 2 ranks, 2 pipeline micro-batches, FP32, 4 blocks 128 wide: rank 0 meets its first
+    backward with both micro-batches' activations and no gradient yet (the former model put the whole
+    stage's gradients beside them: +9.2%), rank 1 its second with the first's gradients and one
+    micro-batch's activations. Each rank's planned total (``pp_rank_totals`` less the overhead) within 5%
+    of its tracker's peak."""
+    over = tiny_overrides(corpus_dir, tmp_path_factory.mktemp("cache")) | {
+        "data.seq_len": 64,
+        "model.n_layers": 4,
+        "model.d_model": 128,
+        "parallel.pp": 2,
+        "parallel.pp_schedule": "1f1b",
+        "parallel.pp_microbatches": 2,
+    }
+    proc = torchrun(2, [worker("phases_worker.py"), json.dumps(over)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    peaks = [
+        json.loads(ln.removeprefix("PEAK ")) for ln in proc.stdout.splitlines() if ln.startswith("PEAK ")
+    ]
+    measured = {p["rank"]: p["total"] for p in peaks}
+    est = _planned(over, peaks[0]["vocab_size"])
+    for rank, total in enumerate(est.pp_rank_totals):
+        planned = (total - est.overhead_runtime) / (1 + est.overhead_fraction)
+        error = planned / measured[rank] - 1
+        assert abs(error) <= DISTRIBUTED_TOLERANCE, (
+            f"rank {rank}: {planned:,.0f} vs {measured[rank]:,} ({error:+.2%})"
+        )
