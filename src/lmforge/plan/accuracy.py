@@ -1,0 +1,16 @@
+"""The planner's measured accuracy: ``accuracy.json`` beside this module, the accuracy matrix written by
+measuring real steps against PyTorch's memory trackers (``docs/memory-accuracy.md``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def load_accuracy() -> dict | None:
+    """The accuracy matrix (``accuracy.json`` beside this module) as a dict, or None when it is absent
+    (the planner's accuracy has not been measured in this install)."""
+    path = Path(__file__).with_name("accuracy.json")
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
