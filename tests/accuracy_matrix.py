@@ -1,6 +1,6 @@
 """An accuracy matrix with figures the tests choose, installed where ``plan/accuracy.py::load_accuracy``
-reads it (the module's folder, moved to a temporary one), so the pages' accuracy is checked against
-figures typed here rather than against the repo's measured matrix."""
+reads it (its ``PATH``, moved to a temporary folder), so the pages' accuracy is checked against figures
+typed here rather than against the repo's measured matrix."""
 
 from __future__ import annotations
 
@@ -84,8 +84,8 @@ def install(monkeypatch, folder: Path, matrix: dict | None = MATRIX) -> Path:
     """Make ``load_accuracy`` read ``folder/accuracy.json``: ``matrix`` written there, or no file when
     None. Returns the file's path (delete it to take the matrix away while a page is open)."""
     folder.mkdir(parents=True, exist_ok=True)
-    monkeypatch.setattr(lmforge.plan.accuracy, "__file__", str(folder / "accuracy.py"))
     path = folder / "accuracy.json"
+    monkeypatch.setattr(lmforge.plan.accuracy, "PATH", path)
     if matrix is not None:
         path.write_text(json.dumps(matrix))
     return path

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+PATH = Path(__file__).with_name("accuracy.json")
+
 
 def load_accuracy() -> dict | None:
-    """The accuracy matrix (``accuracy.json`` beside this module) as a dict, or None when it is absent
-    (the planner's accuracy has not been measured in this install)."""
-    path = Path(__file__).with_name("accuracy.json")
-    if not path.is_file():
+    """The accuracy matrix (``PATH``, beside this module) as a dict, or None when it is absent (the
+    planner's accuracy has not been measured in this install)."""
+    if not PATH.is_file():
         return None
-    return json.loads(path.read_text())
+    return json.loads(PATH.read_text())

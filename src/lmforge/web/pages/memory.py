@@ -70,16 +70,19 @@ def memory_inputs(
 
 def at_peak(est) -> dict:
     """What is alive in the step's peak phase, read generically from the estimate (the phases' names are
-    the planner's): ``phase`` (``peak_phase``), ``alive`` (``[row, bytes]`` in the breakdown's order, the
-    rows of ``Estimate.rows()`` that hold bytes in that phase), ``parts`` (every ``*_at_peak`` field of
-    ``to_dict()`` that is a dict of named parts: its non-zero ``[part, bytes]`` under the row's name), and the activations the step saves
-    (``activations``, what the activation table lists) beside those alive at the peak
-    (``activations_at_peak``): after the backward has freed them the row is 0 while the table is not."""
-    fields = est.to_dict()
+    the planner's): ``phase`` (``peak_phase``); ``alive``, ``[row, bytes]`` for each row of
+    ``Estimate.rows()`` (made of the ``*_at_peak`` fields) that holds bytes in that phase, in the
+    breakdown's order; ``parts``, for every ``ROW_at_peak`` or ``ROW_alive`` field of ``to_dict()`` that
+    is a dict of named parts, its non-zero ``[part, bytes]`` under ``ROW``; and the activations the step
+    holds for the backward at their largest (``activations``, what the activation table lists) beside
+    those alive at the peak (``activations_at_peak``): once the backward has freed them the row is 0
+    while the table is not."""
     parts = {
-        key.removesuffix("_at_peak").replace("_", " "): [[k, v] for k, v in value.items() if v]
-        for key, value in fields.items()
-        if key.endswith("_at_peak") and isinstance(value, dict)
+        key.removesuffix("_at_peak").removesuffix("_alive").replace("_", " "): [
+            [k, v] for k, v in value.items() if v
+        ]
+        for key, value in est.to_dict().items()
+        if key.endswith(("_at_peak", "_alive")) and isinstance(value, dict)
     }
     return {
         "phase": est.peak_phase,
