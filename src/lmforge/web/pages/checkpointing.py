@@ -16,6 +16,7 @@ from lmforge.config import ModelConfig
 from lmforge.plan import hardware, models
 from lmforge.plan.activations import activation_bytes
 from lmforge.plan.estimate import recompute_factor
+from lmforge.web.accuracy import planner_accuracy
 from lmforge.web.api import arg_choice, arg_int, json_api
 from lmforge.web.paths import PathRefused, resolve_under
 from lmforge.web.planner_inputs import PRECISIONS, PlannerInputs, choices
@@ -175,11 +176,12 @@ def read_benchmark(root: Path, rel: str) -> dict:
 
 
 def checkpointing_figures(inputs: PlannerInputs, k: int, root: Path) -> dict:
-    """The planner's row of each policy (with ratios to ``none``) and every benchmark file's measured
-    figures beside the formula."""
+    """The planner's row of each policy (with ratios to ``none``), its measured accuracy
+    (``web/accuracy.py``) and every benchmark file's measured figures beside the formula."""
     files = benchmark_files(root)
     return {
         "policies": compared([policy_row(inputs, p) for p in policies(k)]),
+        "accuracy": planner_accuracy(),
         "measured": [read_benchmark(root, rel) for rel in files],
         "benchmark_command": BENCHMARK_COMMAND,
     }

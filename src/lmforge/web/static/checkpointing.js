@@ -68,6 +68,10 @@
   lmf.bind(document.getElementById("controls"), async (params) => {
     const d = await lmf.get("/api/checkpointing", params);
     drawPlanner(d.policies);
+    const acc = document.getElementById("checkpointing-accuracy");
+    acc.dataset.measured = d.accuracy.measured ? "1" : "0";
+    acc.textContent = `Device total, the planner's measured accuracy: ${d.accuracy.peak_text}` +
+      (d.accuracy.measured ? " (docs/memory-accuracy.md)." : ".");
     drawMeasured(d.measured, d.benchmark_command);
   });
 })();
