@@ -600,7 +600,8 @@ def optimizer_step_bytes(
       tensor is gathered whole, its gradient too, and stepped alone: ``12 * max N``.
     * ``adamw8bit``: torchao steps each tensor alone in FP32; eagerly, at its largest six FP32 tensors of
       its size are alive (the decayed parameter, the two moments dequantised and interpolated, the squared
-      gradient, the denominator and its quotient), 8-bit or FP32 moments alike: ``24 * max n``.
+      gradient, the denominator and its quotient), 8-bit or FP32 moments alike: ``24 * max n`` (eager;
+      compiled, the step is fused: not measured).
     * ``muon``: one matrix at a time. Nesterov's look-ahead ``4n``, under sharding the update gathered
       whole ``4N``, then Newton-Schulz in BF16 on the whole matrix: the iterate and its successor
       ``2 * 2N`` and the ``r x r`` Gram matrix and its polynomial ``2 * 2 r^2``, ``r`` the smaller side:
