@@ -93,10 +93,11 @@ from dataclasses import dataclass, fields
 
 from lmforge.config import ModelConfig
 from lmforge.model.fused_loss import precomputes
-from lmforge.model.transformer import ff_width
+from lmforge.model.transformer import ff_width, uses_bias
 
 ATTENTION_KINDS = ("flash", "flex", "math")
 LOSSES = ("fused", "chunked")
+TRANSIENT = ("recompute", "forward_casts")  # parts alive on top of the saved bytes, at different moments
 
 
 def attention_kind(device_type: str, attention: str = "auto", doc_mask: bool = True) -> str:
@@ -118,8 +119,10 @@ def attention_kind(device_type: str, attention: str = "auto", doc_mask: bool = T
 @dataclass(frozen=True)
 class ActivationBytes:
     """Bytes saved for backward of one micro-batch on one device, by part (sums over this device's
-    blocks); :attr:`total` is their sum. ``recompute`` (not in the total) is the extra memory of one
-    checkpointed block's recomputation during backward: ``peak = total + recompute``."""
+    blocks); :attr:`total` is their sum. Not in the total (:data:`TRANSIENT`): ``recompute``, the extra
+    memory of one checkpointed block's recomputation during backward, and ``forward_casts``, autocast's
+    cached 16-bit weight copies not saved by any op, alive until the forward's autocast exits:
+    ``peak = total + max(recompute, forward_casts)``."""
 
     residual: int
     norms: int
@@ -133,15 +136,17 @@ class ActivationBytes:
     head: int
     loss: int
     recompute: int = 0
+    forward_casts: int = 0
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self) if f.name != "recompute")
+        return sum(getattr(self, f.name) for f in fields(self) if f.name not in TRANSIENT)
 
     @property
     def peak(self) -> int:
-        """Saved bytes plus one block's recomputation (the backward peak of the activations)."""
-        return self.total + self.recompute
+        """Saved bytes plus the larger transient on top of them: one block's recomputation (in backward)
+        or autocast's cached weight casts (at the end of forward)."""
+        return self.total + max(self.recompute, self.forward_casts)
 
 
 def _checkpointed(policy: str, index: int) -> bool:
@@ -180,28 +185,72 @@ class _Dims:
     llama: bool
     k_mlp: int
     norm_stats: int  # what one norm saves besides its input
+    norm_in: int  # bytes per value of the input copy a norm saves
     m: int  # the math kernel's dtype bytes
+    mp: bool  # FSDP2's MixedPrecisionPolicy: parameters and block inputs already in the compute dtype
 
     @property
     def ac(self) -> bool:
-        """Autocast (``c < 4``)."""
+        """A 16-bit compute dtype (``c < 4``): autocast, or FSDP2's mixed precision (:attr:`mp`)."""
         return self.c < 4
+
+    @property
+    def casts(self) -> bool:
+        """Autocast casts FP32 weights and inputs (16-bit compute without FSDP2's mixed precision)."""
+        return self.ac and not self.mp
+
+    @property
+    def r(self) -> int:
+        """Bytes per value of the residual stream: ``c`` under FSDP2's mixed precision, else 4."""
+        return self.c if self.mp else 4
 
 
 def _dims(
-    model: ModelConfig, vocab_size: int, seq_len: int, micro_batch: int, c: int, tp: int, device_type: str
+    model: ModelConfig,
+    vocab_size: int,
+    seq_len: int,
+    micro_batch: int,
+    c: int,
+    tp: int,
+    device_type: str,
+    mp: bool,
 ) -> _Dims:
     B, T, d = micro_batch, seq_len, model.d_model
     n = B * T // tp  # tokens of the sequence-parallel norms and residual stream
     llama = model.arch == "llama"
-    composite_rms = device_type != "cuda"  # CUDA has a fused RMSNorm kernel, CPU decomposes it
-    norm_stats = (4 * n + 4 * n * d if composite_rms else 4 * n) if llama else 8 * n
+    mp = mp and c < 4
+    composite_rms = llama and device_type != "cuda"  # CUDA has a fused RMSNorm kernel, CPU decomposes it
+    # LayerNorm's mean and rstd: FP32 from FP32 inputs; the CPU kernel returns them in a 16-bit input's dtype
+    ln_stat = c if (mp and device_type != "cuda") else 4
+    norm_stats = (4 * n + 4 * n * d if composite_rms else 4 * n) if llama else 2 * ln_stat * n
     return _Dims(
         B=B, T=T, N=B * T, n=n, d=d, V=vocab_size,
         h=model.n_heads // tp, g=(model.n_kv_heads or model.n_heads) // tp, e=d // model.n_heads,
         f=ff_width(model) // tp, c=c, tp=tp, llama=llama, k_mlp=3 if llama else 2, norm_stats=norm_stats,
+        norm_in=4 if (composite_rms or not mp) else c,  # the CPU RMSNorm saves its FP32 upcast
         m=4 if device_type == "cpu" else c,  # the math kernel's dtype: the CPU one upcasts to FP32
+        mp=mp,
     )  # fmt: skip
+
+
+def _block_weights(D: _Dims) -> int:
+    """Values of one block's matmul weights on this device: ``d h e + 2 d g e + h e d + k_mlp d f``."""
+    return D.d * D.h * D.e + 2 * D.d * D.g * D.e + D.h * D.e * D.d + D.k_mlp * D.d * D.f
+
+
+def _block_biases(D: _Dims) -> int:
+    """Values of one block's matmul biases on this device (column-parallel ones ``/ tp``):
+    ``(h + 2 g) e + (k_mlp - 1) f + 2 d``."""
+    return (D.h + 2 * D.g) * D.e + (D.k_mlp - 1) * D.f + 2 * D.d
+
+
+def _rotary(D: _Dims) -> int:
+    """The RoPE tables' 16-bit copies one Llama block keeps: autocast, ``cos/sin.to(c)`` for q and for k,
+    ``4 c T e``; FSDP2's mixed precision casts the block's floating inputs (the tables) once, ``2 c T e``,
+    kept whether the block is checkpointed or not."""
+    if not (D.ac and D.llama):
+        return 0
+    return 2 * D.c * D.T * D.e if D.mp else 4 * D.c * D.T * D.e
 
 
 def _plain_block(D: _Dims, attention: str, doc_mask: bool) -> dict[str, int]:
@@ -213,15 +262,18 @@ def _plain_block(D: _Dims, attention: str, doc_mask: bool) -> dict[str, int]:
         kernel = 2 * c * B * (h + g) * T * e + 4 * B * h * T
     else:
         kernel = 3 * m * B * h * T * e + m * B * h * T * T + c * B * h * T * e
+    # the matmuls' inputs: FP32 one shared copy; autocast one cast per projection; FSDP2's mixed
+    # precision one shared 16-bit copy (the norm's output is already in the compute dtype)
+    shared = c * N * d if D.mp else 4 * N * d
     return {
-        "residual": 2 * 4 * n * d,
+        "residual": 2 * D.norm_in * n * d,
         "norms": 2 * D.norm_stats,
-        "attention_proj": 3 * c * N * d if D.ac else 4 * N * d,
-        "rotary": 4 * c * T * e if (D.ac and D.llama) else 0,
+        "attention_proj": 3 * c * N * d if D.casts else shared,
+        "rotary": _rotary(D),
         "attention_kernel": kernel,
         "attention_mask": c * B * T * T if (doc_mask and attention == "flash") else 0,
-        "mlp": ((D.k_mlp - 1) * c * N * d if D.ac else 4 * N * d) + (4 if D.llama else 2) * c * N * f,
-        "weight_casts": c * (d * h * e + 2 * d * g * e + h * e * d + D.k_mlp * d * f) if D.ac else 0,
+        "mlp": ((D.k_mlp - 1) * c * N * d if D.casts else shared) + (4 if D.llama else 2) * c * N * f,
+        "weight_casts": c * _block_weights(D) if D.casts else 0,
     }
 
 
@@ -234,7 +286,8 @@ def _selective_block(D: _Dims, attention: str) -> dict[str, int]:
         kept_kernel = c * B * h * T * e + 4 * B * h * T
     reduce_scatter = c * n * d if D.tp > 1 else 0  # the selective policy keeps TP's reduce-scatter outputs
     return {
-        "residual": 4 * n * d,
+        "residual": D.r * n * d,
+        "rotary": _rotary(D) if D.mp else 0,
         "attention_proj": c * N * (h + 2 * g) * e + c * N * d + reduce_scatter,
         "attention_kernel": kept_kernel,
         "mlp": c * N * (D.k_mlp - 1) * f + c * N * d + reduce_scatter,
@@ -244,16 +297,16 @@ def _selective_block(D: _Dims, attention: str) -> dict[str, int]:
 def _head_and_loss(D: _Dims, loss: str, loss_chunk: int) -> dict[str, int]:
     """What the final norm, the head and the loss save (the stage holding the last block)."""
     N, n, d, V, c = D.N, D.n, D.d, D.V, D.c
-    final_norm = 4 * n * d + D.norm_stats
+    final_norm = D.norm_in * n * d + D.norm_stats
     if loss == "fused":
         v = V // D.tp
         if precomputes(N, v, d, loss_chunk, c):  # the FP32 gradients of the hidden states and the head rows
             return {"head": final_norm, "loss": 4 * N * d + 4 * v * d}
-        return {"head": final_norm + 4 * N * d, "loss": 4 * N}  # its FP32 input, a log-sum-exp per token
+        return {"head": final_norm + D.r * N * d, "loss": 4 * N}  # its input, a log-sum-exp per token
     if loss == "chunked":
         return {
             "head": final_norm + (c * N * d if D.ac else 4 * N * d),
-            "weight_casts": c * V * d // D.tp if D.ac else 0,
+            "weight_casts": c * V * d // D.tp if D.casts else 0,
             "loss": 4 * N * V + 4 * math.ceil(N / (loss_chunk or N)),
         }
     raise ValueError(f"loss {loss!r}: use one of {', '.join(LOSSES)}")
@@ -273,6 +326,7 @@ def activation_bytes(
     first_layer: int = 0,
     device_type: str = "cpu",
     loss: str = "fused",
+    fsdp_mixed_precision: bool = False,
 ) -> ActivationBytes:
     """Bytes kept alive between forward and backward of one micro-batch of ``micro_batch x seq_len``
     tokens on one device (formulas in the module docstring).
@@ -283,7 +337,10 @@ def activation_bytes(
     on this device (a pipeline stage; default all) starting at block ``first_layer``: the embedding
     counts on the stage holding block 0, the final norm, head and loss on the one holding the last block.
     ``device_type``: ``cpu`` (measured) or ``cuda`` (fused RMSNorm saves no ``x_hat``; the math kernel
-    computes in the compute dtype); ``loss``: ``fused`` or ``chunked``; see the module docstring.
+    computes in the compute dtype); ``loss``: ``fused`` or ``chunked``; ``fsdp_mixed_precision``: the
+    blocks run under FSDP2's ``MixedPrecisionPolicy`` (``parallel/data_parallel.py::apply_fsdp``: ZeRO-2/3
+    with a 16-bit compute dtype) instead of plain autocast over FP32 parameters (one process, DDP,
+    ZeRO-1); ignored at ``compute_bytes`` 4. See the module docstring.
     """
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention {attention!r}: use one of {', '.join(ATTENTION_KINDS)}")
@@ -294,20 +351,21 @@ def activation_bytes(
         raise ValueError(
             f"blocks {first_layer}..{first_layer + layers - 1} are not within 0..{model.n_layers - 1}"
         )
-    D = _dims(model, vocab_size, seq_len, micro_batch, compute_bytes, tp, device_type)
+    D = _dims(model, vocab_size, seq_len, micro_batch, compute_bytes, tp, device_type, fsdp_mixed_precision)
     plain = _plain_block(D, attention, model.doc_mask)
-    kept = _selective_block(D, attention) if policy == "selective" else {"residual": 4 * D.n * D.d}
+    full = {"residual": D.r * D.n * D.d, "rotary": _rotary(D) if D.mp else 0}
+    kept = _selective_block(D, attention) if policy == "selective" else full
 
-    parts = {field.name: 0 for field in fields(ActivationBytes) if field.name != "recompute"}
-    recompute, any_checkpointed = 0, False
+    parts = {field.name: 0 for field in fields(ActivationBytes) if field.name not in TRANSIENT}
+    recompute, checkpointed = 0, 0
     for i in range(first_layer, first_layer + layers):
         if not _checkpointed(policy, i):
             _add(parts, **plain)
             continue
-        any_checkpointed = True
+        checkpointed += 1
         _add(parts, **kept)
         recompute = max(recompute, sum(plain.values()) - sum(kept.values()))
-    if any_checkpointed and model.doc_mask and attention != "flex":
+    if checkpointed and model.doc_mask and attention != "flex":
         parts["attention_mask"] += (
             D.B * D.T * D.T
         )  # the boolean mask, an argument of every checkpointed block
@@ -315,4 +373,8 @@ def activation_bytes(
         parts["embedding"] += 8 * D.T
     if first_layer + layers == model.n_layers:
         _add(parts, **_head_and_loss(D, loss, loss_chunk))
-    return ActivationBytes(**parts, recompute=recompute)
+    forward_casts = 0
+    if D.casts:  # autocast's cache: checkpointed blocks' weight casts, and every block's bias casts
+        biases = _block_biases(D) * layers if uses_bias(model) else 0
+        forward_casts = D.c * (_block_weights(D) * checkpointed + biases)
+    return ActivationBytes(**parts, recompute=recompute, forward_casts=forward_casts)
