@@ -7,8 +7,8 @@ data-parallel layout (run by tests/test_estimate_fsdp_activations.py).
 For each case the training module is built as ``lmforge train`` builds it (``train/build.py``:
 ``training_module`` with the precision's compute dtype, so ZeRO-2/3 apply FSDP2's ``MixedPrecisionPolicy``
 and DDP / ZeRO-1 wrap ``DistributedDataParallel``), takes two forwards and backwards (FSDP2's lazy
-initialisation; DDP rebuilds its gradient buckets in the second forward), then one forward under the run's autocast measured by
-``probes/activation_memory.py::saved_activation_bytes``. Rank 0 prints one line
+initialisation; DDP rebuilds its gradient buckets in the second forward), then one forward under the
+run's autocast measured by ``probes/activation_memory.py::saved_activation_bytes``. Rank 0 prints one line
 ``ACTS {case: [bytes per rank]}``.
 """
 

@@ -10,21 +10,32 @@ the eager ops of ``lmforge/model`` save, read from their saved tensors on torch 
   value heads, ``e = d / h`` head width, ``f`` MLP width, ``V`` vocabulary, ``c`` compute bytes (4: FP32,
   2: BF16/FP16 autocast), ``a = 1`` under autocast (``c < 4``) else ``0``; under tensor parallelism ``h``,
   ``g``, ``f`` are the per-rank shares ``/ tp`` and ``n = N / tp`` (sequence parallel), else ``n = N``.
-* The residual stream is FP32 in both precisions (FP32 master weights: the embedding output is FP32 and
-  ``x + attn(...)`` promotes to FP32), so block inputs always cost 4 bytes per value.
+* The residual stream is FP32 under FP32 and under autocast (FP32 master weights: the embedding output is
+  FP32 and ``x + attn(...)`` promotes to FP32), so block inputs cost 4 bytes per value there.
+* FSDP2's mixed precision (``fsdp_mixed_precision``: ZeRO-2/3 with a 16-bit compute dtype, BF16 for FP8
+  too; ``parallel/data_parallel.py::apply_fsdp``) is another path: ``MixedPrecisionPolicy`` gathers the
+  parameters in ``c`` and casts each block's floating inputs to ``c``, so the embedding, the residual
+  stream and every norm output are ``c``-byte, nothing is cast by autocast (the weights are already
+  ``c``), and the RoPE tables arrive cast once per block. Each difference is stated below as "FSDP2 mp";
+  measured exact on 2 gloo processes for Llama (GQA) and GPT-2 under every policy (ZeRO-3 BF16, ZeRO-2
+  BF16, FP16), and FP8 (tensorwise) adds one FP32 scale, 4 bytes, per float8 linear layer, not counted.
 
 One block without checkpointing (policy ``none``), in bytes:
 
-* residual: the block input and the mid-block sum, saved by the two norms: ``2 * 4 n d``.
+* residual: the block input and the mid-block sum, saved by the two norms: ``2 * 4 n d``. FSDP2 mp:
+  ``2 * c n d`` (``c``-byte inputs), except the CPU RMSNorm, which upcasts its input to FP32 and saves
+  that copy instead: ``2 * 4 n d`` (on CUDA the fused kernel saves the ``c``-byte input: derived).
 * norms: RMSNorm (a composite on CPU: ``x * rsqrt(mean(x^2) + eps) * w``) saves ``rstd`` and
-  ``x_hat = x * rstd``: ``2 * (4 n + 4 n d)``; on CUDA ``rms_norm`` dispatches to the fused
-  ``_fused_rms_norm`` kernel, whose backward needs only the input and ``rstd``: ``2 * 4 n`` (read from
-  PyTorch's ``rms_norm_symint``, not measured here); LayerNorm (fused) saves mean and rstd: ``2 * 8 n``.
+  ``x_hat = x * rstd``: ``2 * (4 n + 4 n d)`` (FP32 under FSDP2 mp too); on CUDA ``rms_norm`` dispatches
+  to the fused ``_fused_rms_norm`` kernel, whose backward needs only the input and ``rstd``: ``2 * 4 n``
+  (read from PyTorch's ``rms_norm_symint``, not measured here); LayerNorm (fused) saves mean and rstd:
+  ``2 * 8 n``; FSDP2 mp on CPU: the CPU kernel returns them in the input's dtype, ``2 * 2 c n``.
 * attention projections: the q/k/v input. FP32: the norm output once (the three matmuls share it),
   ``4 N d``; autocast: each projection casts its input to ``c`` separately (autocast caches only leaf
-  weights), ``3 c N d``.
+  weights), ``3 c N d``; FSDP2 mp: the norm's ``c``-byte output once, ``c N d``.
 * rotary (Llama): FP32 saves nothing (the cos/sin tables are buffer slices); autocast saves the four
-  ``cos/sin.to(c)`` copies (q and k): ``4 c T e``.
+  ``cos/sin.to(c)`` copies (q and k): ``4 c T e``; FSDP2 mp: the block's cast of the two tables, shared
+  by q and k, ``2 c T e``, kept by checkpointed blocks too (they are the checkpoint's inputs).
 * attention kernel, ``flash`` (SDPA's flash / memory-efficient / CPU flash kernels): q, k, v, out at
   ``c`` and the FP32 log-sum-exp: ``4 c B h T e + 4 B h T``. lmforge repeats the K/V heads with
   ``repeat_interleave`` before SDPA (``attend``), so the saved k and v are ``h`` heads wide, not ``g``.
@@ -37,53 +48,66 @@ One block without checkpointing (policy ``none``), in bytes:
   inside SDPA to an additive mask in the compute dtype, which the kernel saves, once per block:
   ``c B T^2`` (``flash`` only; ``math`` adds the mask without saving it; ``flex`` has no dense mask).
 * MLP: its input (FP32 ``4 N d``; autocast one cast per input projection, ``2 c N d`` SwiGLU,
-  ``c N d`` GELU) plus SwiGLU's gate, silu(gate), up and their product ``4 c N f``, or GELU's
-  pre-activation and output ``2 c N f``.
+  ``c N d`` GELU; FSDP2 mp the norm's output once, ``c N d``) plus SwiGLU's gate, silu(gate), up and
+  their product ``4 c N f``, or GELU's pre-activation and output ``2 c N f``.
 * autocast weight casts: each matmul saves its ``c``-byte weight copy, held by the graph until backward:
   ``c * (d h e + 2 d g e + h e d + k_mlp d f)`` with ``k_mlp`` 3 (SwiGLU) or 2 (GELU). They are counted as
-  activations: they are created per forward and freed only by backward (``weight_casts``).
+  activations: they are created per forward and freed only by backward (``weight_casts``). FSDP2 mp: 0.
 
 Checkpointed blocks (``full``; ``every:K`` checkpoints block ``i`` when ``i % K == 0``) keep only their
-input ``4 n d`` (saved by checkpoint's input saver) and, once for all of them, the boolean document mask
-they take as an argument, ``B T^2`` (the RoPE tables are buffer slices). ``selective`` keeps the block
-input, the outputs of every matmul (``mm``/``addmm``/``bmm``) and of the attention kernel:
-``4 n d + c N (h e + 2 g e) + c B h T e + 4 B h T + c N d + c N (k_mlp - 1) f + c N d`` (``o_proj`` and
-``down``/``fc_out`` outputs are full ``N d`` partial sums under tensor parallelism, whose two
-reduce-scatter outputs are kept too, ``+ 2 c n d``; the ``math`` kernel instead keeps its two ``bmm``
-outputs ``m B h T^2 + m B h T e``).
+input ``4 n d`` (saved by checkpoint's input saver; FSDP2 mp ``c n d`` and the RoPE casts ``2 c T e``)
+and, once for all of them, the boolean document mask they take as an argument, ``B T^2`` (the RoPE
+tables are buffer slices). ``selective`` keeps the block input, the outputs of every matmul
+(``mm``/``addmm``/``bmm``) and of the attention kernel:
+``4 n d + c N (h e + 2 g e) + c B h T e + 4 B h T + c N d + c N (k_mlp - 1) f + c N d`` (FSDP2 mp: the
+input ``c n d``, plus ``2 c T e`` of RoPE casts; ``o_proj`` and ``down``/``fc_out`` outputs are full
+``N d`` partial sums under tensor parallelism, whose two reduce-scatter outputs are kept too,
+``+ 2 c n d``; the ``math`` kernel instead keeps its two ``bmm`` outputs ``m B h T^2 + m B h T e``).
 
 Outside the blocks:
 
 * embedding: GPT-2's position ids ``arange(T)``, ``8 T`` (the token ids are the caller's input and are
   not counted).
-* head and loss (``loss``): the final norm as a block norm (input ``4 n d``, stats, RMSNorm's ``x_hat``)
-  on every rank's sequence shard. Then, by loss:
+* head and loss (``loss``): the final norm as a block norm (input ``4 n d``, stats, RMSNorm's ``x_hat``;
+  FSDP2 mp as the block norms above) on every rank's sequence shard. Then, by loss:
 
   - ``fused`` (``model/fused_loss.py``: the output head and the cross-entropy fused chunk by chunk in
     forward and backward), no logits, no weight cast and no compute-dtype copy of the input kept,
     whatever the chunk; one of two ways, as ``model/fused_loss.py::precomputes`` decides from ``N``,
     ``v = V / tp``, ``d``, the chunk and ``c``: recomputing keeps its input, the final norm's FP32
-    output, ``4 N d``, and one FP32 log-sum-exp per token, ``4 N``; precomputing (a summed loss whose
-    two gradients are no larger than a chunk's temporaries) keeps the FP32 gradients of the hidden
-    states and of this rank's head rows, ``4 N d + 4 v d``. Under tensor parallelism the loss is
-    vocabulary-parallel: each rank holds all ``N`` tokens' hidden states (all-gathered) and its
-    ``V / tp`` rows (temporaries: ``plan/memory.py::loss_temporary``).
+    output, ``4 N d`` (FSDP2 mp: ``c N d``), and one FP32 log-sum-exp per token, ``4 N``; precomputing
+    (a summed loss whose two gradients are no larger than a chunk's temporaries) keeps the FP32
+    gradients of the hidden states and of this rank's head rows, ``4 N d + 4 v d``. Under tensor
+    parallelism the loss is vocabulary-parallel: each rank holds all ``N`` tokens' hidden states
+    (all-gathered) and its ``V / tp`` rows (temporaries: ``plan/memory.py::loss_temporary``).
   - ``chunked`` (the chunked loss lmforge had before, a head then ``F.cross_entropy`` per chunk; measured
     exact): the head input (FP32: the norm output ``4 N d``; autocast: its cast per chunk, ``c N d``),
-    the autocast copy of the head weight ``c V d`` (``/ tp``), and every chunk's FP32 log-softmax,
-    alive until backward in eager, ``4 N V`` in all (the chunking bounds the temporary logits, not the
-    saved log-probabilities), plus one 4-byte ``total_weight`` per chunk, ``4 ceil(N / chunk)``; under
+    the autocast copy of the head weight ``c V d`` (``/ tp``; FSDP2 mp: none), and every chunk's FP32
+    log-softmax, alive until backward in eager, ``4 N V`` in all (the chunking bounds the temporary
+    logits, not the saved log-probabilities), plus one 4-byte ``total_weight`` per chunk, ``4 ceil(N / chunk)``; under
     tensor parallelism the head input and the logits are all-gathered, full-size on every rank.
 
-The backward peak adds, on top of the saved bytes, one checkpointed block's recomputation: its ``none``
-bytes minus what it kept (``recompute``; gradients and temporaries not included).
+Two transients come on top of the saved bytes, at different moments (``peak = total + max(recompute,
+forward_casts)``):
+
+* ``recompute``, in backward: one checkpointed block's recomputation, its ``none`` bytes minus what it
+  kept (gradients and temporaries not included).
+* ``forward_casts``, at the end of forward (autocast only, not FSDP2 mp): autocast's cache keeps the
+  ``c``-byte copy of every FP32 leaf weight it cast until the outermost autocast exits. A block that is
+  not checkpointed saves its weight copies anyway (``weight_casts``); a checkpointed block's copies are
+  held by the cache alone, as are every block's bias copies:
+  ``c * (checkpointed * (d h e + 2 d g e + h e d + k_mlp d f)``
+  ``+ blocks * ((h + 2 g) e + (k_mlp - 1) f + 2 d))``
+  (biases only where the model has them). Measured exact in one process (the storages alive just before
+  autocast exits less those backward keeps).
 
 Tensor parallelism follows ``lmforge/parallel/tensor.py``: norms and residual on the sequence shard
 (``n = N / tp``), each column-parallel matmul saves the all-gathered ``(N, d)`` input (or, under
 autocast, its own cast of it), heads and MLP channels ``/ tp``, the mask, the RoPE casts, the head input
 and the loss full-size on every rank. Measured exact at ``tp = 2`` (2 CPU processes, gloo, saved-tensor
 hooks unwrapping DTensors) for ``none``, ``full`` and ``every:2`` in FP32 and BF16; ``selective`` under
-TP is derived, not measured.
+TP is derived, not measured. FSDP2 mp under TP (or on a pipeline stage) takes the same substitutions as
+without it: derived, not measured.
 """
 
 from __future__ import annotations
