@@ -84,8 +84,9 @@ Outside the blocks:
     exact): the head input (FP32: the norm output ``4 N d``; autocast: its cast per chunk, ``c N d``),
     the autocast copy of the head weight ``c V d`` (``/ tp``; FSDP2 mp: none), and every chunk's FP32
     log-softmax, alive until backward in eager, ``4 N V`` in all (the chunking bounds the temporary
-    logits, not the saved log-probabilities), plus one 4-byte ``total_weight`` per chunk, ``4 ceil(N / chunk)``; under
-    tensor parallelism the head input and the logits are all-gathered, full-size on every rank.
+    logits, not the saved log-probabilities), plus one 4-byte ``total_weight`` per chunk,
+    ``4 ceil(N / chunk)``; under tensor parallelism the head input and the logits are all-gathered,
+    full-size on every rank.
 
 Two transients come on top of the saved bytes, at different moments (``peak = total + max(recompute,
 forward_casts)``):
