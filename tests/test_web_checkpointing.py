@@ -65,6 +65,7 @@ def test_checkpointing_page_shows_estimate_and_benchmark(
         e = estimate_cli(capsys, *BASE, f"--train.activation_checkpointing={policy}")
         assert figure(page, f"{policy}.activations") == e["activations"], policy
         assert figure(page, f"{policy}.recompute_peak") == e["activation_parts"]["recompute"], policy
+        assert figure(page, f"{policy}.forward_casts") == e["activation_parts"]["forward_casts"], policy
         assert figure(page, f"{policy}.total") == e["total"], policy
         assert figure(page, f"{policy}.recompute") == e["recompute"] == recompute_factor(policy), policy
         assert figure(page, f"{policy}.step_s") == e["step_s"], policy

@@ -66,18 +66,23 @@ def checkpointing_inputs(
 
 def policy_row(inputs: PlannerInputs, policy: str) -> dict:
     """The planner's figures for one policy: ``saved`` (what the forward keeps, ``activations`` minus
-    the recomputation), ``recompute_peak`` (one checkpointed block recomputed during backward),
-    ``activations`` (their sum, ``Estimate.activations``), the device total, the compute factor
-    (``Estimate.recompute`` = ``recompute_factor(policy)``: 1, 4/3, 1 + 1/(3K), 1.03), compute and step
-    seconds, and the command that prints them."""
+    the transient on top of it), ``recompute_peak`` (one checkpointed block recomputed during backward),
+    ``forward_casts`` (autocast's cached weight copies at the end of forward), ``transient`` (the larger
+    of the two), ``activations`` (``saved + transient``, ``Estimate.activations``), the device total, the
+    compute factor (``Estimate.recompute`` = ``recompute_factor(policy)``: 1, 4/3, 1 + 1/(3K), 1.03),
+    compute and step seconds, and the command that prints them."""
     one = inputs.but({"train.activation_checkpointing": policy})
     est = one.estimate()
     recompute_peak = est.activation_parts.get("recompute", 0.0)
+    forward_casts = est.activation_parts.get("forward_casts", 0.0)
+    transient = max(recompute_peak, forward_casts)
     return {
         "policy": policy,
         "command": one.command(),
-        "saved": est.activations - recompute_peak,
+        "saved": est.activations - transient,
         "recompute_peak": recompute_peak,
+        "forward_casts": forward_casts,
+        "transient": transient,
         "activations": est.activations,
         "activation_parts": est.activation_parts,
         "total": est.total,
