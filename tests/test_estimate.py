@@ -347,8 +347,10 @@ def test_every_pipeline_rank_has_its_total_and_the_peak_is_the_estimate():
     e = estimate(work, layout, hardware.get("h100-80gb"))
     assert len(e.pp_rank_totals) == 4
     assert max(e.pp_rank_totals) == e.total == e.pp_rank_totals[e.pp_rank]
-    # 1F1B: rank r keeps min(m, p - r) micro-batches in flight, so the first rank holds the most
-    assert e.pp_rank_totals[1] > e.pp_rank_totals[2]
+    # 1F1B: rank r keeps min(m, p - r) micro-batches in flight, so the first rank holds the most; the middle
+    # ranks peak at their last micro-batch (every unsharded gradient of the stage, one micro-batch's
+    # activations: what MemTracker shows on 2 ranks, tests/test_estimate_phases.py), the same on both
+    assert e.pp_rank_totals[0] > e.pp_rank_totals[1] >= e.pp_rank_totals[2]
     assert estimate(work, Layout(dp_shard=8), hardware.get("h100-80gb")).pp_rank_totals == [
         estimate(work, Layout(dp_shard=8), hardware.get("h100-80gb")).total
     ]

@@ -62,7 +62,7 @@ from lmforge.parallel.pipeline import (
     stage_ids,
     stage_layers,
 )
-from lmforge.plan.activations import activation_bytes
+from lmforge.plan.activations import TRANSIENT, activation_bytes
 from lmforge.plan.comm import CommVolume, dp_collectives, dp_volume, pp_volume, tied_volume, tp_volume
 from lmforge.plan.flops import flops_per_token, lookup_params
 from lmforge.plan.hardware import Hardware
@@ -323,10 +323,18 @@ def accumulation(workload: Workload, layout: Layout) -> tuple[int, int]:
 def _activations(
     workload: Workload, layout: Layout, stages: list[range], in_flight: int, mb: int, accounting: str
 ) -> tuple[float, dict]:
-    """Saved activations plus one checkpointed block's recomputation (``ActivationBytes.peak``) of the
-    ``in_flight`` pipeline micro-batches a rank holds over its ``stages``. The matmuls' saved 16-bit weight
-    casts are left out where no cast happens: under FSDP2 the blocks compute with its gathered 16-bit
-    parameters (counted as ``fsdp_gathered``), and in the zero-paper accounting parameters are 16-bit."""
+    """Saved activations of the ``in_flight`` pipeline micro-batches a rank holds over its ``stages``, plus
+    the larger of the two transients on top of them (``ActivationBytes.peak``): one checkpointed block's
+    recomputation (in backward) or autocast's cached weight casts (at the end of one forward); each is
+    per forward or per block, so counted once whatever is in flight.
+
+    Under ZeRO-2/3 with a 16-bit precision the blocks run under FSDP2's ``MixedPrecisionPolicy``
+    (``parallel/data_parallel.py::apply_fsdp``; FP8 too, whose policy computes in BF16): 16-bit parameters
+    and residual stream, no weight casts (the gathered 16-bit parameters are counted as
+    ``fsdp_gathered``); one process, DDP and ZeRO-1 autocast over FP32 parameters. In the zero-paper
+    accounting parameters are 16-bit, so no weight cast is counted either."""
+    c = compute_bytes(workload.precision)
+    fsdp_mp = layout.kind in ("zero2", "zero3") and c < 4
     parts: dict[str, float] = {}
     for r in stages:
         a = activation_bytes(
@@ -335,7 +343,7 @@ def _activations(
             workload.seq_len,
             mb,
             layout.activation_checkpointing,
-            compute_bytes(workload.precision),
+            c,
             workload.attention,
             workload.loss_chunk,
             tp=layout.tp,
@@ -343,15 +351,17 @@ def _activations(
             first_layer=r.start,
             device_type=workload.device_type,
             loss=workload.loss,
+            fsdp_mixed_precision=fsdp_mp,
         )
         for k, v in asdict(a).items():
-            if k == "recompute":  # one block recomputes at a time on a rank, whatever is in flight
+            if k in TRANSIENT:  # one block recomputes, one forward's autocast cache lives, at a time
                 parts[k] = max(parts.get(k, 0.0), float(v))
             else:
                 parts[k] = parts.get(k, 0.0) + float(v) * in_flight
-    if layout.kind in ("zero2", "zero3") or accounting == "zero-paper":
-        parts["weight_casts"] = 0.0
-    return sum(parts.values()), parts
+    if accounting == "zero-paper":
+        parts["weight_casts"] = parts["forward_casts"] = 0.0
+    saved = sum(v for k, v in parts.items() if k not in TRANSIENT)
+    return saved + max(parts[k] for k in TRANSIENT), parts
 
 
 def _link(hw: Hardware, span: int) -> float:
@@ -480,10 +490,13 @@ def _head_and_last_block(
     gathered: tuple[float, float, float],
     freed: float,
     recompute: float,
+    forward_casts: float = 0.0,
 ) -> list[Phase]:
     """The loss's forward and backward (on the rank holding the head) and the last block's backward, with
     ``g`` gradient bytes and ``held`` saved activations (:func:`step_phases`); ``gathered``: FSDP2's
-    gathered bytes in each, ``freed`` the head's and loss's activations, ``recompute`` the last block's."""
+    gathered bytes in each, ``freed`` the head's and loss's activations, ``recompute`` the last block's,
+    ``forward_casts`` autocast's cached weight copies, alive until the forward (the loss's included)
+    ends."""
     fwd, bwd, last = gathered
     out = []
     if temps.loss_chunk:
@@ -491,7 +504,7 @@ def _head_and_last_block(
             Phase(
                 "forward: head and loss" + name,
                 g,
-                held,
+                held + forward_casts,
                 _alive(temps, fsdp_gathered=fwd, loss_forward=temps.loss_forward),
             ),
             Phase(
@@ -504,6 +517,19 @@ def _head_and_last_block(
     recomputing = ", a checkpointed block recomputing" if recompute else ""
     last_block = _alive(temps, fsdp_gathered=last, block_backward=temps.block_backward)
     return [*out, Phase("backward: last block" + recomputing + name, g, held - freed + recompute, last_block)]
+
+
+def _variants(
+    saved: float, accumulating: float, micro_batches: int, rounds: int, in_flight: int
+) -> list[tuple[float, float, str]]:
+    """``(gradients, saved activations, name)`` of the step's first backward (of its last micro-batch
+    round) and, with pipeline micro-batches, of its last micro-batch (every gradient, one micro-batch's
+    activations: :func:`step_phases`)."""
+    first = accumulating if rounds > 1 else 0.0
+    if micro_batches <= rounds:
+        return [(first, saved, "")]
+    name = f", {in_flight} micro-batches in flight" if in_flight > 1 else ""
+    return [(first, saved, name), (accumulating, saved / in_flight, ", the last micro-batch")]
 
 
 def step_phases(
@@ -525,13 +551,15 @@ def step_phases(
     ``_activations``, ``in_flight`` pipeline micro-batches; ``accumulating``: the gradient bytes while
     micro-batches accumulate, :func:`accumulating_gradients`; ``kind``: the layout's; ``rounds``: the
     step's micro-batches of ``train.tokens_per_step``, each split in pipeline micro-batches). ``A`` the
-    saved activations (every part but ``recompute``), ``G`` the gradients at the step's first backward of
+    saved activations (every part but the transients ``recompute`` and ``forward_casts``), ``G`` the
+    gradients at the step's first backward of
     its last round (0 with one round: each step ends with ``zero_grad(set_to_none=True)``; else
     ``accumulating``), ``B``
     DDP's buckets (alive throughout), FSDP2's gathered copies as ZeRO-3 holds them (root ``R``, untied head
     ``H``, largest block ``U``; ZeRO-2 and a pipeline stage keep every unit gathered)::
 
-        forward: head and loss   G + A + B + R + H + U (the last all-gather's buffer) + loss forward buffers
+        forward: head and loss   G + A + autocast's cached weight casts + B + R + H + U (the last
+                                   all-gather's buffer) + loss forward buffers
         backward: head and loss  G + A + B + R + H + U (the next block prefetched) + loss backward buffers
         backward: last block     G + A - (head + loss) / in_flight + recompute + B + R + 2 U
                                    + one block's backward working set W
@@ -557,27 +585,24 @@ def step_phases(
     accumulating_suffix = (
         ", unsharded gradients accumulating" if accumulating != states.grads else ", gradients accumulating"
     )
-    saved = sum(v for k, v in parts.items() if k != "recompute")
+    saved = sum(v for k, v in parts.items() if k not in TRANSIENT)
     freed = (parts.get("head", 0.0) + parts.get("loss", 0.0)) / in_flight
     fwd, bwd, last, first, end = _gathered(temps, kind, pipeline)
     recompute = parts.get("recompute", 0.0)
     recomputing = ", a checkpointed block recomputing" if recompute else ""
 
-    def alive(**kw: float) -> dict[str, float]:
-        return _alive(temps, **kw)
-
-    # (gradients, saved activations, name) of the step's first backward (of its last micro-batch round) and,
-    # with pipeline micro-batches in flight, of its last micro-batch (every gradient, one micro-batch held)
-    variants = [(accumulating if rounds > 1 else 0.0, saved, "")]
-    if micro_batches > rounds:  # pipeline micro-batches
-        if in_flight > 1:
-            variants = [(variants[0][0], saved, f", {in_flight} micro-batches in flight")]
-        variants.append((accumulating, saved / in_flight, ", the last micro-batch"))
     out = []
-    for g, held, name in variants:
+    for g, held, name in _variants(saved, accumulating, micro_batches, rounds, in_flight):
         name += accumulating_suffix if g else ""
         out += _head_and_last_block(
-            temps, g, held, name, (fwd, bwd, last), freed, recompute if last_checkpointed else 0.0
+            temps,
+            g,
+            held,
+            name,
+            (fwd, bwd, last),
+            freed,
+            recompute if last_checkpointed else 0.0,
+            parts.get("forward_casts", 0.0),
         )
     embedding = parts.get("embedding", 0.0) / in_flight
     one_block = (saved - in_flight * freed - in_flight * embedding) / (in_flight * max(blocks, 1)) + embedding
@@ -587,7 +612,8 @@ def step_phases(
             "backward: first block" + recomputing + suffix,
             accumulating if micro_batches > 1 else max(states.grads - block_grads, 0.0),
             one_block + recompute,
-            alive(
+            _alive(
+                temps,
                 fsdp_gathered=first,
                 fsdp_grad_reduce=temps.fsdp_grad_reduce,
                 block_backward=temps.block_backward,
@@ -597,9 +623,11 @@ def step_phases(
             "end of backward",
             max(states.grads, accumulating) if micro_batches > 1 else states.grads,
             0.0,
-            alive(fsdp_gathered=end, fsdp_grad_reduce=temps.fsdp_grad_reduce, tied_grads=temps.tied_grads),
+            _alive(
+                temps, fsdp_gathered=end, fsdp_grad_reduce=temps.fsdp_grad_reduce, tied_grads=temps.tied_grads
+            ),
         ),
-        Phase("optimizer step", states.grads, 0.0, alive(optimizer_step=temps.optimizer_step)),
+        Phase("optimizer step", states.grads, 0.0, _alive(temps, optimizer_step=temps.optimizer_step)),
     ]
     return out
 
