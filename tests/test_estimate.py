@@ -142,8 +142,9 @@ def test_estimate_rows_add_up_and_fit_uses_the_margin():
     e = estimate(_workload("llama-7b"), Layout(dp_shard=8), H100)
     rows = e.rows()
     assert sum(rows.values()) == pytest.approx(e.total)
-    # every peak phase: one micro-batch (start of backward; or its end when gradients outweigh the
-    # activations, as under DDP with full checkpointing), and accumulation
+    # peak phases of both kinds: one micro-batch (the loss's backward, with every activation; or the first
+    # block's backward when gradients outweigh the activations, as under DDP with full checkpointing, where
+    # the recomputed block and its backward buffers sit on nearly every gradient), and accumulation
     phases = {e.peak_phase}
     for workload, layout in (
         (_workload("llama-7b"), Layout(dp_replicate=8, activation_checkpointing="full")),
@@ -153,9 +154,9 @@ def test_estimate_rows_add_up_and_fit_uses_the_margin():
         assert sum(other.rows().values()) == pytest.approx(other.total)
         phases.add(other.peak_phase)
     assert phases == {
-        "start of backward (no gradients yet)",
-        "end of backward / optimizer step",
-        "backward, gradients accumulating",
+        "backward: head and loss",
+        "backward: first block, a checkpointed block recomputing",
+        "backward: head and loss, gradients accumulating",
     }
     assert e.fits == (e.total <= 0.8 * H100.memory_bytes)
     tight = estimate(
@@ -346,8 +347,10 @@ def test_every_pipeline_rank_has_its_total_and_the_peak_is_the_estimate():
     e = estimate(work, layout, hardware.get("h100-80gb"))
     assert len(e.pp_rank_totals) == 4
     assert max(e.pp_rank_totals) == e.total == e.pp_rank_totals[e.pp_rank]
-    # 1F1B: rank r keeps min(m, p - r) micro-batches in flight, so the first rank holds the most
-    assert e.pp_rank_totals[1] > e.pp_rank_totals[2]
+    # 1F1B: rank r keeps min(m, p - r) micro-batches in flight, so the first rank holds the most; the middle
+    # ranks peak at their last micro-batch (every unsharded gradient of the stage, one micro-batch's
+    # activations: what MemTracker shows on 2 ranks, tests/test_estimate_phases.py), the same on both
+    assert e.pp_rank_totals[0] > e.pp_rank_totals[1] >= e.pp_rank_totals[2]
     assert estimate(work, Layout(dp_shard=8), hardware.get("h100-80gb")).pp_rank_totals == [
         estimate(work, Layout(dp_shard=8), hardware.get("h100-80gb")).total
     ]

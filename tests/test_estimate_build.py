@@ -180,8 +180,8 @@ def test_defer_grad_sync_keeps_unsharded_fp32_gradients_and_reduces_once(zero: i
     plain = _accumulating(Layout(dp_shard=4, zero=zero))
     deferred = _accumulating(Layout(dp_shard=4, zero=zero, defer_grad_sync=True))
     assert plain.accum == deferred.accum == ACCUM
-    assert plain.peak_phase == "backward, gradients accumulating" and plain.gradients_at_peak == 4 * P / 4
-    assert deferred.peak_phase == "backward, unsharded gradients accumulating"
+    assert plain.peak_phase.endswith(", gradients accumulating") and plain.gradients_at_peak == 4 * P / 4
+    assert deferred.peak_phase.endswith(", unsharded gradients accumulating")
     assert deferred.gradients_at_peak == 4 * P
     assert deferred.states == plain.states  # at rest (and in the optimizer step) the gradients are sharded
     assert deferred.total - plain.total == pytest.approx((4 * P - P) * 1.05)  # + the allocator's 5%
@@ -222,7 +222,7 @@ def test_a_pipeline_stage_under_fsdp2_keeps_its_gradients_unsharded():
     reduce: the peak stage (stage 1: block 1, the final norm and the head, which also holds the loss's
     chunk) holds 4 (41,088 + 64 + 64,000) bytes of FP32 gradients, not half of them."""
     e = estimate(_work(tokens_per_step=2 * T * 2), Layout(dp_shard=2, pp=2, micro_batch=2), H100)
-    assert e.pp_rank == 1 and e.peak_phase == "backward, unsharded gradients accumulating"
+    assert e.pp_rank == 1 and e.peak_phase.endswith(", unsharded gradients accumulating")
     stage = BLOCK + 64 + EMBED
     assert e.gradients_at_peak == 4 * stage and e.states.grads == 2 * stage
 

@@ -87,9 +87,7 @@ def cmd_estimate(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _estimate_text(e, name: str, optimizer: str, hw) -> str:
     t, c = e.temporaries, e.comm
-    temps = ", ".join(
-        f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in vars(t).items() if v and k != "optimizer_step"
-    )
+    temps = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in e.temporaries_alive.items())
     acts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in e.activation_parts.items() if v)
     limit = e.margin * e.memory_bytes
     lines = [
@@ -109,13 +107,15 @@ def _estimate_text(e, name: str, optimizer: str, hw) -> str:
         else f"{e.states.grads / GIB:.2f} GiB by the end of backward"
     )
     acts_note = (
-        acts if e.activations_at_peak else f"{e.activations / GIB:.2f} GiB at the start of backward: {acts}"
+        acts
+        if e.activations_at_peak >= e.activations
+        else f"{e.activations / GIB:.2f} GiB saved by the end of forward, the rest freed by this phase: {acts}"
     )
     for row, value in e.rows().items():
         detail = {
             "gradients": grads_note,
             "activations": acts_note,
-            "temporaries": temps if e.temporaries_at_peak == t.during_backward else "",
+            "temporaries": temps,
             "overhead": f"{e.overhead_runtime / GIB:.1f} GiB runtime + {e.overhead_fraction:.0%} of the rest, assumed",
         }.get(row, "")
         lines.append(f"  {row:<18s} {value / GIB:10.2f}" + (f"   ({detail})" if detail else ""))

@@ -17,21 +17,18 @@ Activations: ``plan/activations.py`` for the rank's blocks, times the micro-batc
 ``m``; 1F1B and the others ``min(m, p - rank)``, Narayanan et al. 2021; interleaved schedules hold
 somewhat more on the first rank, not modelled), plus one checkpointed block's recomputation.
 
-Peak: activations coexist with the parameters, master weights, optimizer states and the backward
-temporaries; the optimizer step's own scratch comes after the activations are freed. Gradients coexist
-with the activations only when a step has more than one micro-batch (gradient accumulation, or several
-pipeline micro-batches): ``train/step.py`` ends every step with ``zero_grad(set_to_none=True)``, so with
-one micro-batch the backward starts with no gradient, and each layer's gradient appears as that layer's
-activations are freed; activations plus gradients then peak at one end of the backward (linear in
-between), at its start (all activations) or its end (all gradients, with the FSDP2 / DDP buffers)::
+Peak: the largest of the step's phases (:func:`step_phases`: the loss's forward and backward, the last
+and the first block's backward, the end of backward, the optimizer step), each the bytes alive in it as
+PyTorch allocates and frees them: the parameters, master weights and optimizer states throughout, and the
+phase's gradients, activations and temporaries::
 
-    several micro-batches:  total = states + overhead + max(activations + backward temporaries, step scratch)
-    one micro-batch:        total = states - grads + overhead + max(activations + backward temporaries,
-                                    grads + backward temporaries but the loss chunk, grads + step scratch)
+    total = states - grads + overhead + max over phases (gradients + activations + temporaries alive)
 
-(measured against PyTorch's FSDP memory tracker on real FSDP2 runs: tests/test_estimate_fsdp_tracker.py).
-``peak_phase`` names the phase of the peak; ``gradients_at_peak``, ``activations_at_peak`` and
-``temporaries_at_peak`` are its rows (they add up to the total).
+(measured against PyTorch's MemTracker and FSDPMemTracker on real runs: tests/test_estimate_phases.py,
+tests/test_estimate_fsdp_tracker.py). ``peak_phase`` names the phase of the peak; ``gradients_at_peak``,
+``activations_at_peak`` and ``temporaries_at_peak`` are its rows (they add up to the total),
+``temporaries_alive`` its temporaries by :class:`~lmforge.plan.memory.Temporaries` field and
+``phase_totals`` every phase's bytes (overhead left out).
 
 Time (``mfu`` the model-FLOPs utilisation a plain layout reaches on this device, default 0.4 on GPUs: a
 typical well-tuned dense run reaches 0.35-0.5 on A100/H100)::
@@ -219,6 +216,8 @@ class Estimate:
     warnings: list[str] = field(default_factory=list)
     pp_rank_totals: list[float] = field(default_factory=list)  # the step's total per pipeline rank
     pp_rank_build_totals: list[float] = field(default_factory=list)  # the build's total per pipeline rank
+    temporaries_alive: dict[str, float] = field(default_factory=dict)  # Temporaries fields alive at the peak
+    phase_totals: dict[str, float] = field(default_factory=dict)  # each phase's allocated bytes, no overhead
 
     @property
     def peak(self) -> float:
@@ -290,6 +289,14 @@ def recompute_factor(policy: str) -> float:
         return 4 / 3
     k = int(policy.split(":")[1])
     return 1 + 1 / (3 * k)
+
+
+def checkpointed(policy: str, index: int) -> bool:
+    """Whether block ``index`` recomputes in backward: every block under ``full`` and ``selective``, those
+    with ``index % K == 0`` under ``every:K`` (``parallel/apply.py``'s rule)."""
+    if policy in ("full", "selective"):
+        return True
+    return policy.startswith("every:") and index % int(policy.split(":")[1]) == 0
 
 
 def recomputed_forwards(policy: str) -> float:
@@ -404,8 +411,8 @@ def _pipeline(workload: Workload, layout: Layout) -> _Pipeline:
 
 @dataclass(frozen=True)
 class _RankMemory:
-    """One pipeline rank's memory: the training step's peak phase ``(name, gradients, activations,
-    temporaries)`` and total, and the build's."""
+    """One pipeline rank's memory: the training step's peak :class:`Phase` and total, each phase's
+    allocated bytes (states included, overhead not), and the build's."""
 
     rank: int
     mine: list[ParamTensor]
@@ -414,10 +421,11 @@ class _RankMemory:
     parts: dict
     temps: Temporaries
     overhead: float
-    at_peak: tuple[str, float, float, float]
+    at_peak: Phase
     total: float
     build: BuildBytes
     build_overhead: float
+    phase_totals: dict[str, float]
 
     @property
     def build_total(self) -> float:
@@ -437,25 +445,191 @@ def accumulating_gradients(
     return float(per_value * sum(math.prod(tp_shape(t, layout.tp)) for t in mine))
 
 
-def step_phases(
-    states: StateBytes, acts: float, temps: Temporaries, micro_batches: int, accumulating: float
-) -> list[tuple[str, float, float, float]]:
-    """The candidate peaks ``(phase, gradients, activations, temporaries)`` of a training step of
-    ``micro_batches`` (micro-batches times pipeline micro-batches) on one rank (module docstring);
-    ``accumulating``: the gradient bytes while they accumulate (:func:`accumulating_gradients`)."""
-    if micro_batches > 1:  # gradients accumulate over micro-batches: they coexist with the activations
-        name = "backward, gradients accumulating"
-        if accumulating != states.grads:
-            name = "backward, unsharded gradients accumulating"
-        return [
-            (name, accumulating, acts, temps.during_backward),
-            ("optimizer step", states.grads, 0.0, temps.optimizer_step),
+@dataclass(frozen=True)
+class Phase:
+    """One moment of a training step on one rank: its gradient and activation bytes and the temporaries
+    alive in it, by :class:`~lmforge.plan.memory.Temporaries` field (the model states' other rows are
+    alive throughout)."""
+
+    name: str
+    gradients: float
+    activations: float
+    temporaries: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        """``gradients + activations + sum(temporaries)``."""
+        return self.gradients + self.activations + sum(self.temporaries.values())
+
+
+def _gathered(temps: Temporaries, kind: str, pipeline: bool) -> tuple[float, ...]:
+    """FSDP2's gathered parameter bytes in the loss's forward, the loss's backward, the last block's
+    backward, the first block's and at the end of backward (:func:`step_phases`)."""
+    if kind not in ("zero2", "zero3"):
+        return 0.0, 0.0, 0.0, 0.0, 0.0
+    root, head, unit = temps.fsdp_root, temps.fsdp_head, temps.fsdp_unit
+    if pipeline:  # nothing resharded until the step's gradients are reduced
+        return (temps.fsdp_gathered,) * 5
+    # in forward the last all-gather's buffer (one unit) is still held when the loss runs
+    if kind == "zero2":  # gathered from forward to each unit's backward, then resharded
+        every = temps.fsdp_gathered
+        return every + unit, every, every, root + unit, root
+    return root + head + unit, root + head + unit, root + 2 * unit, root + unit, root
+
+
+def _alive(temps: Temporaries, **kw: float) -> dict[str, float]:
+    """The temporaries ``kw`` (by field) and DDP's buckets, those not 0."""
+    return {k: v for k, v in ({"ddp_buckets": temps.ddp_buckets} | kw).items() if v}
+
+
+def _head_and_last_block(
+    temps: Temporaries,
+    g: float,
+    held: float,
+    name: str,
+    gathered: tuple[float, float, float],
+    freed: float,
+    recompute: float,
+    forward_casts: float = 0.0,
+) -> list[Phase]:
+    """The loss's forward and backward (on the rank holding the head) and the last block's backward, with
+    ``g`` gradient bytes and ``held`` saved activations (:func:`step_phases`); ``gathered``: FSDP2's
+    gathered bytes in each, ``freed`` the head's and loss's activations, ``recompute`` the last block's,
+    ``forward_casts`` autocast's cached weight copies, alive until the forward (the loss's included)
+    ends."""
+    fwd, bwd, last = gathered
+    out = []
+    if temps.loss_chunk:
+        out += [
+            Phase(
+                "forward: head and loss" + name,
+                g,
+                held + forward_casts,
+                _alive(temps, fsdp_gathered=fwd, loss_forward=temps.loss_forward),
+            ),
+            Phase(
+                "backward: head and loss" + name,
+                g,
+                held,
+                _alive(temps, fsdp_gathered=bwd, loss_backward=temps.loss_backward),
+            ),
         ]
-    end_temps = max(temps.during_backward - temps.loss_chunk, temps.optimizer_step)
-    return [  # one micro-batch: no gradient before its backward
-        ("start of backward (no gradients yet)", 0.0, acts, temps.during_backward),
-        ("end of backward / optimizer step", states.grads, 0.0, end_temps),
+    recomputing = ", a checkpointed block recomputing" if recompute else ""
+    last_block = _alive(temps, fsdp_gathered=last, block_backward=temps.block_backward)
+    return [*out, Phase("backward: last block" + recomputing + name, g, held - freed + recompute, last_block)]
+
+
+def _variants(
+    saved: float, accumulating: float, micro_batches: int, rounds: int, in_flight: int
+) -> list[tuple[float, float, str]]:
+    """``(gradients, saved activations, name)`` of the step's first backward (of its last micro-batch
+    round) and, with pipeline micro-batches, of its last micro-batch (every gradient, one micro-batch's
+    activations: :func:`step_phases`)."""
+    first = accumulating if rounds > 1 else 0.0
+    if micro_batches <= rounds:
+        return [(first, saved, "")]
+    name = f", {in_flight} micro-batches in flight" if in_flight > 1 else ""
+    return [(first, saved, name), (accumulating, saved / in_flight, ", the last micro-batch")]
+
+
+def step_phases(
+    states: StateBytes,
+    parts: dict[str, float],
+    temps: Temporaries,
+    micro_batches: int,
+    accumulating: float,
+    kind: str = "none",
+    pipeline: bool = False,
+    in_flight: int = 1,
+    blocks: int = 1,
+    block_grads: float = 0.0,
+    rounds: int = 1,
+    last_checkpointed: bool = True,
+) -> list[Phase]:
+    """The phases of a training step of ``micro_batches`` (micro-batches times pipeline micro-batches) on
+    one rank, in the order PyTorch allocates and frees them (``parts``: the activation parts of
+    ``_activations``, ``in_flight`` pipeline micro-batches; ``accumulating``: the gradient bytes while
+    micro-batches accumulate, :func:`accumulating_gradients`; ``kind``: the layout's; ``rounds``: the
+    step's micro-batches of ``train.tokens_per_step``, each split in pipeline micro-batches). ``A`` the
+    saved activations (every part but the transients ``recompute`` and ``forward_casts``), ``G`` the
+    gradients at the step's first backward of
+    its last round (0 with one round: each step ends with ``zero_grad(set_to_none=True)``; else
+    ``accumulating``), ``B``
+    DDP's buckets (alive throughout), FSDP2's gathered copies as ZeRO-3 holds them (root ``R``, untied head
+    ``H``, largest block ``U``; ZeRO-2 and a pipeline stage keep every unit gathered)::
+
+        forward: head and loss   G + A + autocast's cached weight casts + B + R + H + U (the last
+                                   all-gather's buffer) + loss forward buffers
+        backward: head and loss  G + A + B + R + H + U (the next block prefetched) + loss backward buffers
+        backward: last block     G + A - (head + loss) / in_flight + recompute + B + R + 2 U
+                                   + one block's backward working set W
+        backward: first block    G' + A_1 + recompute + B + R + U + one unit's reduce-scatter buffers S + W
+        end of backward          grads + B + R + S + tied copies
+        optimizer step           grads + B + the step's scratch
+
+    The loss's kept gradients (precomputing) are activations of the first two; its buffers and the head's
+    saved tensors are freed before the blocks' backward, where a checkpointed block recomputes (the last
+    block when it is checkpointed, ``last_checkpointed``; under ``every:K`` otherwise a lower one, once a
+    block at least as large has freed its activations: then no recompute is added there); the first
+    reduce-scatter starts after the last block's backward has freed that block's activations. Between the
+    last block's backward and the first's (``blocks`` on this rank), activations fall and gradients grow
+    block by block, so the larger end is the peak: at the first block's, ``A_1`` is one block's saved
+    activations (``(A - head - loss - embedding) / (in_flight * blocks)`` plus the embedding's) and ``G'``
+    every gradient but that block's (``grads - block_grads``; while accumulating, ``G``); under
+    checkpointing, whose saved activations are small, this end is the larger. A pipeline rank holding
+    ``in_flight`` micro-batches at its first backward has every gradient but one micro-batch's activations
+    at its last (1F1B and GPipe alike; the last rank holds one, but a micro-batch's gradients at its
+    second), so the loss and last-block phases come twice: ``G`` with ``A``, and
+    ``accumulating`` with ``A / in_flight``. Measured against PyTorch's MemTracker / FSDPMemTracker:
+    ``tests/test_estimate_phases.py``. A pipeline rank without the head has no loss phases."""
+    accumulating_suffix = (
+        ", unsharded gradients accumulating" if accumulating != states.grads else ", gradients accumulating"
+    )
+    saved = sum(v for k, v in parts.items() if k not in TRANSIENT)
+    freed = (parts.get("head", 0.0) + parts.get("loss", 0.0)) / in_flight
+    fwd, bwd, last, first, end = _gathered(temps, kind, pipeline)
+    recompute = parts.get("recompute", 0.0)
+    recomputing = ", a checkpointed block recomputing" if recompute else ""
+
+    out = []
+    for g, held, name in _variants(saved, accumulating, micro_batches, rounds, in_flight):
+        name += accumulating_suffix if g else ""
+        out += _head_and_last_block(
+            temps,
+            g,
+            held,
+            name,
+            (fwd, bwd, last),
+            freed,
+            recompute if last_checkpointed else 0.0,
+            parts.get("forward_casts", 0.0),
+        )
+    embedding = parts.get("embedding", 0.0) / in_flight
+    one_block = (saved - in_flight * freed - in_flight * embedding) / (in_flight * max(blocks, 1)) + embedding
+    suffix = accumulating_suffix if micro_batches > 1 else ""
+    out += [
+        Phase(
+            "backward: first block" + recomputing + suffix,
+            accumulating if micro_batches > 1 else max(states.grads - block_grads, 0.0),
+            one_block + recompute,
+            _alive(
+                temps,
+                fsdp_gathered=first,
+                fsdp_grad_reduce=temps.fsdp_grad_reduce,
+                block_backward=temps.block_backward,
+            ),
+        ),
+        Phase(
+            "end of backward",
+            max(states.grads, accumulating) if micro_batches > 1 else states.grads,
+            0.0,
+            _alive(
+                temps, fsdp_gathered=end, fsdp_grad_reduce=temps.fsdp_grad_reduce, tied_grads=temps.tied_grads
+            ),
+        ),
+        Phase("optimizer step", states.grads, 0.0, _alive(temps, optimizer_step=temps.optimizer_step)),
     ]
+    return out
 
 
 def _rank_memory(
@@ -491,15 +665,46 @@ def _rank_memory(
         tokens,
     )
     accumulating = accumulating_gradients(states, mine, layout, accounting)
-    phases = step_phases(states, acts, temps, accum * pipe.m, accumulating)
-    at_peak = max(phases, key=lambda ph: ph[1] + ph[2] + ph[3])
-    allocated = states.total - states.grads + sum(at_peak[1:])
+    local = [math.prod(tp_shape(t, layout.tp)) for t in mine]
+    per_block: dict[int, int] = {}
+    for t, n in zip(mine, local, strict=True):
+        if t.layer is not None:
+            per_block[t.layer] = per_block.get(t.layer, 0) + n
+    block_grads = states.grads * max(per_block.values(), default=0) / max(sum(local), 1)
+    phases = step_phases(
+        states,
+        parts,
+        temps,
+        accum * pipe.m,
+        accumulating,
+        layout.kind,
+        layout.pp > 1,
+        pipe.in_flight(layout, rank),
+        len(per_block),
+        block_grads,
+        accum,
+        checkpointed(layout.activation_checkpointing, max(r.stop for r in owned) - 1),
+    )
+    at_peak = max(phases, key=lambda ph: ph.total)  # the first of equal phases
+    base = states.total - states.grads
+    allocated = base + at_peak.total
     overhead = overhead_model.runtime_bytes + overhead_model.fragmentation * allocated
     whole = _param_tensors(model_json, workload.vocab_size, workload.seq_len)
     build = build_bytes(whole, mine, layout.kind, layout.dp_shard, layout.tp)
     build_overhead = overhead_model.runtime_bytes + overhead_model.fragmentation * build.total
     return _RankMemory(
-        rank, mine, states, acts, parts, temps, overhead, at_peak, allocated + overhead, build, build_overhead
+        rank,
+        mine,
+        states,
+        acts,
+        parts,
+        temps,
+        overhead,
+        at_peak,
+        allocated + overhead,
+        build,
+        build_overhead,
+        {ph.name: base + ph.total for ph in phases},
     )
 
 
@@ -638,10 +843,12 @@ def estimate(
         overhead_fraction=overhead_model.fragmentation,
         overhead_note=overhead_model.note,
         total=peak.total,
-        peak_phase=peak.at_peak[0],
-        gradients_at_peak=peak.at_peak[1],
-        activations_at_peak=peak.at_peak[2],
-        temporaries_at_peak=peak.at_peak[3],
+        peak_phase=peak.at_peak.name,
+        gradients_at_peak=peak.at_peak.gradients,
+        activations_at_peak=peak.at_peak.activations,
+        temporaries_at_peak=sum(peak.at_peak.temporaries.values()),
+        temporaries_alive=dict(peak.at_peak.temporaries),
+        phase_totals=peak.phase_totals,
         flops_per_token=fpt,
         flops_per_step=flops_step,
         tokens_per_step=tokens,

@@ -426,18 +426,73 @@ def compute_bytes(number_format: str) -> int:
 @dataclass(frozen=True)
 class Temporaries:
     """Buffers beside the model states and the saved activations (bytes, one device). Autocast's 16-bit
-    weight copies are not here: the matmuls save them, so ``plan/activations.py`` counts them."""
+    weight copies are not here: the matmuls save them, so ``plan/activations.py`` counts them. Which of
+    them are alive in which phase of the step is ``plan/estimate.py::step_phases``'s business."""
 
-    fsdp_gathered: float = 0.0  # unsharded parameter copies FSDP2 holds
+    fsdp_gathered: float = 0.0  # unsharded parameter copies FSDP2 holds at their most (a block's backward)
     fsdp_grad_reduce: float = 0.0  # one unit's unsharded gradient and its FP32 reduce copy
     ddp_buckets: float = 0.0  # DDP's flat gradient buckets (gradient_as_bucket_view=False)
     loss_chunk: float = 0.0  # the loss's own buffers at their largest (loss_temporary)
     optimizer_step: float = 0.0  # the optimizer step's own scratch (after backward)
+    fsdp_root: float = 0.0  # FSDP2: the root unit's gathered copy (kept from forward to backward)
+    fsdp_head: float = 0.0  # FSDP2: an untied head's gathered copy (its own unit)
+    fsdp_unit: float = 0.0  # FSDP2: the largest block unit's gathered copy
+    loss_forward: float = 0.0  # the loss's buffers in its forward (loss_phases)
+    loss_backward: float = 0.0  # the loss's buffers in its backward (loss_phases)
+    block_backward: float = 0.0  # one block's backward working set (block_backward_temporary)
+    tied_grads: float = 0.0  # a tied embedding's extra gradient copies at the end of backward
 
     @property
     def during_backward(self) -> float:
-        """What coexists with the activations (everything but the optimizer step's scratch)."""
+        """The sum of the buffers that can coexist with the activations (everything but the optimizer
+        step's scratch and the end of backward's tied copies), an upper bound of any phase's."""
         return self.fsdp_gathered + self.fsdp_grad_reduce + self.ddp_buckets + self.loss_chunk
+
+
+def loss_phases(
+    loss: str,
+    chunk_tokens: int,
+    vocab_size: int,
+    tp: int,
+    c: int,
+    tokens: int = 0,
+    d_model: int = 0,
+    fsdp: bool = False,
+) -> tuple[int, int]:
+    """``(forward, backward)``: bytes the loss of one micro-batch of ``tokens`` tokens (``d_model`` wide)
+    holds beyond what it keeps for backward, at their largest in its forward and in its backward,
+    computed ``chunk_tokens`` at a time.
+
+    ``fused`` (``model/fused_loss.py``; ``v = V / tp``, this rank's vocabulary rows; eager kernels): under
+    autocast forward and backward each make the compute-dtype copies of the hidden states and of the
+    head, ``casts = c (N d + v d)`` (under FSDP2, ``fsdp``, the gathered head already is in ``c`` bytes:
+    ``c N d``). Computing a chunk's statistics holds its FP32 logits and their shifted exponentials,
+    ``stats = 8 * chunk * v`` in either precision (FP32 by design: BF16 runs measure the same 8 bytes per
+    logit as FP32 ones); its gradient ``model/fused_loss.py::chunk_bytes``. Recomputing (``precomputes``
+    false): forward ``casts + stats``, backward ``casts + 4 (N d + v d) + chunk_bytes`` (the FP32
+    gradients and a chunk's). Precomputing: forward ``casts + max(stats, chunk_bytes)`` (the gradients it
+    fills are kept: activations), backward ``casts + 4 (N d + v d)``, the scaled copies of the gradients
+    (under FSDP2 and autocast plus the head gradient's ``c``-byte copy, ``c v d``). Read from the code;
+    within 5% of PyTorch's ``MemTracker`` on CPU (``tests/test_fused_loss.py``). ``chunked`` (a head
+    then ``F.cross_entropy`` per chunk): the chunk's logits in ``c`` bytes and their FP32 copy
+    (``.float()`` before the softmax), all-gathered over the vocabulary under TP: ``(c + 4) * chunk * V``,
+    in forward and backward alike.
+    """
+    if loss == "fused":
+        v, autocast = split(vocab_size, tp), c < 4
+        casts = c * tokens * d_model + (0 if fsdp else c * v * d_model) if autocast else 0
+        stats = 8 * chunk_tokens * v
+        grads = 4 * (tokens * d_model + v * d_model)
+        if precomputes(tokens, v, d_model, chunk_tokens, c):
+            forward = max(stats, chunk_bytes(chunk_tokens, v, d_model, c))
+            backward = grads + (c * v * d_model if fsdp and autocast else 0)
+        else:
+            forward, backward = stats, grads + chunk_bytes(chunk_tokens, v, d_model, c)
+        return casts + forward, casts + backward
+    if loss == "chunked":
+        both = (c + 4) * chunk_tokens * vocab_size
+        return both, both
+    raise ValueError(f"loss {loss!r}: use one of {', '.join(LOSSES)}")
 
 
 def loss_temporary(
@@ -450,36 +505,31 @@ def loss_temporary(
     d_model: int = 0,
     fsdp: bool = False,
 ) -> int:
-    """Bytes the loss of one micro-batch of ``tokens`` tokens (``d_model`` wide) holds beyond what it
-    keeps for backward, at its largest, computed ``chunk_tokens`` at a time.
+    """The loss's buffers at their largest: the larger of :func:`loss_phases`' forward and backward."""
+    return max(loss_phases(loss, chunk_tokens, vocab_size, tp, c, tokens, d_model, fsdp))
 
-    ``fused`` (``model/fused_loss.py``; ``v = V / tp``, this rank's vocabulary rows; eager kernels): under
-    autocast forward and backward each make the compute-dtype copies of the hidden states and of the
-    head, ``c (N d + v d)`` (under FSDP2, ``fsdp``, the gathered head already is in ``c`` bytes: ``c N
-    d``). Computing a chunk's statistics holds its FP32 logits and their shifted exponentials, ``8 * chunk
-    * v``; its gradient ``model/fused_loss.py::chunk_bytes``. Recomputing (``precomputes`` false): the larger of the forward's
-    statistics and the backward's FP32 gradients ``4 (N d + v d)`` with a chunk's gradient. Precomputing:
-    the larger of the forward's statistics or gradient chunk (the gradients it fills are kept: activations)
-    and the backward's scaled copies of the gradients, ``4 (N d + v d)`` (under FSDP2 and autocast, plus
-    the head gradient's ``c``-byte copy, ``c v d``). Read from the code; within 5% of PyTorch's
-    ``MemTracker`` on CPU (``tests/test_fused_loss.py``). ``chunked`` (a head
-    then ``F.cross_entropy`` per chunk): the chunk's logits in ``c`` bytes and their FP32 copy
-    (``.float()`` before the softmax), all-gathered over the vocabulary under TP: ``(c + 4) * chunk * V``.
-    """
-    if loss == "fused":
-        v, autocast = split(vocab_size, tp), c < 4
-        casts = c * tokens * d_model + (0 if fsdp else c * v * d_model) if autocast else 0
-        stats = 8 * chunk_tokens * v
-        grads = 4 * (tokens * d_model + v * d_model)
-        if precomputes(tokens, v, d_model, chunk_tokens, c):
-            forward = max(stats, chunk_bytes(chunk_tokens, v, d_model, c))
-            backward = grads + (c * v * d_model if fsdp and autocast else 0)
-        else:
-            forward, backward = stats, grads + chunk_bytes(chunk_tokens, v, d_model, c)
-        return casts + max(forward, backward)
-    if loss == "chunked":
-        return (c + 4) * chunk_tokens * vocab_size
-    raise ValueError(f"loss {loss!r}: use one of {', '.join(LOSSES)}")
+
+def block_backward_temporary(tensors: list[ParamTensor], tp: int, c: int, tokens: int) -> int:
+    """Bytes one block's backward holds beyond the saved activations still alive, at its largest: in the
+    MLP's, whose buffers outgrow attention's at lmforge's shapes (``f`` its width on this rank, ``k`` its
+    input projections: 2 for SwiGLU, 1 for GELU, ``N`` the micro-batch's tokens)::
+
+        FP32            4 (k + 1) N f + 4 N d + 4 f d
+        16-bit compute  2 (k + 2) N f + 4 N d + 4 f d
+
+    the gradients of the hidden states and of the element-wise ops' inputs (with 16-bit compute some
+    also in FP32, where autocast's matmul backward meets them), the FP32 gradient arriving from the block
+    above and the output projection's FP32 weight gradient, less that projection's saved ``c``-byte input
+    (freed by then: the figures above are net of it). Fitted to PyTorch's ``MemTracker`` on CPU (llama
+    and gpt2, FP32 and BF16 autocast, one process and FSDP2: ``tests/test_estimate_phases.py``); 0
+    without a block."""
+    down = next((t for t in tensors if t.name.endswith(("mlp.down_proj.weight", "mlp.fc_out.weight"))), None)
+    if down is None or not tokens:
+        return 0
+    d, f = down.shape[0], math.prod(tp_shape(down, tp)) // down.shape[0]
+    k = 2 if down.name.endswith("down_proj.weight") else 1
+    per_f = 4 * (k + 1) if c >= 4 else 2 * (k + 2)
+    return per_f * tokens * f + 4 * tokens * d + 4 * f * d
 
 
 def temporaries(
@@ -511,8 +561,16 @@ def temporaries(
       ``c`` is 2, its FP32 copy (``reduce_dtype``): ``(c + 4 [c < 4]) * unit``;
     * DDP and ZeRO-1 (lmforge's DDP defaults: 25 MiB buckets, ``gradient_as_bucket_view=False``): flat
       bucket copies of every gradient, ``g * P``;
-    * the loss: :func:`loss_temporary` (``loss``: ``fused`` or ``chunked``) of a micro-batch of
-      ``tokens`` tokens, ``loss_tokens`` at a time;
+    * the loss: :func:`loss_phases` (``loss``: ``fused`` or ``chunked``) of a micro-batch of
+      ``tokens`` tokens, ``loss_tokens`` at a time, in its forward and its backward;
+    * FSDP2's gathered copies by unit (``c`` bytes): the root, an untied head, the largest block, which
+      ``plan/estimate.py::step_phases`` counts phase by phase (the root and the head in the loss's
+      forward; one block prefetched besides in the loss's backward; two blocks in the blocks' backward);
+    * one block's backward working set, :func:`block_backward_temporary`;
+    * a tied embedding (on the rank holding the head): at the end of backward the head's ``V d``
+      gradient, the embedding's and their sum coexist, ``g V d`` twice beyond the gradient row's one
+      (``V d / tp`` on this rank); under FSDP2 the three are unsharded, which replaces the root's
+      sharded ``g V d / N`` in the gradient row: ``g V d (3 - 1/N)``;
     * the optimizer step (after backward, apart from activations): :func:`step_scratch`, the scratch of
       :func:`optimizer_step_bytes` on the rank that steps the most (``nesterov``, ``weight_decay``: the
       optimizer's settings it depends on, lmforge's defaults unless given).
@@ -527,6 +585,12 @@ def temporaries(
             key = "root" if t.unit == "root" else (f"block{t.layer}" if t.unit == "block" else "head")
             units[key] = units.get(key, 0) + n
         biggest = max((v for k, v in units.items() if k != "root"), default=0)
+        block = max((v for k, v in units.items() if k.startswith("block")), default=0)
+        out["fsdp_root"], out["fsdp_head"], out["fsdp_unit"] = (
+            c * units.get("root", 0),
+            c * units.get("head", 0),
+            c * block,
+        )
         if kind == "zero2" or pipeline:
             out["fsdp_gathered"] = c * sum(local)
         else:
@@ -537,9 +601,17 @@ def temporaries(
     has_head = any(t.name == "lm_head.weight" or (t.name == "embed.weight" and t.linear) for t in tensors)
     if has_head and loss_tokens:
         d = next(t.shape[1] for t in tensors if t.name in ("lm_head.weight", "embed.weight"))
-        out["loss_chunk"] = loss_temporary(
-            loss, loss_tokens, vocab_size, tp, c, tokens or loss_tokens, d, fsdp
+        forward, backward = loss_phases(loss, loss_tokens, vocab_size, tp, c, tokens or loss_tokens, d, fsdp)
+        out["loss_forward"], out["loss_backward"], out["loss_chunk"] = (
+            forward,
+            backward,
+            max(forward, backward),
         )
+    emb = next((t for t in tensors if t.name == "embed.weight" and t.linear), None)
+    if emb is not None and has_head:  # tied: the head's gradient, the embedding's and their sum
+        g, whole = (4 if accounting == "lmforge" else 2), math.prod(tp_shape(emb, tp))
+        out["tied_grads"] = g * whole * (3 - 1 / shards if fsdp else 2)
+    out["block_backward"] = block_backward_temporary(tensors, tp, c, tokens)
     out["optimizer_step"] = step_scratch(tensors, kind, shards, tp, optimizer, nesterov, weight_decay)
     return Temporaries(**out)
 
