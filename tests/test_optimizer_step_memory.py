@@ -70,6 +70,30 @@ def test_step_scratch_one_process(shape: str, optim: str) -> None:
     assert abs(got - want) <= SLACK, f"{shape} {optim}: measured {got:,} B, planned {want:,} B"
 
 
+@pytest.mark.parametrize("optim", ["sgd-nesterov", "sgd-no-decay", "muon-plain"])
+def test_a_recipes_optimizer_settings_reach_the_estimate(optim: str) -> None:
+    """``lmforge estimate`` plans the recipe's own Nesterov and weight-decay settings (not the defaults):
+    the estimate's step scratch for the recipe equals the measured one."""
+    from lmforge.plan.estimate import estimate, layout_from_config, workload_from_config
+    from lmforge.plan.hardware import cpu
+    from lmforge.recipe import load_config
+
+    over = {f"model.{k}": v for k, v in MODELS["llama-32"].items()}
+    over |= {"data.vocab_size": VOCAB, "data.seq_len": SEQ, "train.micro_batch_size": 1}
+    over |= {f"optim.{k}": v for k, v in OPTIMS[optim].items() if not isinstance(v, dict)}
+    over |= {
+        f"optim.{k}.{kk}": vv for k, v in OPTIMS[optim].items() if isinstance(v, dict) for kk, vv in v.items()
+    }
+    cfg = load_config(None, over)
+    plan = estimate(workload_from_config(cfg, "fp32", "math", "cpu"), layout_from_config(cfg), cpu(1.0))
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, VOCAB, SEQ)
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"), compile=False)
+    got = optimizer_step_scratch(model, opt)
+    assert got > 0 or optim == "sgd-no-decay"
+    assert abs(got - plan.temporaries.optimizer_step) <= SLACK, (optim, got, plan.temporaries.optimizer_step)
+
+
 def test_clipping_adds_scalars_only() -> None:
     """The global norm before the step: one scalar per tensor, nothing the size of a gradient."""
     torch.manual_seed(0)

@@ -153,7 +153,9 @@ class Workload:
     of one optimizer step (None: one micro-batch per data-parallel rank), the device type (``cuda`` /
     ``cpu``: which kernels, hence which saved tensors, ``plan/activations.py`` assumes) and the loss
     (``fused``: lmforge's fused linear + cross-entropy; ``chunked``: ``model/loss.py``'s
-    ``ChunkedCrossEntropy``; ``plan/activations.py``)."""
+    ``ChunkedCrossEntropy``; ``plan/activations.py``). ``nesterov`` (None: lmforge's default for the
+    optimizer) and ``weight_decay`` (whether matrices decay) shape the optimizer step's scratch
+    (``plan/memory.py::optimizer_step_bytes``)."""
 
     model: ModelConfig
     vocab_size: int
@@ -165,6 +167,8 @@ class Workload:
     tokens_per_step: int | None = None
     device_type: str = "cuda"
     loss: str = "fused"
+    nesterov: bool | None = None
+    weight_decay: bool = True
 
 
 @dataclass(frozen=True)
@@ -663,6 +667,8 @@ def _rank_memory(
         workload.loss,
         layout.pp > 1,
         tokens,
+        workload.nesterov,
+        workload.weight_decay,
     )
     accumulating = accumulating_gradients(states, mine, layout, accounting)
     local = [math.prod(tp_shape(t, layout.tp)) for t in mine]
@@ -889,6 +895,8 @@ def _device_states(
     loss: str = "fused",
     pipeline: bool = False,
     tokens: int = 0,
+    nesterov: bool | None = None,
+    weight_decay: bool = True,
 ) -> tuple[list[ParamTensor], StateBytes, Temporaries]:
     """The tensors of a pipeline rank owning the block ranges ``owned``, their model states and the
     temporaries (the head's loss chunk on the rank owning the last block only); cached, since the layouts
@@ -916,6 +924,8 @@ def _device_states(
         loss,
         pipeline,
         tokens,
+        nesterov,
+        weight_decay,
     )
     return mine, states, temps
 
@@ -959,8 +969,9 @@ def workload_from_config(
 ) -> Workload:
     """The :class:`Workload` of a recipe, with ``train.precision`` already resolved to ``number_format``
     for the planned device (no ``PrecisionPolicy``: that one belongs to a device of this process)."""
-    name = cfg.optim.name
-    optimizer = "sgd0" if name == "sgd" and cfg.optim.sgd.momentum == 0 else name
+    o = cfg.optim
+    optimizer = "sgd0" if o.name == "sgd" and o.sgd.momentum == 0 else o.name
+    nesterov = {"sgd": o.sgd.nesterov, "muon": o.muon.nesterov}.get(o.name)
     return Workload(
         cfg.model,
         cfg.data.vocab_size,
@@ -971,4 +982,6 @@ def workload_from_config(
         cfg.train.loss_chunk,
         cfg.train.tokens_per_step,
         device_type,
+        nesterov=nesterov,
+        weight_decay=o.group_weight_decay.get("matrix", o.weight_decay) > 0,
     )
