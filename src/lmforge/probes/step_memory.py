@@ -15,6 +15,7 @@ allocate outside the dispatcher (``torch.compile``'s): measure eager runs.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +67,24 @@ def take_step(run) -> None:
     train_step(run.module, run.optimizer, batches, 1e-3, run.clipper, run.precision, reduce=run.reduce)
 
 
+@contextlib.contextmanager
+def _fresh_module_stats(module, tracker):
+    """Clear the tracker's per-module statistics before each micro-batch: the trackers refuse a second
+    top-level forward of a module within one tracking (gradient accumulation) unless they are cleared
+    (``reset_mod_stats``); the step's peak snapshot is kept across it."""
+    forward_backward = module.forward_backward
+
+    def fresh(*args, **kwargs):
+        tracker.reset_mod_stats()
+        return forward_backward(*args, **kwargs)
+
+    module.forward_backward = fresh
+    try:
+        yield
+    finally:
+        del module.forward_backward
+
+
 def measure_step(run, warmup: int = 1) -> StepMemory:
     """``warmup`` steps, then the peak of one step under the tracker (module docstring)."""
     for _ in range(warmup):
@@ -80,7 +99,7 @@ def measure_step(run, warmup: int = 1) -> StepMemory:
 
         tracker = MemTracker()
         tracker.track_external(run.model, run.optimizer)
-    with tracker:
+    with tracker, _fresh_module_stats(run.module, tracker):
         take_step(run)
     (peak,) = tracker.get_tracker_snapshot("peak").values()
     categories = {str(getattr(k, "value", k)): int(v) for k, v in peak.items()}

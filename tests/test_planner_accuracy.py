@@ -1,0 +1,66 @@
+"""The accuracy matrix's subset (``benchmarks/planner_accuracy.py``, ``TEST_CASES``): each case's real step
+measured by ``probes/step_memory.py`` (one process, or gloo processes under torchrun) against the planner
+for the same flags. The planned tracked peak (``total - overhead``) must be within 5% of the measured one,
+and the model states (parameters, gradients, optimizer states at the peak) exact to a few bytes.
+
+Also, in the default run: what the planner does not model (the matrix's ``NOT_MODELLED`` cases) is
+refused by ``lmforge estimate`` in one line, exit status 2, instead of a figure."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("planner_accuracy", REPO / "benchmarks" / "planner_accuracy.py")
+matrix = importlib.util.module_from_spec(_spec)
+sys.modules["planner_accuracy"] = matrix  # its dataclasses look their module up
+_spec.loader.exec_module(matrix)
+
+STATE_SLACK = 16  # bytes: the states are counted tensor by tensor, exactly
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("accuracy")
+
+
+def test_the_subset_has_at_least_8_cases_not_all_default_shapes():
+    cases = [matrix.BY_NAME[n] for n in matrix.TEST_CASES]
+    assert len(cases) >= 8 and {c.processes for c in cases} >= {1, 2}
+    assert len({(c.overrides()["model.d_model"], c.overrides()["model.n_layers"]) for c in cases}) > 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", matrix.TEST_CASES)
+def test_planned_peak_within_5_percent_and_states_exact(name: str, workdir: Path):
+    case = matrix.BY_NAME[name]
+    measured = matrix.measure(case, workdir, timeout=300)
+    c = matrix.compare(case, measured, matrix.plan(case, measured["vocab_size"]))
+    p, m = c["planned"], c["measured"]
+    report = f"{name} [{p['phase']}]: " + ", ".join(
+        f"{row} {p[row]:,}/{m[row]:,}" for row in (*matrix.ROWS, "peak")
+    ) + f" (planned/measured); peak error {c['peak_error']:+.1%}"
+    print(report)
+    for row in ("parameters", "gradients", "optimizer states"):
+        assert abs(p[row] - m[row]) <= STATE_SLACK, report
+    assert abs(c["peak_error"]) <= matrix.TOLERANCE, report
+
+
+@pytest.mark.parametrize("case", matrix.NOT_MODELLED, ids=lambda c: c.name)
+def test_what_the_planner_does_not_model_is_refused_in_one_line(case, estimate_command):
+    flags = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in case.flags.items()]
+    code, out, err = estimate_command("--gpus", str(case.processes), *flags)
+    (key,) = [k for k in ("parallel.offload", "train.activation_offload") if k in case.flags]
+    lines = err.strip().splitlines()
+    assert code == 2 and out == ""
+    assert len(lines) == 1 and lines[0].startswith(f"lmforge estimate: error: {key}: the memory planner"), err
+    assert matrix.refusal(case) == lines[0].removeprefix("lmforge estimate: error: ")
+
+
+def test_dpo_is_refused_in_one_line(estimate_command):
+    code, _, err = estimate_command("--train.objective=dpo")
+    assert code == 2 and err.strip().startswith("lmforge estimate: error: train.objective: the memory planner")
