@@ -9,9 +9,9 @@ is built by ``train/build.py::build_run`` in a worker (one process, or ``torchru
 on the CPU), which measures one step with ``probes/step_memory.py::measure_step`` (a warm-up step, then a
 step under PyTorch's ``MemTracker`` / ``FSDPMemTracker``); every rank's figures are gathered and the rank
 with the largest peak is compared. The planner's figures for the same flags come from
-``plan/limit.py::planned_peak`` (``plan/estimate.py::estimate`` of ``workload_from_config`` /
-``layout_from_config``: what ``lmforge estimate --json --gpu cpu`` computes, without its FP8 refusal of
-the CPU's units) given the run's real tokenizer vocabulary, the CPU device type and the attention kernel a
+``plan/estimate.py::estimate`` of ``workload_from_config`` / ``layout_from_config`` (what ``lmforge
+estimate --json --gpu cpu`` computes, as ``plan/limit.py::planned_peak`` does, without the command's FP8
+refusal of the CPU's units) given the run's real tokenizer vocabulary, the CPU device type and the attention kernel a
 CPU run gets. The tracker sees tensors only, so the planner's tracked part ``total - overhead`` (overhead:
 the runtime and fragmentation allowance) is compared with the tracker's peak.
 
@@ -32,7 +32,7 @@ import subprocess
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date
 from pathlib import Path
 
@@ -195,13 +195,21 @@ def measure(case: Case, workdir: Path, timeout: float = 600) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src"), "PYTHONFAULTHANDLER": "1"}
     args = [__file__, "--worker", json.dumps(run_overrides(case, workdir))]
     if case.processes > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case.processes}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={case.processes}",
+        ]
     else:
         cmd = [sys.executable]
     proc = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("STEP ")]
     if proc.returncode != 0 or len(lines) != 1:
-        raise RuntimeError(f"{case.name}: worker failed ({proc.returncode})\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"{case.name}: worker failed ({proc.returncode})\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
+        )
     return json.loads(lines[0].removeprefix("STEP "))
 
 
@@ -238,10 +246,17 @@ def planner_config(case: Case, vocab_size: int):
 
 def plan(case: Case, vocab_size: int) -> dict:
     """The planner's rows at its peak phase, the tracked part of its peak and the phase's name."""
-    from lmforge.plan.limit import planned_peak
+    from lmforge.plan.activations import attention_kind
+    from lmforge.plan.estimate import estimate, layout_from_config, workload_from_config
+    from lmforge.plan.hardware import cpu
 
     cfg = planner_config(case, vocab_size)
-    est = planned_peak(cfg, case.processes, "cpu", cfg.train.precision)
+    layout = layout_from_config(cfg, case.processes)
+    attention = attention_kind("cpu", cfg.train.attention, cfg.model.doc_mask)
+    workload = workload_from_config(cfg, cfg.train.precision, attention, "cpu")
+    hw = cpu(1.0)  # only memory is compared: the FLOP/s are placeholders (FP8's too, emulated on a CPU)
+    hw = replace(hw, peak_flops=hw.peak_flops | {"fp8": 1.0})
+    est = estimate(workload, layout, hw)
     rows = est.rows()
     return {
         # lmforge accounting keeps no separate master copy; any is counted with the parameters
@@ -374,8 +389,11 @@ def case_table(c: dict) -> list[str]:
     return lines
 
 
-def render_doc(data: dict, refused: list[tuple[Case, str]], command: str) -> str:
-    """``docs/memory-accuracy.md`` for the accuracy object ``data`` and the refused cases."""
+def render_doc(
+    data: dict, refused: list[tuple[Case, str]], failed: list[tuple[Case, str]], command: str
+) -> str:
+    """``docs/memory-accuracy.md`` for the accuracy object ``data``, the refused cases and those whose run
+    failed."""
     s, cases = data["summary"], data["cases"]
     out = [
         "# How exact the memory planner is: the measured matrix",
@@ -410,8 +428,26 @@ def render_doc(data: dict, refused: list[tuple[Case, str]], command: str) -> str
             f"{c['planned']['phase']} |"
         )
     if refused:
-        out += ["", "## Not modelled", "", "`lmforge estimate` refuses these in one line; they are not run:", ""]
-        out += [f"- `{c.name}` ({', '.join(f'`{k}={v}`' for k, v in c.flags.items())}): {msg}" for c, msg in refused]
+        out += [
+            "",
+            "## Not modelled",
+            "",
+            "`lmforge estimate` refuses these in one line; they are not run:",
+            "",
+        ]
+        out += [
+            f"- `{c.name}` ({', '.join(f'`{k}={v}`' for k, v in c.flags.items())}): {msg}"
+            for c, msg in refused
+        ]
+    if failed:
+        out += [
+            "",
+            "## Failed to run",
+            "",
+            "These cases' workers failed; they are not in the figures above:",
+            "",
+        ]
+        out += [f"- `{c.name}` ({c.processes} process(es)): `{msg}`" for c, msg in failed]
     out += ["", "## Per case", ""]
     for c in cases:
         flags = ", ".join(f"`{k}={v}`" for k, v in c["flags"].items())
@@ -434,16 +470,29 @@ def print_table(results: list[dict]) -> None:
               f"  [{p['phase']}]")  # fmt: skip
 
 
-def run_cases(cases: list[Case], workdir: Path) -> list[dict]:
-    """Measure and plan every case (one worker at a time), printing each as it finishes."""
-    results = []
+def run_cases(cases: list[Case], workdir: Path) -> tuple[list[dict], list[tuple[Case, str]]]:
+    """Measure and plan every case (one worker at a time), printing each as it finishes; the records, and
+    the cases whose worker failed with the last line of its error (listed in the doc, not hidden)."""
+    results, failed = [], []
     for case in cases:
         t0 = time.time()
-        measured = measure(case, workdir)
-        result = compare(case, measured, plan(case, measured["vocab_size"]))
+        try:
+            measured = measure(case, workdir)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            last = [ln for ln in str(exc).splitlines() if ln.strip()][-1]
+            failed.append((case, last))
+            print(f"{case.name}: FAILED: {last}", flush=True)
+            continue
+        try:
+            planned = plan(case, measured["vocab_size"])
+        except (KeyError, ValueError) as exc:
+            failed.append((case, f"planner: {exc}"))
+            print(f"{case.name}: FAILED: planner: {exc}", flush=True)
+            continue
+        result = compare(case, measured, planned)
         results.append(result)
         print(f"{case.name}: peak error {result['peak_error']:+.1%} ({time.time() - t0:.0f} s)", flush=True)
-    return results
+    return results, failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -461,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         ap.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
-    results = run_cases([BY_NAME[n] for n in names], Path(args.workdir))
+    results, failed = run_cases([BY_NAME[n] for n in names], Path(args.workdir))
     print_table(results)
     data = record(results)
     s = data["summary"]
@@ -471,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write or not (args.cases or args.quick):
         refused = [(c, refusal(c)) for c in NOT_MODELLED]
         write_json(data)
-        DOC.write_text(render_doc(data, refused, "python benchmarks/planner_accuracy.py"))
+        DOC.write_text(render_doc(data, refused, failed, "python benchmarks/planner_accuracy.py"))
         print(f"wrote {DOC.relative_to(REPO)} and {JSON_OUT.relative_to(REPO)}")
     return 0
 

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("planner_accuracy", REPO / "benchmarks" / "planner_accuracy.py")
+_spec = importlib.util.spec_from_file_location(
+    "planner_accuracy", REPO / "benchmarks" / "planner_accuracy.py"
+)
 matrix = importlib.util.module_from_spec(_spec)
 sys.modules["planner_accuracy"] = matrix  # its dataclasses look their module up
 _spec.loader.exec_module(matrix)
@@ -41,9 +43,11 @@ def test_planned_peak_within_5_percent_and_states_exact(name: str, workdir: Path
     measured = matrix.measure(case, workdir, timeout=300)
     c = matrix.compare(case, measured, matrix.plan(case, measured["vocab_size"]))
     p, m = c["planned"], c["measured"]
-    report = f"{name} [{p['phase']}]: " + ", ".join(
-        f"{row} {p[row]:,}/{m[row]:,}" for row in (*matrix.ROWS, "peak")
-    ) + f" (planned/measured); peak error {c['peak_error']:+.1%}"
+    report = (
+        f"{name} [{p['phase']}]: "
+        + ", ".join(f"{row} {p[row]:,}/{m[row]:,}" for row in (*matrix.ROWS, "peak"))
+        + f" (planned/measured); peak error {c['peak_error']:+.1%}"
+    )
     print(report)
     for row in ("parameters", "gradients", "optimizer states"):
         assert abs(p[row] - m[row]) <= STATE_SLACK, report
@@ -63,4 +67,25 @@ def test_what_the_planner_does_not_model_is_refused_in_one_line(case, estimate_c
 
 def test_dpo_is_refused_in_one_line(estimate_command):
     code, _, err = estimate_command("--train.objective=dpo")
-    assert code == 2 and err.strip().startswith("lmforge estimate: error: train.objective: the memory planner")
+    assert code == 2 and err.strip().startswith(
+        "lmforge estimate: error: train.objective: the memory planner"
+    )
+
+
+def test_the_shipped_accuracy_file_has_its_shape_and_its_summary_follows_from_its_cases(tmp_path):
+    from lmforge.plan.accuracy import PATH, accuracy_summary, load_accuracy
+
+    data = load_accuracy()
+    assert data is not None, f"{PATH} is missing: python benchmarks/planner_accuracy.py writes it"
+    assert set(data) == {"machine", "torch", "date", "tolerance", "cases", "summary"}
+    rows = {"parameters", "gradients", "optimizer states", "activations", "temporaries", "peak"}
+    for c in data["cases"]:
+        assert set(c["planned"]) == rows | {"phase"} and set(c["measured"]) == rows
+        assert c["peak_error"] == pytest.approx(c["planned"]["peak"] / c["measured"]["peak"] - 1)
+    errors = sorted(abs(c["peak_error"]) for c in data["cases"])
+    s = accuracy_summary(data)
+    assert s.cases == len(errors) >= 24 and s.max_abs_peak_error == pytest.approx(errors[-1])
+    assert s.within_tolerance == sum(e <= data["tolerance"] for e in errors)
+    assert s.median_abs_peak_error == pytest.approx((errors[(len(errors) - 1) // 2] + errors[len(errors) // 2]) / 2)
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert load_accuracy(tmp_path / "missing.json") is None and load_accuracy(tmp_path / "bad.json") is None

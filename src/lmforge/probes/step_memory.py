@@ -85,6 +85,26 @@ def _fresh_module_stats(module, tracker):
         del module.forward_backward
 
 
+def _peak_tracker():
+    """A ``MemTracker`` for a whole step of a pipeline stage: the schedule runs the stage's forward once per
+    pipeline micro-batch, before any backward, which ``MemTracker`` refuses as "multiple iterative calls"
+    (``reset_mod_stats`` cannot be called in between: the backward hooks of the earlier micro-batches look
+    their module up). Only the step's peak snapshot is read here, so a repeated top-level forward starts
+    that module's statistics afresh instead (a private hook of torch's tracker is extended for that: no
+    public switch exists in torch 2.13)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class PeakTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs) -> None:
+            name = self._mod_tracker.get_known_fqn(module)
+            parents = set(self._mod_tracker.parents) - {name}
+            if module in self.memory_tracking and not self._mod_tracker.is_bw and parents == {"Global"}:
+                del self.memory_tracking[module]  # the parameters' gradient hooks stay (installed once)
+            super()._pre_fw_hook(module, inputs)
+
+    return PeakTracker()
+
+
 def measure_step(run, warmup: int = 1) -> StepMemory:
     """``warmup`` steps, then the peak of one step under the tracker (module docstring)."""
     for _ in range(warmup):
@@ -95,9 +115,7 @@ def measure_step(run, warmup: int = 1) -> StepMemory:
 
         tracker = FSDPMemTracker(module, run.optimizer)
     else:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
+        tracker = _peak_tracker()
         tracker.track_external(run.model, run.optimizer)
     with tracker, _fresh_module_stats(run.module, tracker):
         take_step(run)
