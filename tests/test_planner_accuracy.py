@@ -86,6 +86,8 @@ def test_the_shipped_accuracy_file_has_its_shape_and_its_summary_follows_from_it
     s = accuracy_summary(data)
     assert s.cases == len(errors) >= 24 and s.max_abs_peak_error == pytest.approx(errors[-1])
     assert s.within_tolerance == sum(e <= data["tolerance"] for e in errors)
-    assert s.median_abs_peak_error == pytest.approx((errors[(len(errors) - 1) // 2] + errors[len(errors) // 2]) / 2)
+    assert s.median_abs_peak_error == pytest.approx(
+        (errors[(len(errors) - 1) // 2] + errors[len(errors) // 2]) / 2
+    )
     (tmp_path / "bad.json").write_text("[1, 2]")
     assert load_accuracy(tmp_path / "missing.json") is None and load_accuracy(tmp_path / "bad.json") is None

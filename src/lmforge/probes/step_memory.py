@@ -85,6 +85,14 @@ def _fresh_module_stats(module, tracker):
         del module.forward_backward
 
 
+def _optimizers(optimizer) -> list:
+    """``optimizer`` and, for ZeRO-1's ``ZeroRedundancyOptimizer``, the rank's own optimizer inside it
+    (``.optim``), which holds the states: the wrapper's ``state`` stays empty, so the tracker would see
+    them only once the measured step's optimizer step runs."""
+    inner = getattr(optimizer, "optim", None)
+    return [optimizer, inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
+
+
 def _peak_tracker():
     """A ``MemTracker`` for a whole step of a pipeline stage: the schedule runs the stage's forward once per
     pipeline micro-batch, before any backward, which ``MemTracker`` refuses as "multiple iterative calls"
@@ -116,7 +124,7 @@ def measure_step(run, warmup: int = 1) -> StepMemory:
         tracker = FSDPMemTracker(module, run.optimizer)
     else:
         tracker = _peak_tracker()
-        tracker.track_external(run.model, run.optimizer)
+        tracker.track_external(run.model, *_optimizers(run.optimizer))
     with tracker, _fresh_module_stats(run.module, tracker):
         take_step(run)
     (peak,) = tracker.get_tracker_snapshot("peak").values()
