@@ -2,7 +2,8 @@
 
     python benchmarks/planner_accuracy.py                 # every case; writes both files below
     python benchmarks/planner_accuracy.py --quick         # a few cases, prints the table only
-    python benchmarks/planner_accuracy.py --cases ddp-fp32-adamw,zero3-bf16-llama-gqa [--write]
+    python benchmarks/planner_accuracy.py --cases ddp-fp32-adamw,zero3-fp32-adamw-gqa [--write]
+    python benchmarks/planner_accuracy.py --render        # only the doc again, from the JSON file
 
 Each case is a tiny recipe (``--SECTION.KEY=VALUE`` overrides over :data:`BASE`) and a process count. It
 is built by ``train/build.py::build_run`` in a worker (one process, or ``torchrun --standalone`` with gloo
@@ -40,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "memory-accuracy.md"
 JSON_OUT = REPO / "src" / "lmforge" / "plan" / "accuracy.json"
 TOLERANCE = 0.05
+COMMAND = "python benchmarks/planner_accuracy.py"
 ROWS = ("parameters", "gradients", "optimizer states", "activations", "temporaries")
 # the stdlib modules the corpus is cut from (one document per function-sized chunk), as tests/conftest.py
 CORPUS_MODULES = (
@@ -208,7 +210,7 @@ def measure(case: Case, workdir: Path, timeout: float = 600) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("STEP ")]
     if proc.returncode != 0 or len(lines) != 1:
         raise RuntimeError(
-            f"{case.name}: worker failed ({proc.returncode})\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
+            f"{case.name}: worker failed ({proc.returncode})\n{proc.stdout[-2000:]}{proc.stderr[-20000:]}"
         )
     return json.loads(lines[0].removeprefix("STEP "))
 
@@ -344,8 +346,12 @@ def machine() -> str:
     """The CPU's model name and core count (lscpu), for the doc and the JSON."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        info = dict(ln.split(":", 1) for ln in out.splitlines() if ":" in ln)
-        return f"{info['Model name'].strip()}, {info['CPU(s)'].strip()} cores (lscpu)"
+        info = {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in out.splitlines() if ":" in ln)}
+        flags = set(info.get("Flags", "").split())
+        units = [
+            name for flag, name in (("avx512_bf16", "AVX-512-BF16"), ("amx_bf16", "AMX")) if flag in flags
+        ]
+        return f"{info['Model name']}, {info['CPU(s)']} cores{' with ' + '/'.join(units) if units else ''} (lscpu)"
     except (OSError, KeyError, subprocess.SubprocessError):
         return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
@@ -408,8 +414,10 @@ def render_doc(
         "same flags, the run's real tokenizer vocabulary, the CPU's attention kernel); the planned peak is "
         "its tracked part, `total - overhead` (the tracker sees tensors, not the runtime or the allocator's "
         "fragmentation). Rows are the planner's rows at its peak phase against the tracker's categories at "
-        "its peak moment; the measured peak also holds the batch's token tensors (a few KiB, no row). "
-        "Errors are planned / measured - 1.",
+        "its peak moment (a row's error says as much about when each peak falls as about the row); the "
+        "measured parameters row holds the model's buffers too (Llama's RoPE tables), and the measured peak "
+        "the batch's token tensors (a few KiB, no row). Errors are planned / measured - 1; a state row within "
+        "8 bytes reads `exact`.",
         "",
         "## Summary",
         "",
@@ -479,7 +487,9 @@ def run_cases(cases: list[Case], workdir: Path) -> tuple[list[dict], list[tuple[
         try:
             measured = measure(case, workdir)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            last = [ln for ln in str(exc).splitlines() if ln.strip()][-1]
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            errors = [ln for ln in lines if "Error:" in ln and "ChildFailedError" not in ln]
+            last = (errors or lines)[-1]
             failed.append((case, last))
             print(f"{case.name}: FAILED: {last}", flush=True)
             continue
@@ -501,10 +511,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     ap.add_argument("--write", action="store_true", help="write the doc and JSON for a subset too")
     ap.add_argument("--workdir", default="/tmp/lmforge-planner-accuracy", help="corpus and tokenizer cache")
+    ap.add_argument("--render", action="store_true", help="only rewrite the doc from the JSON file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.worker)
+        return 0
+    if args.render:
+        refused = [(c, refusal(c)) for c in NOT_MODELLED]
+        DOC.write_text(render_doc(json.loads(JSON_OUT.read_text()), refused, [], COMMAND))
         return 0
     names = args.cases.split(",") if args.cases else QUICK if args.quick else [c.name for c in CASES]
     unknown = [n for n in names if n not in BY_NAME]
@@ -520,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write or not (args.cases or args.quick):
         refused = [(c, refusal(c)) for c in NOT_MODELLED]
         write_json(data)
-        DOC.write_text(render_doc(data, refused, failed, "python benchmarks/planner_accuracy.py"))
+        DOC.write_text(render_doc(data, refused, failed, COMMAND))
         print(f"wrote {DOC.relative_to(REPO)} and {JSON_OUT.relative_to(REPO)}")
     return 0
 
