@@ -163,6 +163,7 @@ TEST_CASES = [
 NOT_MODELLED = [
     _case("zero3-fp32-offload", 2, use=[GQA, _shard(2, 3)], parallel__offload=True),
     _case("one-fp32-activation-offload", 1, use=[GQA], train__activation_offload=True),
+    _case("one-fp32-dpo", 1, use=[GQA], train__objective="dpo"),
 ]
 
 

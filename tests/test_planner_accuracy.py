@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.plan.request import NOT_MODELLED
+
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
     "planner_accuracy", REPO / "benchmarks" / "planner_accuracy.py"
@@ -58,18 +60,15 @@ def test_planned_peak_within_5_percent_and_states_exact(name: str, workdir: Path
 def test_what_the_planner_does_not_model_is_refused_in_one_line(case, estimate_command):
     flags = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in case.flags.items()]
     code, out, err = estimate_command("--gpus", str(case.processes), *flags)
-    (key,) = [k for k in ("parallel.offload", "train.activation_offload") if k in case.flags]
+    (key,) = [k for k in NOT_MODELLED if k in case.flags]
     lines = err.strip().splitlines()
     assert code == 2 and out == ""
     assert len(lines) == 1 and lines[0].startswith(f"lmforge estimate: error: {key}: the memory planner"), err
     assert matrix.refusal(case) == lines[0].removeprefix("lmforge estimate: error: ")
 
 
-def test_dpo_is_refused_in_one_line(estimate_command):
-    code, _, err = estimate_command("--train.objective=dpo")
-    assert code == 2 and err.strip().startswith(
-        "lmforge estimate: error: train.objective: the memory planner"
-    )
+def test_the_language_model_objective_is_planned():
+    assert matrix.refusal(matrix.BY_NAME["one-fp32-adamw-llama"]) == ""
 
 
 def test_the_shipped_accuracy_file_has_its_shape_and_its_summary_follows_from_its_cases(tmp_path):
