@@ -159,4 +159,5 @@ def test_estimate_activations_equal_what_lmforge_objective_saves(arch: str, prec
         cfg, precision, attention_kind("cpu", cfg.train.attention, cfg.model.doc_mask), "cpu"
     )
     e = estimate(workload, layout_from_config(cfg, 1), hardware.cpu(1e11))
-    assert e.activations - e.activation_parts["recompute"] == measured
+    transient = max(e.activation_parts["recompute"], e.activation_parts["forward_casts"])
+    assert e.activations - transient == measured

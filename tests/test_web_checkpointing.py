@@ -17,6 +17,7 @@ from lmforge.config import ModelConfig
 from lmforge.plan.activations import activation_bytes
 from lmforge.plan.estimate import recompute_factor
 from lmforge.web.app import create_app
+from tests.accuracy_matrix import PEAK_TEXT, install
 from tests.conftest import estimate_cli, figure, renders, screenshot, wait_render
 
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "activation_checkpointing.py"
@@ -54,7 +55,7 @@ def runs_with_benchmark(tmp_path: Path, monkeypatch, capsys) -> Path:
 
 
 def test_checkpointing_page_shows_estimate_and_benchmark(
-    runs_with_benchmark: Path, serve, page, capsys, cli_logging
+    runs_with_benchmark: Path, serve, page, capsys, cli_logging, monkeypatch
 ):
     url = serve(runs_with_benchmark)
     page.goto(f"{url}/checkpointing")
@@ -64,6 +65,7 @@ def test_checkpointing_page_shows_estimate_and_benchmark(
         e = estimate_cli(capsys, *BASE, f"--train.activation_checkpointing={policy}")
         assert figure(page, f"{policy}.activations") == e["activations"], policy
         assert figure(page, f"{policy}.recompute_peak") == e["activation_parts"]["recompute"], policy
+        assert figure(page, f"{policy}.forward_casts") == e["activation_parts"]["forward_casts"], policy
         assert figure(page, f"{policy}.total") == e["total"], policy
         assert figure(page, f"{policy}.recompute") == e["recompute"] == recompute_factor(policy), policy
         assert figure(page, f"{policy}.step_s") == e["step_s"], policy
@@ -95,6 +97,7 @@ def test_checkpointing_page_shows_estimate_and_benchmark(
     assert page.locator("#checkpointing-measured h3").inner_text() == "bench/activation_checkpointing.json"
     screenshot(page, "checkpointing", tmp_path=runs_with_benchmark.parent)
 
+    install(monkeypatch, runs_with_benchmark.parent / "plan")  # a matrix with the test's figures
     n = renders(page)
     page.fill("[name=k]", "2")
     wait_render(page, after=n)
@@ -106,6 +109,9 @@ def test_checkpointing_page_shows_estimate_and_benchmark(
         < estimate_cli(capsys, *BASE, "--train.activation_checkpointing=every:3")["activations"]
     )
     assert figure(page, "every:2.recompute") == 1 + 1 / 6
+    assert page.text_content("#checkpointing-accuracy") == (
+        f"Device total, the planner's measured accuracy: {PEAK_TEXT} (docs/memory-accuracy.md)."
+    )
 
 
 def test_checkpointing_without_benchmark_says_how_to_measure(tmp_path: Path):

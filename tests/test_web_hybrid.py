@@ -11,6 +11,7 @@ import torch
 
 from lmforge.web.app import create_app
 from lmforge.web.figures_hybrid import HybridInputs, mesh_coords, mesh_groups
+from tests.accuracy_matrix import MATRIX, PEAK_TEXT, install
 from tests.conftest import estimate_cli, figure, renders, screenshot, wait_render
 
 
@@ -44,7 +45,7 @@ def test_bad_input_is_a_one_line_400(tmp_path: Path, query: str, needle: str):
     assert needle in err and "\n" not in err
 
 
-def test_page_shows_estimate_json_and_follows_the_controls(tmp_path: Path, serve, page, capsys):
+def test_page_shows_estimate_json_and_follows_the_controls(tmp_path: Path, serve, page, capsys, monkeypatch):
     url = serve(tmp_path)
     page.goto(f"{url}/hybrid")
     wait_render(page)
@@ -67,6 +68,7 @@ def test_page_shows_estimate_json_and_follows_the_controls(tmp_path: Path, serve
     assert page.inner_text("#hybrid-command") == f"lmforge estimate {' '.join(seed.flags())} --json"
     screenshot(page, "hybrid", tmp_path)
 
+    install(monkeypatch, tmp_path / "plan")  # an accuracy matrix with figures of the test's choosing
     n = renders(page)  # TP 8 -> 4, DP shard 2 -> 4: less TP traffic, more DP traffic
     page.fill("[name=tp]", "4")
     page.fill("[name=dp_shard]", "4")
@@ -79,6 +81,8 @@ def test_page_shows_estimate_json_and_follows_the_controls(tmp_path: Path, serve
     )
     got = estimate_cli(capsys, *flags)
     assert figure(page, "total") == got["total"] != want["total"]
+    assert page.text_content("[data-key='accuracy']") == PEAK_TEXT
+    assert figure(page, "accuracy") == MATRIX["summary"]["max_abs_peak_error"]
     assert figure(page, "comm_tp") == got["comm"]["tp"] and figure(page, "comm_dp") == got["comm"]["dp"]
 
     n = renders(page)

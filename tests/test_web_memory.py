@@ -4,12 +4,14 @@ planner's at those points, a changed control changes the figures, bad input is a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from lmforge.plan.request import EstimateRequest, estimate_json
 from lmforge.web.app import create_app
+from tests.accuracy_matrix import MATRIX, PEAK_TEXT, ROW_TEXTS, install
 from tests.conftest import estimate_cli, figure, renders, screenshot, wait_render
 
 SEED = ["--train.micro_batch_size=32", "--data.seq_len=512", "--train.precision=fp16", "--optim.name=adam"]
@@ -54,6 +56,10 @@ def test_memory_page_shows_lmforge_estimate(tmp_path: Path, serve, page, capsys,
     assert sum(figure(page, k) for k in ROWS if k.startswith("row.")) == pytest.approx(
         seed["total"], rel=1e-12
     )
+    # the seed's peak holds every activation: the note says so beside the activation table
+    assert page.get_attribute("#memory-peak", "data-value") == seed["peak_phase"]
+    assert seed["activations_at_peak"] == seed["activations"] == figure(page, "activation.at_peak")
+    assert "all of them are alive in this phase" in page.text_content("#memory-peak")
     screenshot(page, "memory", tmp_path)
 
     # scaling: each point is the planner's at that micro-batch / sequence length
@@ -120,3 +126,63 @@ def test_memory_api_bad_input_is_a_one_line_400(tmp_path: Path, query: str, name
     assert r.status_code == 400
     err = r.get_json()["error"]
     assert err.startswith(name) and "\n" not in err
+
+
+def freed_activations_case() -> tuple[int, dict]:
+    """A micro-batch of llama-7b (sequence 512, fp16, Adam, one device, no checkpointing) whose peak is
+    a phase with no activation alive while the step saves GiB of them (the largest such micro-batch of
+    1..8), and ``lmforge estimate --json``'s estimate for it."""
+    found = None
+    for micro_batch in range(1, 9):
+        flags = [f for f in SEED if "micro_batch" not in f] + [f"--train.micro_batch_size={micro_batch}"]
+        e = estimate_json(EstimateRequest(model="llama-7b", overrides=tuple(flags)))["estimate"]
+        if e["activations_at_peak"] == 0 and e["activations"] > 0:
+            found = (micro_batch, e)
+    assert found, "no micro-batch of 1..8 peaks with its activations freed"
+    return found
+
+
+def test_memory_page_says_why_the_activations_row_is_0_and_its_accuracy(
+    tmp_path: Path, serve, page, monkeypatch
+):
+    matrix = install(monkeypatch, tmp_path / "plan", None)  # no matrix: the accuracy is not measured
+    micro_batch, e = freed_activations_case()
+    assert e["activations"] > 16 * 2**30  # the activation table shows many GiB ...
+    url = serve(tmp_path)
+    page.goto(f"{url}/memory")
+    wait_render(page)
+    n = renders(page)
+    page.fill("[name=micro_batch]", str(micro_batch))
+    wait_render(page, after=n)
+    page.wait_for_function(
+        f"document.getElementById('memory-command').textContent.includes('={micro_batch} ')"
+    )
+    assert figure(page, "row.activations") == 0  # ... beside an activations row of 0
+    assert figure(page, "activation.total") == e["activations"]
+    assert figure(page, "activation.at_peak") == 0
+    assert sum(figure(page, f"activation.{k}") for k, v in e["activation_parts"].items() if v) == (
+        pytest.approx(e["activations"], rel=1e-12)
+    )
+    note = page.text_content("#memory-peak")
+    assert page.get_attribute("#memory-peak", "data-value") == e["peak_phase"]
+    assert f'The peak is the phase "{e["peak_phase"]}"' in note
+    assert f"gradients {e['gradients_at_peak'] / 2**30:.2f} GiB" in note
+    assert f"{e['activations'] / 2**30:.2f} GiB of activations" in note
+    assert "none are alive in this phase and the activations row is 0" in note
+    assert "activations 0" not in note.split("Alive in it:")[1].split(".")[0]  # not listed as alive
+    assert page.text_content("#memory-accuracy").startswith(
+        "The planner's measured accuracy: accuracy not measured"
+    )
+    assert page.text_content("[data-key='total.accuracy']").startswith("accuracy not measured")
+    screenshot(page, "memory-peak", tmp_path)
+
+    matrix.write_text(json.dumps(MATRIX))  # the matrix appears: the next render shows its figures
+    n = renders(page)
+    page.select_option("[name=accounting]", "zero-paper")
+    wait_render(page, after=n)
+    page.wait_for_function("document.getElementById('memory-accuracy').dataset.measured === '1'")
+    assert PEAK_TEXT in page.text_content("#memory-accuracy")
+    assert page.text_content("[data-key='total.accuracy']") == PEAK_TEXT
+    for row, text in ROW_TEXTS.items():
+        assert page.text_content(f"[data-key='row.{row.replace(' ', '_')}.accuracy']") == text, row
+    assert page.text_content("[data-key='row.overhead.accuracy']").startswith("not measured")

@@ -13,6 +13,7 @@ import pytest
 from lmforge.plan.comm import dp_volume, seed_volume
 from lmforge.plan.memory import per_param_formula
 from lmforge.web.app import create_app
+from tests.accuracy_matrix import PEAK_TEXT, install
 from tests.conftest import estimate_cli, figure, renders, screenshot, wait_render
 
 KINDS = {
@@ -48,7 +49,7 @@ def assert_tables(page, capsys, n: int, accounting: str, k: float, *flags: str) 
         )
 
 
-def test_zero_page_shows_formulas_and_planner(tmp_path: Path, serve, page, capsys, cli_logging):
+def test_zero_page_shows_formulas_and_planner(tmp_path: Path, serve, page, capsys, cli_logging, monkeypatch):
     url = serve(tmp_path)
     page.goto(f"{url}/zero")
     wait_render(page)
@@ -73,10 +74,14 @@ def test_zero_page_shows_formulas_and_planner(tmp_path: Path, serve, page, capsy
     assert 0 < figure(page, "planner.zero1.states_total") / seed["zero1"] - 1 < 0.005
     screenshot(page, "zero", tmp_path)
 
+    install(monkeypatch, tmp_path / "plan")  # an accuracy matrix with figures of the test's choosing
     n = renders(page)
     page.fill("[name=gpus]", "16")
     wait_render(page, after=n)
     page.wait_for_function("document.getElementById('zero-command').textContent.includes('dp_shard=16')")
+    assert page.text_content("#zero-accuracy") == (
+        f"Device total, the planner's measured accuracy: {PEAK_TEXT} (docs/memory-accuracy.md)."
+    )
     assert figure(page, "formula.zero3.total") == pytest.approx(16 * psi / 16, rel=1e-12)
     assert_tables(page, capsys, 16, "zero-paper", 8, *flags)
 

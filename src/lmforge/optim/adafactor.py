@@ -54,6 +54,7 @@ class Adafactor(torch.optim.Adafactor):
                         [state["step"]],
                     )
                     p.copy_(shard_like(whole, p))
+                    del whole, grad  # else both live on while the next parameter's are gathered
         return loss
 
     def _whole_state(self, p: torch.Tensor, grad: torch.Tensor) -> dict:

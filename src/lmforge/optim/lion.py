@@ -7,7 +7,9 @@ decoupled weight decay ``wd``::
     p = p * (1 - lr * wd) - lr * sign(c)
     m = b2 * m + (1 - b2) * g            # momentum tracked with the slower beta
 
-torch ships no Lion; this is a direct implementation with ``torch._foreach`` kernels.
+torch ships no Lion; this is a direct implementation with ``torch._foreach`` kernels, one parameter group
+at a time: the step's only scratch is ``c`` for the group being stepped, one FP32 copy of its values
+(``plan/memory.py::optimizer_step_bytes``).
 """
 
 from __future__ import annotations
@@ -53,4 +55,5 @@ class Lion(torch.optim.Optimizer):
             torch._foreach_add_(params, update, alpha=-lr)
             torch._foreach_mul_(moms, b2)
             torch._foreach_add_(moms, grads, alpha=1.0 - b2)
+            del update  # else it lives on while the next group's is made: two groups' copies at once
         return loss

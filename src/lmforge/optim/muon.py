@@ -137,6 +137,7 @@ class Muon(torch.optim.Muon):
                 ortho = shard_like(ortho, p)
                 p.mul_(1 - lr * wd)
                 p.add_(ortho, alpha=-lr * update_scale(p.shape, self.scale))
+                del update, ortho  # else they live on through the next matrix's Newton-Schulz
         return loss
 
 

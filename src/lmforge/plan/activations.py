@@ -10,21 +10,32 @@ the eager ops of ``lmforge/model`` save, read from their saved tensors on torch 
   value heads, ``e = d / h`` head width, ``f`` MLP width, ``V`` vocabulary, ``c`` compute bytes (4: FP32,
   2: BF16/FP16 autocast), ``a = 1`` under autocast (``c < 4``) else ``0``; under tensor parallelism ``h``,
   ``g``, ``f`` are the per-rank shares ``/ tp`` and ``n = N / tp`` (sequence parallel), else ``n = N``.
-* The residual stream is FP32 in both precisions (FP32 master weights: the embedding output is FP32 and
-  ``x + attn(...)`` promotes to FP32), so block inputs always cost 4 bytes per value.
+* The residual stream is FP32 under FP32 and under autocast (FP32 master weights: the embedding output is
+  FP32 and ``x + attn(...)`` promotes to FP32), so block inputs cost 4 bytes per value there.
+* FSDP2's mixed precision (``fsdp_mixed_precision``: ZeRO-2/3 with a 16-bit compute dtype, BF16 for FP8
+  too; ``parallel/data_parallel.py::apply_fsdp``) is another path: ``MixedPrecisionPolicy`` gathers the
+  parameters in ``c`` and casts each block's floating inputs to ``c``, so the embedding, the residual
+  stream and every norm output are ``c``-byte, nothing is cast by autocast (the weights are already
+  ``c``), and the RoPE tables arrive cast once per block. Each difference is stated below as "FSDP2 mp";
+  measured exact on 2 gloo processes for Llama (GQA) and GPT-2 under every policy (ZeRO-3 BF16, ZeRO-2
+  BF16, FP16), and FP8 (tensorwise) adds one FP32 scale, 4 bytes, per float8 linear layer, not counted.
 
 One block without checkpointing (policy ``none``), in bytes:
 
-* residual: the block input and the mid-block sum, saved by the two norms: ``2 * 4 n d``.
+* residual: the block input and the mid-block sum, saved by the two norms: ``2 * 4 n d``. FSDP2 mp:
+  ``2 * c n d`` (``c``-byte inputs), except the CPU RMSNorm, which upcasts its input to FP32 and saves
+  that copy instead: ``2 * 4 n d`` (on CUDA the fused kernel saves the ``c``-byte input: derived).
 * norms: RMSNorm (a composite on CPU: ``x * rsqrt(mean(x^2) + eps) * w``) saves ``rstd`` and
-  ``x_hat = x * rstd``: ``2 * (4 n + 4 n d)``; on CUDA ``rms_norm`` dispatches to the fused
-  ``_fused_rms_norm`` kernel, whose backward needs only the input and ``rstd``: ``2 * 4 n`` (read from
-  PyTorch's ``rms_norm_symint``, not measured here); LayerNorm (fused) saves mean and rstd: ``2 * 8 n``.
+  ``x_hat = x * rstd``: ``2 * (4 n + 4 n d)`` (FP32 under FSDP2 mp too); on CUDA ``rms_norm`` dispatches
+  to the fused ``_fused_rms_norm`` kernel, whose backward needs only the input and ``rstd``: ``2 * 4 n``
+  (read from PyTorch's ``rms_norm_symint``, not measured here); LayerNorm (fused) saves mean and rstd:
+  ``2 * 8 n``; FSDP2 mp on CPU: the CPU kernel returns them in the input's dtype, ``2 * 2 c n``.
 * attention projections: the q/k/v input. FP32: the norm output once (the three matmuls share it),
   ``4 N d``; autocast: each projection casts its input to ``c`` separately (autocast caches only leaf
-  weights), ``3 c N d``.
+  weights), ``3 c N d``; FSDP2 mp: the norm's ``c``-byte output once, ``c N d``.
 * rotary (Llama): FP32 saves nothing (the cos/sin tables are buffer slices); autocast saves the four
-  ``cos/sin.to(c)`` copies (q and k): ``4 c T e``.
+  ``cos/sin.to(c)`` copies (q and k): ``4 c T e``; FSDP2 mp: the block's cast of the two tables, shared
+  by q and k, ``2 c T e``, kept by checkpointed blocks too (they are the checkpoint's inputs).
 * attention kernel, ``flash`` (SDPA's flash / memory-efficient / CPU flash kernels): q, k, v, out at
   ``c`` and the FP32 log-sum-exp: ``4 c B h T e + 4 B h T``. lmforge repeats the K/V heads with
   ``repeat_interleave`` before SDPA (``attend``), so the saved k and v are ``h`` heads wide, not ``g``.
@@ -37,53 +48,67 @@ One block without checkpointing (policy ``none``), in bytes:
   inside SDPA to an additive mask in the compute dtype, which the kernel saves, once per block:
   ``c B T^2`` (``flash`` only; ``math`` adds the mask without saving it; ``flex`` has no dense mask).
 * MLP: its input (FP32 ``4 N d``; autocast one cast per input projection, ``2 c N d`` SwiGLU,
-  ``c N d`` GELU) plus SwiGLU's gate, silu(gate), up and their product ``4 c N f``, or GELU's
-  pre-activation and output ``2 c N f``.
+  ``c N d`` GELU; FSDP2 mp the norm's output once, ``c N d``) plus SwiGLU's gate, silu(gate), up and
+  their product ``4 c N f``, or GELU's pre-activation and output ``2 c N f``.
 * autocast weight casts: each matmul saves its ``c``-byte weight copy, held by the graph until backward:
   ``c * (d h e + 2 d g e + h e d + k_mlp d f)`` with ``k_mlp`` 3 (SwiGLU) or 2 (GELU). They are counted as
-  activations: they are created per forward and freed only by backward (``weight_casts``).
+  activations: they are created per forward and freed only by backward (``weight_casts``). FSDP2 mp: 0.
 
 Checkpointed blocks (``full``; ``every:K`` checkpoints block ``i`` when ``i % K == 0``) keep only their
-input ``4 n d`` (saved by checkpoint's input saver) and, once for all of them, the boolean document mask
-they take as an argument, ``B T^2`` (the RoPE tables are buffer slices). ``selective`` keeps the block
-input, the outputs of every matmul (``mm``/``addmm``/``bmm``) and of the attention kernel:
-``4 n d + c N (h e + 2 g e) + c B h T e + 4 B h T + c N d + c N (k_mlp - 1) f + c N d`` (``o_proj`` and
-``down``/``fc_out`` outputs are full ``N d`` partial sums under tensor parallelism, whose two
-reduce-scatter outputs are kept too, ``+ 2 c n d``; the ``math`` kernel instead keeps its two ``bmm``
-outputs ``m B h T^2 + m B h T e``).
+input ``4 n d`` (saved by checkpoint's input saver; FSDP2 mp ``c n d`` and the RoPE casts ``2 c T e``)
+and, once for all of them, the boolean document mask they take as an argument, ``B T^2`` (the RoPE
+tables are buffer slices). ``selective`` keeps the block input, the outputs of every matmul
+(``mm``/``addmm``/``bmm``) and of the attention kernel:
+``4 n d + c N (h e + 2 g e) + c B h T e + 4 B h T + c N d + c N (k_mlp - 1) f + c N d`` (FSDP2 mp: the
+input ``c n d``, plus ``2 c T e`` of RoPE casts; ``o_proj`` and ``down``/``fc_out`` outputs are full
+``N d`` partial sums under tensor parallelism, whose two reduce-scatter outputs are kept too,
+``+ 2 c n d``; the ``math`` kernel instead keeps its two ``bmm`` outputs ``m B h T^2 + m B h T e``).
 
 Outside the blocks:
 
 * embedding: GPT-2's position ids ``arange(T)``, ``8 T`` (the token ids are the caller's input and are
   not counted).
-* head and loss (``loss``): the final norm as a block norm (input ``4 n d``, stats, RMSNorm's ``x_hat``)
-  on every rank's sequence shard. Then, by loss:
+* head and loss (``loss``): the final norm as a block norm (input ``4 n d``, stats, RMSNorm's ``x_hat``;
+  FSDP2 mp as the block norms above) on every rank's sequence shard. Then, by loss:
 
   - ``fused`` (``model/fused_loss.py``: the output head and the cross-entropy fused chunk by chunk in
     forward and backward), no logits, no weight cast and no compute-dtype copy of the input kept,
     whatever the chunk; one of two ways, as ``model/fused_loss.py::precomputes`` decides from ``N``,
     ``v = V / tp``, ``d``, the chunk and ``c``: recomputing keeps its input, the final norm's FP32
-    output, ``4 N d``, and one FP32 log-sum-exp per token, ``4 N``; precomputing (a summed loss whose
-    two gradients are no larger than a chunk's temporaries) keeps the FP32 gradients of the hidden
-    states and of this rank's head rows, ``4 N d + 4 v d``. Under tensor parallelism the loss is
-    vocabulary-parallel: each rank holds all ``N`` tokens' hidden states (all-gathered) and its
-    ``V / tp`` rows (temporaries: ``plan/memory.py::loss_temporary``).
+    output, ``4 N d`` (FSDP2 mp: ``c N d``), and one FP32 log-sum-exp per token, ``4 N``; precomputing
+    (a summed loss whose two gradients are no larger than a chunk's temporaries) keeps the FP32
+    gradients of the hidden states and of this rank's head rows, ``4 N d + 4 v d``. Under tensor
+    parallelism the loss is vocabulary-parallel: each rank holds all ``N`` tokens' hidden states
+    (all-gathered) and its ``V / tp`` rows (temporaries: ``plan/memory.py::loss_temporary``).
   - ``chunked`` (the chunked loss lmforge had before, a head then ``F.cross_entropy`` per chunk; measured
     exact): the head input (FP32: the norm output ``4 N d``; autocast: its cast per chunk, ``c N d``),
-    the autocast copy of the head weight ``c V d`` (``/ tp``), and every chunk's FP32 log-softmax,
-    alive until backward in eager, ``4 N V`` in all (the chunking bounds the temporary logits, not the
-    saved log-probabilities), plus one 4-byte ``total_weight`` per chunk, ``4 ceil(N / chunk)``; under
-    tensor parallelism the head input and the logits are all-gathered, full-size on every rank.
+    the autocast copy of the head weight ``c V d`` (``/ tp``; FSDP2 mp: none), and every chunk's FP32
+    log-softmax, alive until backward in eager, ``4 N V`` in all (the chunking bounds the temporary
+    logits, not the saved log-probabilities), plus one 4-byte ``total_weight`` per chunk,
+    ``4 ceil(N / chunk)``; under tensor parallelism the head input and the logits are all-gathered,
+    full-size on every rank.
 
-The backward peak adds, on top of the saved bytes, one checkpointed block's recomputation: its ``none``
-bytes minus what it kept (``recompute``; gradients and temporaries not included).
+Two transients come on top of the saved bytes, at different moments (``peak = total + max(recompute,
+forward_casts)``):
+
+* ``recompute``, in backward: one checkpointed block's recomputation, its ``none`` bytes minus what it
+  kept (gradients and temporaries not included).
+* ``forward_casts``, at the end of forward (autocast only, not FSDP2 mp): autocast's cache keeps the
+  ``c``-byte copy of every FP32 leaf weight it cast until the outermost autocast exits. A block that is
+  not checkpointed saves its weight copies anyway (``weight_casts``); a checkpointed block's copies are
+  held by the cache alone, as are every block's bias copies:
+  ``c * (checkpointed * (d h e + 2 d g e + h e d + k_mlp d f)``
+  ``+ blocks * ((h + 2 g) e + (k_mlp - 1) f + 2 d))``
+  (biases only where the model has them). Measured exact in one process (the storages alive just before
+  autocast exits less those backward keeps).
 
 Tensor parallelism follows ``lmforge/parallel/tensor.py``: norms and residual on the sequence shard
 (``n = N / tp``), each column-parallel matmul saves the all-gathered ``(N, d)`` input (or, under
 autocast, its own cast of it), heads and MLP channels ``/ tp``, the mask, the RoPE casts, the head input
 and the loss full-size on every rank. Measured exact at ``tp = 2`` (2 CPU processes, gloo, saved-tensor
 hooks unwrapping DTensors) for ``none``, ``full`` and ``every:2`` in FP32 and BF16; ``selective`` under
-TP is derived, not measured.
+TP is derived, not measured. FSDP2 mp under TP (or on a pipeline stage) takes the same substitutions as
+without it: derived, not measured.
 """
 
 from __future__ import annotations
@@ -93,10 +118,11 @@ from dataclasses import dataclass, fields
 
 from lmforge.config import ModelConfig
 from lmforge.model.fused_loss import precomputes
-from lmforge.model.transformer import ff_width
+from lmforge.model.transformer import ff_width, uses_bias
 
 ATTENTION_KINDS = ("flash", "flex", "math")
 LOSSES = ("fused", "chunked")
+TRANSIENT = ("recompute", "forward_casts")  # parts alive on top of the saved bytes, at different moments
 
 
 def attention_kind(device_type: str, attention: str = "auto", doc_mask: bool = True) -> str:
@@ -118,8 +144,10 @@ def attention_kind(device_type: str, attention: str = "auto", doc_mask: bool = T
 @dataclass(frozen=True)
 class ActivationBytes:
     """Bytes saved for backward of one micro-batch on one device, by part (sums over this device's
-    blocks); :attr:`total` is their sum. ``recompute`` (not in the total) is the extra memory of one
-    checkpointed block's recomputation during backward: ``peak = total + recompute``."""
+    blocks); :attr:`total` is their sum. Not in the total (:data:`TRANSIENT`): ``recompute``, the extra
+    memory of one checkpointed block's recomputation during backward, and ``forward_casts``, autocast's
+    cached 16-bit weight copies not saved by any op, alive until the forward's autocast exits:
+    ``peak = total + max(recompute, forward_casts)``."""
 
     residual: int
     norms: int
@@ -133,15 +161,17 @@ class ActivationBytes:
     head: int
     loss: int
     recompute: int = 0
+    forward_casts: int = 0
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self) if f.name != "recompute")
+        return sum(getattr(self, f.name) for f in fields(self) if f.name not in TRANSIENT)
 
     @property
     def peak(self) -> int:
-        """Saved bytes plus one block's recomputation (the backward peak of the activations)."""
-        return self.total + self.recompute
+        """Saved bytes plus the larger transient on top of them: one block's recomputation (in backward)
+        or autocast's cached weight casts (at the end of forward)."""
+        return self.total + max(self.recompute, self.forward_casts)
 
 
 def _checkpointed(policy: str, index: int) -> bool:
@@ -180,28 +210,72 @@ class _Dims:
     llama: bool
     k_mlp: int
     norm_stats: int  # what one norm saves besides its input
+    norm_in: int  # bytes per value of the input copy a norm saves
     m: int  # the math kernel's dtype bytes
+    mp: bool  # FSDP2's MixedPrecisionPolicy: parameters and block inputs already in the compute dtype
 
     @property
     def ac(self) -> bool:
-        """Autocast (``c < 4``)."""
+        """A 16-bit compute dtype (``c < 4``): autocast, or FSDP2's mixed precision (:attr:`mp`)."""
         return self.c < 4
+
+    @property
+    def casts(self) -> bool:
+        """Autocast casts FP32 weights and inputs (16-bit compute without FSDP2's mixed precision)."""
+        return self.ac and not self.mp
+
+    @property
+    def r(self) -> int:
+        """Bytes per value of the residual stream: ``c`` under FSDP2's mixed precision, else 4."""
+        return self.c if self.mp else 4
 
 
 def _dims(
-    model: ModelConfig, vocab_size: int, seq_len: int, micro_batch: int, c: int, tp: int, device_type: str
+    model: ModelConfig,
+    vocab_size: int,
+    seq_len: int,
+    micro_batch: int,
+    c: int,
+    tp: int,
+    device_type: str,
+    mp: bool,
 ) -> _Dims:
     B, T, d = micro_batch, seq_len, model.d_model
     n = B * T // tp  # tokens of the sequence-parallel norms and residual stream
     llama = model.arch == "llama"
-    composite_rms = device_type != "cuda"  # CUDA has a fused RMSNorm kernel, CPU decomposes it
-    norm_stats = (4 * n + 4 * n * d if composite_rms else 4 * n) if llama else 8 * n
+    mp = mp and c < 4
+    composite_rms = llama and device_type != "cuda"  # CUDA has a fused RMSNorm kernel, CPU decomposes it
+    # LayerNorm's mean and rstd: FP32 from FP32 inputs; the CPU kernel returns them in a 16-bit input's dtype
+    ln_stat = c if (mp and device_type != "cuda") else 4
+    norm_stats = (4 * n + 4 * n * d if composite_rms else 4 * n) if llama else 2 * ln_stat * n
     return _Dims(
         B=B, T=T, N=B * T, n=n, d=d, V=vocab_size,
         h=model.n_heads // tp, g=(model.n_kv_heads or model.n_heads) // tp, e=d // model.n_heads,
         f=ff_width(model) // tp, c=c, tp=tp, llama=llama, k_mlp=3 if llama else 2, norm_stats=norm_stats,
+        norm_in=4 if (composite_rms or not mp) else c,  # the CPU RMSNorm saves its FP32 upcast
         m=4 if device_type == "cpu" else c,  # the math kernel's dtype: the CPU one upcasts to FP32
+        mp=mp,
     )  # fmt: skip
+
+
+def _block_weights(D: _Dims) -> int:
+    """Values of one block's matmul weights on this device: ``d h e + 2 d g e + h e d + k_mlp d f``."""
+    return D.d * D.h * D.e + 2 * D.d * D.g * D.e + D.h * D.e * D.d + D.k_mlp * D.d * D.f
+
+
+def _block_biases(D: _Dims) -> int:
+    """Values of one block's matmul biases on this device (column-parallel ones ``/ tp``):
+    ``(h + 2 g) e + (k_mlp - 1) f + 2 d``."""
+    return (D.h + 2 * D.g) * D.e + (D.k_mlp - 1) * D.f + 2 * D.d
+
+
+def _rotary(D: _Dims) -> int:
+    """The RoPE tables' 16-bit copies one Llama block keeps: autocast, ``cos/sin.to(c)`` for q and for k,
+    ``4 c T e``; FSDP2's mixed precision casts the block's floating inputs (the tables) once, ``2 c T e``,
+    kept whether the block is checkpointed or not."""
+    if not (D.ac and D.llama):
+        return 0
+    return 2 * D.c * D.T * D.e if D.mp else 4 * D.c * D.T * D.e
 
 
 def _plain_block(D: _Dims, attention: str, doc_mask: bool) -> dict[str, int]:
@@ -213,15 +287,18 @@ def _plain_block(D: _Dims, attention: str, doc_mask: bool) -> dict[str, int]:
         kernel = 2 * c * B * (h + g) * T * e + 4 * B * h * T
     else:
         kernel = 3 * m * B * h * T * e + m * B * h * T * T + c * B * h * T * e
+    # the matmuls' inputs: FP32 one shared copy; autocast one cast per projection; FSDP2's mixed
+    # precision one shared 16-bit copy (the norm's output is already in the compute dtype)
+    shared = c * N * d if D.mp else 4 * N * d
     return {
-        "residual": 2 * 4 * n * d,
+        "residual": 2 * D.norm_in * n * d,
         "norms": 2 * D.norm_stats,
-        "attention_proj": 3 * c * N * d if D.ac else 4 * N * d,
-        "rotary": 4 * c * T * e if (D.ac and D.llama) else 0,
+        "attention_proj": 3 * c * N * d if D.casts else shared,
+        "rotary": _rotary(D),
         "attention_kernel": kernel,
         "attention_mask": c * B * T * T if (doc_mask and attention == "flash") else 0,
-        "mlp": ((D.k_mlp - 1) * c * N * d if D.ac else 4 * N * d) + (4 if D.llama else 2) * c * N * f,
-        "weight_casts": c * (d * h * e + 2 * d * g * e + h * e * d + D.k_mlp * d * f) if D.ac else 0,
+        "mlp": ((D.k_mlp - 1) * c * N * d if D.casts else shared) + (4 if D.llama else 2) * c * N * f,
+        "weight_casts": c * _block_weights(D) if D.casts else 0,
     }
 
 
@@ -234,7 +311,8 @@ def _selective_block(D: _Dims, attention: str) -> dict[str, int]:
         kept_kernel = c * B * h * T * e + 4 * B * h * T
     reduce_scatter = c * n * d if D.tp > 1 else 0  # the selective policy keeps TP's reduce-scatter outputs
     return {
-        "residual": 4 * n * d,
+        "residual": D.r * n * d,
+        "rotary": _rotary(D) if D.mp else 0,
         "attention_proj": c * N * (h + 2 * g) * e + c * N * d + reduce_scatter,
         "attention_kernel": kept_kernel,
         "mlp": c * N * (D.k_mlp - 1) * f + c * N * d + reduce_scatter,
@@ -244,16 +322,16 @@ def _selective_block(D: _Dims, attention: str) -> dict[str, int]:
 def _head_and_loss(D: _Dims, loss: str, loss_chunk: int) -> dict[str, int]:
     """What the final norm, the head and the loss save (the stage holding the last block)."""
     N, n, d, V, c = D.N, D.n, D.d, D.V, D.c
-    final_norm = 4 * n * d + D.norm_stats
+    final_norm = D.norm_in * n * d + D.norm_stats
     if loss == "fused":
         v = V // D.tp
         if precomputes(N, v, d, loss_chunk, c):  # the FP32 gradients of the hidden states and the head rows
             return {"head": final_norm, "loss": 4 * N * d + 4 * v * d}
-        return {"head": final_norm + 4 * N * d, "loss": 4 * N}  # its FP32 input, a log-sum-exp per token
+        return {"head": final_norm + D.r * N * d, "loss": 4 * N}  # its input, a log-sum-exp per token
     if loss == "chunked":
         return {
             "head": final_norm + (c * N * d if D.ac else 4 * N * d),
-            "weight_casts": c * V * d // D.tp if D.ac else 0,
+            "weight_casts": c * V * d // D.tp if D.casts else 0,
             "loss": 4 * N * V + 4 * math.ceil(N / (loss_chunk or N)),
         }
     raise ValueError(f"loss {loss!r}: use one of {', '.join(LOSSES)}")
@@ -273,6 +351,7 @@ def activation_bytes(
     first_layer: int = 0,
     device_type: str = "cpu",
     loss: str = "fused",
+    fsdp_mixed_precision: bool = False,
 ) -> ActivationBytes:
     """Bytes kept alive between forward and backward of one micro-batch of ``micro_batch x seq_len``
     tokens on one device (formulas in the module docstring).
@@ -283,7 +362,10 @@ def activation_bytes(
     on this device (a pipeline stage; default all) starting at block ``first_layer``: the embedding
     counts on the stage holding block 0, the final norm, head and loss on the one holding the last block.
     ``device_type``: ``cpu`` (measured) or ``cuda`` (fused RMSNorm saves no ``x_hat``; the math kernel
-    computes in the compute dtype); ``loss``: ``fused`` or ``chunked``; see the module docstring.
+    computes in the compute dtype); ``loss``: ``fused`` or ``chunked``; ``fsdp_mixed_precision``: the
+    blocks run under FSDP2's ``MixedPrecisionPolicy`` (``parallel/data_parallel.py::apply_fsdp``: ZeRO-2/3
+    with a 16-bit compute dtype) instead of plain autocast over FP32 parameters (one process, DDP,
+    ZeRO-1); ignored at ``compute_bytes`` 4. See the module docstring.
     """
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention {attention!r}: use one of {', '.join(ATTENTION_KINDS)}")
@@ -294,20 +376,21 @@ def activation_bytes(
         raise ValueError(
             f"blocks {first_layer}..{first_layer + layers - 1} are not within 0..{model.n_layers - 1}"
         )
-    D = _dims(model, vocab_size, seq_len, micro_batch, compute_bytes, tp, device_type)
+    D = _dims(model, vocab_size, seq_len, micro_batch, compute_bytes, tp, device_type, fsdp_mixed_precision)
     plain = _plain_block(D, attention, model.doc_mask)
-    kept = _selective_block(D, attention) if policy == "selective" else {"residual": 4 * D.n * D.d}
+    full = {"residual": D.r * D.n * D.d, "rotary": _rotary(D) if D.mp else 0}
+    kept = _selective_block(D, attention) if policy == "selective" else full
 
-    parts = {field.name: 0 for field in fields(ActivationBytes) if field.name != "recompute"}
-    recompute, any_checkpointed = 0, False
+    parts = {field.name: 0 for field in fields(ActivationBytes) if field.name not in TRANSIENT}
+    recompute, checkpointed = 0, 0
     for i in range(first_layer, first_layer + layers):
         if not _checkpointed(policy, i):
             _add(parts, **plain)
             continue
-        any_checkpointed = True
+        checkpointed += 1
         _add(parts, **kept)
         recompute = max(recompute, sum(plain.values()) - sum(kept.values()))
-    if any_checkpointed and model.doc_mask and attention != "flex":
+    if checkpointed and model.doc_mask and attention != "flex":
         parts["attention_mask"] += (
             D.B * D.T * D.T
         )  # the boolean mask, an argument of every checkpointed block
@@ -315,4 +398,8 @@ def activation_bytes(
         parts["embedding"] += 8 * D.T
     if first_layer + layers == model.n_layers:
         _add(parts, **_head_and_loss(D, loss, loss_chunk))
-    return ActivationBytes(**parts, recompute=recompute)
+    forward_casts = 0
+    if D.casts:  # autocast's cache: checkpointed blocks' weight casts, and every block's bias casts
+        biases = _block_biases(D) * layers if uses_bias(model) else 0
+        forward_casts = D.c * (_block_weights(D) * checkpointed + biases)
+    return ActivationBytes(**parts, recompute=recompute, forward_casts=forward_casts)

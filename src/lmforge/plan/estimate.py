@@ -65,7 +65,7 @@ from lmforge.parallel.pipeline import (
     stage_ids,
     stage_layers,
 )
-from lmforge.plan.activations import activation_bytes
+from lmforge.plan.activations import TRANSIENT, activation_bytes
 from lmforge.plan.comm import CommVolume, dp_collectives, dp_volume, pp_volume, tied_volume, tp_volume
 from lmforge.plan.flops import flops_per_token, lookup_params
 from lmforge.plan.hardware import Hardware
@@ -316,10 +316,18 @@ def accumulation(workload: Workload, layout: Layout) -> tuple[int, int]:
 def _activations(
     workload: Workload, layout: Layout, stages: list[range], in_flight: int, mb: int, accounting: str
 ) -> tuple[float, dict]:
-    """Saved activations plus one checkpointed block's recomputation (``ActivationBytes.peak``) of the
-    ``in_flight`` pipeline micro-batches a rank holds over its ``stages``. The matmuls' saved 16-bit weight
-    casts are left out where no cast happens: under FSDP2 the blocks compute with its gathered 16-bit
-    parameters (counted as ``fsdp_gathered``), and in the zero-paper accounting parameters are 16-bit."""
+    """Saved activations of the ``in_flight`` pipeline micro-batches a rank holds over its ``stages``, plus
+    the larger of the two transients on top of them (``ActivationBytes.peak``): one checkpointed block's
+    recomputation (in backward) or autocast's cached weight casts (at the end of one forward); each is
+    per forward or per block, so counted once whatever is in flight.
+
+    Under ZeRO-2/3 with a 16-bit precision the blocks run under FSDP2's ``MixedPrecisionPolicy``
+    (``parallel/data_parallel.py::apply_fsdp``; FP8 too, whose policy computes in BF16): 16-bit parameters
+    and residual stream, no weight casts (the gathered 16-bit parameters are counted as
+    ``fsdp_gathered``); one process, DDP and ZeRO-1 autocast over FP32 parameters. In the zero-paper
+    accounting parameters are 16-bit, so no weight cast is counted either."""
+    c = compute_bytes(workload.precision)
+    fsdp_mp = layout.kind in ("zero2", "zero3") and c < 4
     parts: dict[str, float] = {}
     for r in stages:
         a = activation_bytes(
@@ -328,7 +336,7 @@ def _activations(
             workload.seq_len,
             mb,
             layout.activation_checkpointing,
-            compute_bytes(workload.precision),
+            c,
             workload.attention,
             workload.loss_chunk,
             tp=layout.tp,
@@ -336,15 +344,17 @@ def _activations(
             first_layer=r.start,
             device_type=workload.device_type,
             loss=workload.loss,
+            fsdp_mixed_precision=fsdp_mp,
         )
         for k, v in asdict(a).items():
-            if k == "recompute":  # one block recomputes at a time on a rank, whatever is in flight
+            if k in TRANSIENT:  # one block recomputes, one forward's autocast cache lives, at a time
                 parts[k] = max(parts.get(k, 0.0), float(v))
             else:
                 parts[k] = parts.get(k, 0.0) + float(v) * in_flight
-    if layout.kind in ("zero2", "zero3") or accounting == "zero-paper":
-        parts["weight_casts"] = 0.0
-    return sum(parts.values()), parts
+    if accounting == "zero-paper":
+        parts["weight_casts"] = parts["forward_casts"] = 0.0
+    saved = sum(v for k, v in parts.items() if k not in TRANSIENT)
+    return saved + max(parts[k] for k in TRANSIENT), parts
 
 
 def _link(hw: Hardware, span: int) -> float:

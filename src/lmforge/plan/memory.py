@@ -495,6 +495,8 @@ def temporaries(
     loss: str = "fused",
     pipeline: bool = False,
     tokens: int = 0,
+    nesterov: bool | None = None,
+    weight_decay: bool = True,
 ) -> Temporaries:
     """Temporary buffers of one device (``c`` compute bytes, ``g`` gradient bytes: 4, or 2 in zero-paper):
 
@@ -511,8 +513,9 @@ def temporaries(
       bucket copies of every gradient, ``g * P``;
     * the loss: :func:`loss_temporary` (``loss``: ``fused`` or ``chunked``) of a micro-batch of
       ``tokens`` tokens, ``loss_tokens`` at a time;
-    * the optimizer step (after backward, apart from activations): Lion's ``foreach`` update copy ``4n``,
-      Adafactor's squared gradient ``4n``, AdamW8bit's two dequantised FP32 moments of the largest tensor.
+    * the optimizer step (after backward, apart from activations): :func:`step_scratch`, the scratch of
+      :func:`optimizer_step_bytes` on the rank that steps the most (``nesterov``, ``weight_decay``: the
+      optimizer's settings it depends on, lmforge's defaults unless given).
     """
     c = compute_bytes(number_format)
     local = [math.prod(tp_shape(t, tp)) for t in tensors]
@@ -537,13 +540,109 @@ def temporaries(
         out["loss_chunk"] = loss_temporary(
             loss, loss_tokens, vocab_size, tp, c, tokens or loss_tokens, d, fsdp
         )
-    held = [math.prod(fsdp_shape(tp_shape(t, tp), shards)) for t in tensors] if fsdp else local
-    n_opt, total_opt = max(held, default=0), sum(held)
-    if optimizer in ("lion", "adafactor"):
-        out["optimizer_step"] = 4 * total_opt
-    elif optimizer == "adamw8bit":
-        out["optimizer_step"] = 8 * n_opt
+    out["optimizer_step"] = step_scratch(tensors, kind, shards, tp, optimizer, nesterov, weight_decay)
     return Temporaries(**out)
+
+
+def step_scratch(
+    tensors: list[ParamTensor],
+    kind: str,
+    shards: int,
+    tp: int,
+    optimizer: str,
+    nesterov: bool | None = None,
+    weight_decay: bool = True,
+) -> int:
+    """The optimizer step's scratch on the rank whose is largest (:func:`optimizer_step_bytes`): under
+    FSDP2 (``zero2`` / ``zero3``) each rank steps its shards of every tensor; under ZeRO-1 each rank steps
+    only the whole tensors it owns (:func:`zero1_partition`), grouped as the whole model's groups; else the
+    rank steps all of ``tensors`` (its tensor-parallel pieces). Under FSDP2 or tensor parallelism the
+    parameters are DTensors, which Adafactor and Muon gather whole."""
+    sharded = kind in ("zero2", "zero3") or tp > 1
+    n = shards if kind in ("zero2", "zero3") else 1
+    local = [math.prod(fsdp_shape(tp_shape(t, tp), n)) for t in tensors]
+    ranks = zero1_partition(tensors, shards, optimizer, tp) if kind == "zero1" else [range(len(tensors))]
+    return max(
+        (
+            optimizer_step_bytes(
+                [tensors[i] for i in idx], [local[i] for i in idx], optimizer, sharded, nesterov, weight_decay
+            )
+            for idx in ranks
+        ),
+        default=0,
+    )
+
+
+def optimizer_step_bytes(
+    tensors: list[ParamTensor],
+    local: list[int],
+    optimizer: str,
+    sharded: bool = False,
+    nesterov: bool | None = None,
+    weight_decay: bool = True,
+) -> int:
+    """Bytes an optimizer step allocates beyond the parameters, gradients and states, at its largest, on
+    a rank that steps ``tensors``, holding ``local[i]`` values of each (its shard or piece); ``sharded``:
+    the parameters are DTensors (FSDP2, tensor parallelism). ``nesterov`` (None: lmforge's default, off
+    for SGD and on for Muon); ``weight_decay``: matrices decay (lmforge decays matrices only, by default).
+    ``n`` a tensor's local values, ``N`` its whole values, a group one of lmforge's optimizer groups
+    (:func:`group_key`, restricted to ``tensors``):
+
+    * ``adamw`` / ``adam``: 0. lmforge takes the fused kernel (``fused=True`` on CPU and CUDA), which
+      updates every tensor in place (``optim.fused = false`` is not modelled).
+    * ``sgd`` (with or without momentum): torch's per-tensor loop on CPU copies the gradient once to add
+      the decay and once more for Nesterov's look-ahead, both alive together:
+      ``max 4 n ([decayed] + [nesterov])``.
+    * ``lion``: the ``foreach`` interpolation ``c`` is one FP32 copy of the group being stepped, freed
+      before the next group's: ``4 * max over groups of sum n``.
+    * ``adafactor``: torch's ``foreach`` step makes one FP32 variance estimate per value of the group
+      (the row/column means and norms beside it are vectors and scalars): ``4 * max group``. Sharded, each
+      tensor is gathered whole, its gradient too, and stepped alone: ``12 * max N``.
+    * ``adamw8bit``: torchao steps each tensor alone in FP32; eagerly, at its largest six FP32 tensors of
+      its size are alive (the decayed parameter, the two moments dequantised and interpolated, the squared
+      gradient, the denominator and its quotient), 8-bit or FP32 moments alike: ``24 * max n`` (eager;
+      compiled, the step is fused: not measured).
+    * ``muon``: one matrix at a time. Nesterov's look-ahead ``4n``, under sharding the update gathered
+      whole ``4N``, then Newton-Schulz in BF16 on the whole matrix: the iterate and its successor
+      ``2 * 2N`` and the ``r x r`` Gram matrix and its polynomial ``2 * 2 r^2``, ``r`` the smaller side:
+      ``max over Muon's matrices of 4 n [nesterov] + 4 N [sharded] + 4 N + 4 r^2``. The AdamW half is
+      fused: 0.
+
+    Gradient clipping before the step (``optim/clip.py``) adds one scalar norm per tensor: left out.
+    Measured by PyTorch's ``MemTracker`` around ``optimizer.step()`` on CPU, one process, ZeRO-1 and
+    FSDP2 on 2 gloo processes (``tests/test_optimizer_step_memory.py``): exact but for a few scalars.
+    """
+    if not tensors:
+        return 0
+    if optimizer in ("adamw", "adam"):
+        return 0
+    if optimizer in ("sgd", "sgd0"):
+        look_ahead = int(bool(nesterov))
+        return max(
+            4 * n * (int(weight_decay and group_key(t, optimizer)[0] == "matrix") + look_ahead)
+            for t, n in zip(tensors, local, strict=True)
+        )
+    if optimizer == "adamw8bit":
+        return 24 * max(local)
+    if optimizer == "adafactor" and sharded:
+        return 12 * max(t.numel for t in tensors)
+    if optimizer in ("lion", "adafactor"):
+        groups: dict[tuple[str, str], int] = {}
+        for t, n in zip(tensors, local, strict=True):
+            key = group_key(t, optimizer)
+            groups[key] = groups.get(key, 0) + n
+        return 4 * max(groups.values())
+    if optimizer == "muon":
+        look_ahead = 4 if nesterov is None or nesterov else 0
+        return max(
+            (
+                look_ahead * n + 4 * t.numel * (2 if sharded else 1) + 4 * min(t.shape) ** 2
+                for t, n in zip(tensors, local, strict=True)
+                if t.muon
+            ),
+            default=0,
+        )
+    raise ValueError(f"optim.name: no step scratch for {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ allocate outside the dispatcher (``torch.compile``'s): measure eager runs.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -131,3 +132,36 @@ def measure_step(run, warmup: int = 1) -> StepMemory:
     categories = {str(getattr(k, "value", k)): int(v) for k, v in peak.items()}
     total = categories.pop("Total")
     return StepMemory(total, categories)
+
+
+def optimizer_step_scratch(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: Callable[[], object] | None = None,
+    extra: tuple[torch.optim.Optimizer, ...] = (),
+    warmup: int = 1,
+) -> int:
+    """What ``step()`` (default ``optimizer.step``) allocates above what is live when it begins, at its
+    peak, under ``MemTracker``: the step's own scratch (``plan/memory.py::optimizer_step_bytes``).
+    ``warmup`` steps first, so that every state exists; each step gets fresh random gradients. ``extra``:
+    more optimizers whose states the tracker must know from the start (ZeRO-1's inner one, else its
+    states count as allocated by the step)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    params = list(model.parameters())
+    for i in range(warmup + 1):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if i < warmup:
+            optimizer.step()
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, *extra)
+
+    def total(which: str) -> int:
+        (snap,) = tracker.get_tracker_snapshot(which).values()
+        return next(v for k, v in snap.items() if str(getattr(k, "value", k)) == "Total")
+
+    with tracker:
+        base = total("current")
+        (step or optimizer.step)()
+    return total("peak") - base

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from lmforge.parallel.layout import DIMS
 from lmforge.plan.estimate import GPUS_PER_NODE
 from lmforge.plan.request import EstimateRequest, estimate_json
+from lmforge.web.accuracy import planner_accuracy
 
 GROUP_DIMS = {"tp": ("tp",), "pp": ("pp",), "dp": ("dp_replicate", "dp_shard")}
 
@@ -135,7 +136,8 @@ def gpu_grid(degrees: dict[str, int], gpus_per_node: int) -> list[dict]:
 
 def hybrid_figures(inputs: HybridInputs, search: bool = False) -> dict:
     """What the hybrid page shows: the flags, ``lmforge estimate --json``'s object for them (with the
-    search's layouts when ``search``), the GPU grid and each dimension's groups."""
+    search's layouts when ``search``), the GPU grid, each dimension's groups and the planner's measured
+    accuracy (``web/accuracy.py``)."""
     inputs.check()
     flags = inputs.flags()
     req = EstimateRequest(
@@ -153,6 +155,7 @@ def hybrid_figures(inputs: HybridInputs, search: bool = False) -> dict:
         "nodes": inputs.nodes,
         "degrees": inputs.degrees,
         "result": result,
+        "accuracy": planner_accuracy(),
         "grid": gpu_grid(inputs.degrees, GPUS_PER_NODE),
         "groups": {
             name: {

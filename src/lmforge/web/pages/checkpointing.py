@@ -16,6 +16,7 @@ from lmforge.config import ModelConfig
 from lmforge.plan import hardware, models
 from lmforge.plan.activations import activation_bytes
 from lmforge.plan.estimate import recompute_factor
+from lmforge.web.accuracy import planner_accuracy
 from lmforge.web.api import arg_choice, arg_int, json_api
 from lmforge.web.paths import PathRefused, resolve_under
 from lmforge.web.planner_inputs import PRECISIONS, PlannerInputs, choices
@@ -65,18 +66,23 @@ def checkpointing_inputs(
 
 def policy_row(inputs: PlannerInputs, policy: str) -> dict:
     """The planner's figures for one policy: ``saved`` (what the forward keeps, ``activations`` minus
-    the recomputation), ``recompute_peak`` (one checkpointed block recomputed during backward),
-    ``activations`` (their sum, ``Estimate.activations``), the device total, the compute factor
-    (``Estimate.recompute`` = ``recompute_factor(policy)``: 1, 4/3, 1 + 1/(3K), 1.03), compute and step
-    seconds, and the command that prints them."""
+    the transient on top of it), ``recompute_peak`` (one checkpointed block recomputed during backward),
+    ``forward_casts`` (autocast's cached weight copies at the end of forward), ``transient`` (the larger
+    of the two), ``activations`` (``saved + transient``, ``Estimate.activations``), the device total, the
+    compute factor (``Estimate.recompute`` = ``recompute_factor(policy)``: 1, 4/3, 1 + 1/(3K), 1.03),
+    compute and step seconds, and the command that prints them."""
     one = inputs.but({"train.activation_checkpointing": policy})
     est = one.estimate()
     recompute_peak = est.activation_parts.get("recompute", 0.0)
+    forward_casts = est.activation_parts.get("forward_casts", 0.0)
+    transient = max(recompute_peak, forward_casts)
     return {
         "policy": policy,
         "command": one.command(),
-        "saved": est.activations - recompute_peak,
+        "saved": est.activations - transient,
         "recompute_peak": recompute_peak,
+        "forward_casts": forward_casts,
+        "transient": transient,
         "activations": est.activations,
         "activation_parts": est.activation_parts,
         "total": est.total,
@@ -175,11 +181,12 @@ def read_benchmark(root: Path, rel: str) -> dict:
 
 
 def checkpointing_figures(inputs: PlannerInputs, k: int, root: Path) -> dict:
-    """The planner's row of each policy (with ratios to ``none``) and every benchmark file's measured
-    figures beside the formula."""
+    """The planner's row of each policy (with ratios to ``none``), its measured accuracy
+    (``web/accuracy.py``) and every benchmark file's measured figures beside the formula."""
     files = benchmark_files(root)
     return {
         "policies": compared([policy_row(inputs, p) for p in policies(k)]),
+        "accuracy": planner_accuracy(),
         "measured": [read_benchmark(root, rel) for rel in files],
         "benchmark_command": BENCHMARK_COMMAND,
     }

@@ -10,6 +10,7 @@ from flask import Blueprint, render_template
 
 from lmforge.errors import UserError
 from lmforge.plan import hardware, models
+from lmforge.web.accuracy import planner_accuracy
 from lmforge.web.api import arg_choice, arg_int, json_api
 from lmforge.web.planner_inputs import (
     ACCOUNTINGS,
@@ -67,6 +68,31 @@ def memory_inputs(
     return PlannerInputs(model, gpu, gpus, accounting, overrides)
 
 
+def at_peak(est) -> dict:
+    """What is alive in the step's peak phase, read generically from the estimate (the phases' names are
+    the planner's): ``phase`` (``peak_phase``); ``alive``, ``[row, bytes]`` for each row of
+    ``Estimate.rows()`` (made of the ``*_at_peak`` fields) that holds bytes in that phase, in the
+    breakdown's order; ``parts``, for every ``ROW_at_peak`` or ``ROW_alive`` field of ``to_dict()`` that
+    is a dict of named parts, its non-zero ``[part, bytes]`` under ``ROW``; and the activations the step
+    holds for the backward at their largest (``activations``, what the activation table lists) beside
+    those alive at the peak (``activations_at_peak``): once the backward has freed them the row is 0
+    while the table is not."""
+    parts = {
+        key.removesuffix("_at_peak").removesuffix("_alive").replace("_", " "): [
+            [k, v] for k, v in value.items() if v
+        ]
+        for key, value in est.to_dict().items()
+        if key.endswith(("_at_peak", "_alive")) and isinstance(value, dict)
+    }
+    return {
+        "phase": est.peak_phase,
+        "alive": [[row, v] for row, v in est.rows().items() if v],
+        "parts": parts,
+        "activations": est.activations,
+        "activations_at_peak": est.activations_at_peak,
+    }
+
+
 def breakdown(est) -> dict:
     """One estimate as the page draws it: ``rows`` (``Estimate.rows()``: the peak's breakdown, adding up
     to ``total``), the limit ``margin x memory``, whether it fits, and the figures named beside them."""
@@ -79,6 +105,7 @@ def breakdown(est) -> dict:
         "fits": est.fits,
         "n_params": est.n_params,
         "peak_phase": est.peak_phase,
+        "at_peak": at_peak(est),
         "activations": est.activations,
         "activation_parts": est.activation_parts,
         "layout": est.layout.describe(),
@@ -108,10 +135,12 @@ def points(base: tuple[int, ...], chosen: int) -> list[int]:
 
 def memory_figures(inputs: PlannerInputs, micro_batch: int, seq_len: int) -> dict:
     """The breakdown of ``inputs`` and its scaling with the micro-batch (1..64) and the sequence
-    (128..4096); the command that prints the same figures."""
+    (128..4096); the command that prints the same figures; the planner's measured accuracy
+    (``web/accuracy.py``)."""
     est = inputs.estimate()
     return {
         "command": inputs.command(),
+        "accuracy": planner_accuracy(),
         **breakdown(est),
         "by_batch": scaling(inputs, "train.micro_batch_size", points(BATCH_POINTS, micro_batch)),
         "by_seq": scaling(inputs, "data.seq_len", points(SEQ_POINTS, seq_len)),

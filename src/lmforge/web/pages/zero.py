@@ -12,6 +12,7 @@ from flask import Blueprint, render_template
 from lmforge.plan import hardware, models
 from lmforge.plan.comm import dp_volume, seed_volume
 from lmforge.plan.memory import optimizer_key, per_param_formula, state_bytes_per_param
+from lmforge.web.accuracy import planner_accuracy
 from lmforge.web.api import arg_choice, arg_int, json_api
 from lmforge.web.planner_inputs import (
     ACCOUNTINGS,
@@ -99,7 +100,7 @@ def zero_figures(
     model: str, gpus: int, train_precision: str, optimizer: str, accounting: str, gpu: str
 ) -> dict:
     """Both tables for DDP, ZeRO-1, -2, -3: the formulas for the model's parameter count ``Ψ`` (the
-    planner's ``n_params``) and the planner's rows."""
+    planner's ``n_params``), the planner's rows and its measured accuracy (``web/accuracy.py``)."""
     planner = [
         planner_row(zero_inputs(model, gpus, train_precision, optimizer, accounting, gpu, kind), kind)
         for kind in LAYOUTS
@@ -114,6 +115,7 @@ def zero_figures(
         "accounting": accounting,
         "formula": [formula_row(kind, psi, gpus, k, accounting) for kind in LAYOUTS],
         "planner": planner,
+        "accuracy": planner_accuracy(),
     }
 
 

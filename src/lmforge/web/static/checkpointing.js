@@ -9,19 +9,20 @@
     const names = rows.map((r) => r.policy);
     lmf.plot("checkpointing-memory", [
       { type: "bar", name: "saved by the forward", x: names, y: rows.map((r) => r.saved / GIB), marker: { color: "#54a24b" } },
-      { type: "bar", name: "one block recomputed", x: names, y: rows.map((r) => r.recompute_peak / GIB), marker: { color: "#eeca3b" } },
+      { type: "bar", name: "one block recomputed or autocast's weight cache (the larger)", x: names, y: rows.map((r) => r.transient / GIB), marker: { color: "#eeca3b" } },
     ], { barmode: "stack", title: { text: "activation memory per device (GiB)" }, yaxis: { title: "GiB" } });
     lmf.plot("checkpointing-compute", [
       { type: "bar", name: "compute factor", x: names, y: rows.map((r) => r.recompute), marker: { color: "#4c78a8" } },
       { type: "scatter", mode: "lines+markers", name: "step time / none", x: names, y: rows.map((r) => r.step_ratio), line: { color: "#e45756" } },
     ], { title: { text: "compute relative to no checkpointing" }, yaxis: { title: "x none", rangemode: "tozero" } });
     table(document.getElementById("checkpointing-table"),
-      ["policy", "saved GiB", "recompute GiB", "activations GiB", "x none", "device total GiB",
+      ["policy", "saved GiB", "recompute GiB", "autocast cache GiB", "activations GiB", "x none", "device total GiB",
        "compute factor", "step s", "step x none"],
       rows.map((r) => [
         text("td", r.policy),
         lmf.cell(`${r.policy}.saved`, r.saved, lmf.gib(r.saved)),
         lmf.cell(`${r.policy}.recompute_peak`, r.recompute_peak, lmf.gib(r.recompute_peak)),
+        lmf.cell(`${r.policy}.forward_casts`, r.forward_casts, lmf.gib(r.forward_casts)),
         lmf.cell(`${r.policy}.activations`, r.activations, lmf.gib(r.activations)),
         lmf.cell(`${r.policy}.activations_ratio`, r.activations_ratio, r.activations_ratio.toFixed(3)),
         lmf.cell(`${r.policy}.total`, r.total, lmf.gib(r.total)),
@@ -68,6 +69,10 @@
   lmf.bind(document.getElementById("controls"), async (params) => {
     const d = await lmf.get("/api/checkpointing", params);
     drawPlanner(d.policies);
+    const acc = document.getElementById("checkpointing-accuracy");
+    acc.dataset.measured = d.accuracy.measured ? "1" : "0";
+    acc.textContent = `Device total, the planner's measured accuracy: ${d.accuracy.peak_text}` +
+      (d.accuracy.measured ? " (docs/memory-accuracy.md)." : ".");
     drawMeasured(d.measured, d.benchmark_command);
   });
 })();

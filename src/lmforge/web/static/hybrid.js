@@ -62,6 +62,7 @@
     document.getElementById("hybrid-pp-rank").textContent = e.pp_rank;
     const figs = [
       ["total", e.total, `${lmf.gib(e.total)} GiB`],
+      ["accuracy", d.accuracy.measured ? d.accuracy.max : "", d.accuracy.peak_text],
       ["fits", e.fits ? 1 : 0, e.fits ? `fits (limit ${lmf.gib(e.margin * e.memory_bytes)} GiB)` : "does not fit"],
       ["device_params", e.device_params, lmf.num(e.device_params)],
       ["step_s", e.step_s, `${lmf.num(e.step_s, 3)} s`],

@@ -25,28 +25,41 @@
     });
     const body = document.querySelector("#memory-table tbody");
     body.replaceChildren();
-    const add = (key, label, value, share) => {
+    const acc = d.accuracy;
+    const add = (key, label, value, share, accuracy) => {
       const tr = document.createElement("tr");
       const th = document.createElement("td");
       th.textContent = label;
+      const note = lmf.text("td", accuracy || "");
+      note.dataset.key = `${key}.accuracy`;
+      note.className = "accuracy";
       tr.append(th, lmf.cell(key, value, lmf.gib(value)), lmf.cell(`${key}.share`, share,
-        `${(share * 100).toFixed(1)}%`));
+        `${(share * 100).toFixed(1)}%`), note);
       body.append(tr);
     };
-    for (const r of ROWS) add(`row.${slug(r)}`, r, d.rows[r], d.total ? d.rows[r] / d.total : 0);
-    add("total", "total", d.total, 1);
+    for (const r of ROWS) {
+      add(`row.${slug(r)}`, r, d.rows[r], d.total ? d.rows[r] / d.total : 0, acc.rows[r] && acc.rows[r].text);
+    }
+    add("total", "total", d.total, 1, acc.peak_text);
     add("limit", `limit (${d.margin} x memory)`, d.limit, d.limit / d.total);
     add("memory_bytes", "device memory", d.memory_bytes, d.memory_bytes / d.total);
+    const accuracy = document.getElementById("memory-accuracy");
+    accuracy.dataset.measured = acc.measured ? "1" : "0";
+    accuracy.textContent = `The planner's measured accuracy: ${acc.peak_text}` +
+      (acc.measured ? `; worst case: ${acc.worst}. Table: docs/memory-accuracy.md.` : ".");
+    drawPeak(d.at_peak);
     const acts = document.querySelector("#memory-activations tbody");
     acts.replaceChildren();
-    for (const [k, v] of Object.entries(d.activation_parts)) {
-      if (!v) continue;
+    const actRow = (key, label, v) => {
       const tr = document.createElement("tr");
-      const th = document.createElement("td");
-      th.textContent = k.replace(/_/g, " ");
-      tr.append(th, lmf.cell(`activation.${k}`, v, lmf.gib(v)));
+      tr.append(lmf.text("td", label), lmf.cell(key, v, lmf.gib(v)));
       acts.append(tr);
-    }
+      return tr;
+    };
+    for (const [k, v] of Object.entries(d.activation_parts)) if (v) actRow(`activation.${k}`, k.replace(/_/g, " "), v);
+    actRow("activation.total", "all, at their largest", d.at_peak.activations).className = "sum";
+    actRow("activation.at_peak", `alive at the peak (${d.at_peak.phase})`, d.at_peak.activations_at_peak)
+      .className = "sum";
     const verdict = document.getElementById("memory-verdict");
     verdict.className = d.fits ? "fits" : "nofit";
     verdict.dataset.key = "fits";
@@ -56,6 +69,28 @@
       `${lmf.gib(d.memory_bytes)} GiB (${(100 * d.total / d.memory_bytes).toFixed(0)}%; limit ` +
       `${lmf.gib(d.limit)} GiB). Step ${lmf.num(d.step_s, 3)} s, ${lmf.num(d.tokens_per_s, 0)} tokens/s.` +
       (d.warnings.length ? " " + d.warnings.join("; ") : "");
+  }
+
+  // Which phase is the peak and what is alive in it; why the activations row can be 0 beside the table.
+  function drawPeak(p) {
+    const alive = p.alive.map(([r, v]) => {
+      const parts = (p.parts[r] || []).map(([k, x]) => `${k.replace(/_/g, " ")} ${lmf.gib(x)}`).join(", ");
+      return `${r} ${lmf.gib(v)} GiB${parts ? ` (${parts})` : ""}`;
+    });
+    const held = `The activation table below lists the ${lmf.gib(p.activations)} GiB of activations the step ` +
+      "holds for the backward at their largest";
+    let acts;
+    if (!p.activations) acts = "This step holds no activations.";
+    else if (!p.activations_at_peak) {
+      acts = `${held}; the backward frees them layer by layer, so none are alive in this phase and the ` +
+        "activations row is 0.";
+    } else if (p.activations_at_peak < p.activations) {
+      acts = `${held}; ${lmf.gib(p.activations_at_peak)} GiB of them are alive in this phase.`;
+    } else acts = `${held}; all of them are alive in this phase.`;
+    const el = document.getElementById("memory-peak");
+    el.dataset.key = "peak_phase";
+    el.dataset.value = p.phase;
+    el.textContent = `The peak is the phase "${p.phase}". Alive in it: ${alive.join(", ")}. ${acts}`;
   }
 
   function drawScaling(id, tableId, series, axis, prefix) {

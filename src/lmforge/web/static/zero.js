@@ -60,6 +60,10 @@
       `parameter beside the 16-bit parameters and gradients (${d.accounting} accounting; ${d.k} of optimizer ` +
       `states). Limit (dashed): ${lmf.gib(d.planner[0].limit)} GiB.`;
     document.getElementById("zero-command").textContent = d.planner[3].command;
+    const acc = document.getElementById("zero-accuracy");
+    acc.dataset.measured = d.accuracy.measured ? "1" : "0";
+    acc.textContent = `Device total, the planner's measured accuracy: ${d.accuracy.peak_text}` +
+      (d.accuracy.measured ? " (docs/memory-accuracy.md)." : ".");
   }
 
   lmf.bind(document.getElementById("controls"), async (params) => draw(await lmf.get("/api/zero", params)));

@@ -1,0 +1,103 @@
+"""The planner's optimizer-step scratch (``plan/memory.py::optimizer_step_bytes``, reached through
+``temporaries(...).optimizer_step``) against PyTorch's ``MemTracker`` around one real ``optimizer.step()``
+of every optimizer lmforge builds, on two tiny model shapes in one process. ZeRO-1 and FSDP2 on 2
+processes: ``tests/distributed/step_scratch_worker.py`` (``-m distributed``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lmforge.config import ModelConfig, OptimConfig
+from lmforge.model.transformer import Transformer
+from lmforge.optim.build import build_optimizer
+from lmforge.optim.clip import Clipper
+from lmforge.plan.memory import optimizer_key, param_tensors, temporaries
+from lmforge.probes.step_memory import optimizer_step_scratch
+from tests.torchrun import torchrun, worker
+
+VOCAB, SEQ = 512, 32
+MODELS = {  # tied and untied heads; AdamW8bit quantises some tensors of each and keeps FP32 moments for others
+    "llama-32": {"n_layers": 2, "d_model": 32, "n_heads": 4},
+    "gpt2-48": {"n_layers": 2, "d_model": 48, "n_heads": 4, "arch": "gpt2", "tie_embeddings": False},
+}
+OPTIMS = {
+    "adamw": {"name": "adamw"},
+    "adam": {"name": "adam"},
+    "sgd": {"name": "sgd"},
+    "sgd-nesterov": {"name": "sgd", "sgd": {"nesterov": True}},
+    "sgd-no-momentum": {"name": "sgd", "sgd": {"momentum": 0.0}},
+    "sgd-no-decay": {"name": "sgd", "weight_decay": 0.0},
+    "lion": {"name": "lion"},
+    "adafactor": {"name": "adafactor"},
+    "adamw8bit": {"name": "adamw8bit"},
+    "muon": {"name": "muon"},
+    "muon-plain": {"name": "muon", "muon": {"nesterov": False}},
+    "muon-scale-none": {"name": "muon", "muon": {"scale": "none"}},
+}
+SLACK = 128  # bytes: the scalars a step makes besides (norms, step counters, learning-rate tensors)
+
+
+def planned(model_kw: dict, ocfg: OptimConfig, kind: str = "none", shards: int = 1) -> int:
+    cfg = ModelConfig(**model_kw)
+    nesterov = ocfg.sgd.nesterov if ocfg.name == "sgd" else ocfg.muon.nesterov
+    temps = temporaries(
+        param_tensors(cfg, VOCAB, SEQ),
+        kind,
+        shards,
+        1,
+        "fp32",
+        optimizer_key(ocfg.name, ocfg.sgd.momentum),
+        VOCAB,
+        0,
+        nesterov=nesterov,
+        weight_decay=ocfg.weight_decay > 0,
+    )
+    return int(temps.optimizer_step)
+
+
+@pytest.mark.parametrize("optim", list(OPTIMS))
+@pytest.mark.parametrize("shape", list(MODELS))
+def test_step_scratch_one_process(shape: str, optim: str) -> None:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**MODELS[shape]), VOCAB, SEQ)
+    ocfg = OptimConfig(**OPTIMS[optim])
+    opt = build_optimizer(model, ocfg, torch.device("cpu"), compile=False)
+    got = optimizer_step_scratch(model, opt)
+    want = planned(MODELS[shape], ocfg)
+    assert abs(got - want) <= SLACK, f"{shape} {optim}: measured {got:,} B, planned {want:,} B"
+
+
+def test_clipping_adds_scalars_only() -> None:
+    """The global norm before the step: one scalar per tensor, nothing the size of a gradient."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**MODELS["gpt2-48"]), VOCAB, SEQ)
+    opt = build_optimizer(model, OptimConfig(name="adamw"), torch.device("cpu"), compile=False)
+    groups = [g["params"] for g in opt.param_groups]
+    clipper = Clipper("norm", 1e-3)
+    got = optimizer_step_scratch(model, opt, lambda: clipper.clip(groups, clipper.measure(groups)))
+    n_tensors = sum(1 for _ in model.parameters())
+    assert got <= 16 * n_tensors + SLACK
+    assert got < min(p.numel() for p in model.parameters() if p.ndim == 2)
+
+
+@pytest.mark.distributed
+def test_step_scratch_zero1_fsdp2(tmp_path) -> None:
+    """ZeRO-1 (each rank steps the whole tensors it owns) and FSDP2 (each rank steps its shards; Adafactor
+    and Muon gather each tensor whole) on 2 gloo processes: the largest rank's measured scratch."""
+    out = tmp_path / "scratch.json"
+    cases = {"models": MODELS, "optims": OPTIMS, "vocab": VOCAB, "seq": SEQ}
+    proc = torchrun(2, [worker("step_scratch_worker.py"), str(out), json.dumps(cases)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    measured = json.loads(out.read_text())
+    bad = []
+    for key, per_rank in measured.items():
+        layout, shape, optim = key.split("|")
+        want = planned(MODELS[shape], OptimConfig(**OPTIMS[optim]), layout, 2)
+        got = max(per_rank)
+        if abs(got - want) > SLACK:
+            bad.append(f"{key}: measured {per_rank}, planned {want:,}")
+    assert not bad, "\n".join(bad)
+    assert len(measured) == 2 * len(MODELS) * len(OPTIMS)
