@@ -119,6 +119,7 @@ def run_estimate(req: EstimateRequest) -> EstimateResult:
     from lmforge.plan.search import fewest_devices, search
 
     cfg, hw, precision = estimate_inputs(req)
+    check_modelled(cfg)
     try:
         layout = layout_from_config(cfg, req.gpus)
     except ValueError as exc:
@@ -161,6 +162,34 @@ def auto_micro_batch(cfg, layout, workload, hw, req: EstimateRequest):
         ).fits
 
     return replace(layout, micro_batch=largest(sizes, fits) or sizes[-1])
+
+
+# what the planner does not model, with the reason: ``lmforge estimate`` refuses it instead of a number
+NOT_MODELLED = {
+    "parallel.offload": (
+        lambda cfg: cfg.parallel.offload,
+        "FSDP2's CPU offload (the shards, gradients and optimizer states in host memory)",
+    ),
+    "train.activation_offload": (
+        lambda cfg: cfg.train.activation_offload,
+        "activations offloaded to host memory",
+    ),
+    "train.objective": (
+        lambda cfg: cfg.train.objective == "dpo",
+        "DPO (two sequences per pair and a reference model)",
+    ),
+}
+
+
+def check_modelled(cfg) -> None:
+    """UserError, in one line naming the key, for a recipe the planner does not model (:data:`NOT_MODELLED`):
+    its figures would count everything on the device, or one sequence per row, and be wrong."""
+    for key, (on, what) in NOT_MODELLED.items():
+        if on(cfg):
+            raise UserError(
+                f"{key}: the memory planner does not model {what}, so lmforge estimate gives no figures for "
+                f"it; remove --{key} to plan the run without it"
+            )
 
 
 def check_runnable(cfg, layout, gpus: int) -> None:

@@ -15,6 +15,7 @@ allocate outside the dispatcher (``torch.compile``'s): measure eager runs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -67,6 +68,52 @@ def take_step(run) -> None:
     train_step(run.module, run.optimizer, batches, 1e-3, run.clipper, run.precision, reduce=run.reduce)
 
 
+@contextlib.contextmanager
+def _fresh_module_stats(module, tracker):
+    """Clear the tracker's per-module statistics before each micro-batch: the trackers refuse a second
+    top-level forward of a module within one tracking (gradient accumulation) unless they are cleared
+    (``reset_mod_stats``); the step's peak snapshot is kept across it."""
+    forward_backward = module.forward_backward
+
+    def fresh(*args, **kwargs):
+        tracker.reset_mod_stats()
+        return forward_backward(*args, **kwargs)
+
+    module.forward_backward = fresh
+    try:
+        yield
+    finally:
+        del module.forward_backward
+
+
+def _optimizers(optimizer) -> list:
+    """``optimizer`` and, for ZeRO-1's ``ZeroRedundancyOptimizer``, the rank's own optimizer inside it
+    (``.optim``), which holds the states: the wrapper's ``state`` stays empty, so the tracker would see
+    them only once the measured step's optimizer step runs."""
+    inner = getattr(optimizer, "optim", None)
+    return [optimizer, inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
+
+
+def _peak_tracker():
+    """A ``MemTracker`` for a whole step of a pipeline stage: the schedule runs the stage's forward once per
+    pipeline micro-batch, before any backward, which ``MemTracker`` refuses as "multiple iterative calls"
+    (``reset_mod_stats`` cannot be called in between: the backward hooks of the earlier micro-batches look
+    their module up). Only the step's peak snapshot is read here, so a repeated top-level forward starts
+    that module's statistics afresh instead (a private hook of torch's tracker is extended for that: no
+    public switch exists in torch 2.13)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class PeakTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs) -> None:
+            name = self._mod_tracker.get_known_fqn(module)
+            parents = set(self._mod_tracker.parents) - {name}
+            if module in self.memory_tracking and not self._mod_tracker.is_bw and parents == {"Global"}:
+                del self.memory_tracking[module]  # the parameters' gradient hooks stay (installed once)
+            super()._pre_fw_hook(module, inputs)
+
+    return PeakTracker()
+
+
 def measure_step(run, warmup: int = 1) -> StepMemory:
     """``warmup`` steps, then the peak of one step under the tracker (module docstring)."""
     for _ in range(warmup):
@@ -77,11 +124,9 @@ def measure_step(run, warmup: int = 1) -> StepMemory:
 
         tracker = FSDPMemTracker(module, run.optimizer)
     else:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
-        tracker.track_external(run.model, run.optimizer)
-    with tracker:
+        tracker = _peak_tracker()
+        tracker.track_external(run.model, *_optimizers(run.optimizer))
+    with tracker, _fresh_module_stats(run.module, tracker):
         take_step(run)
     (peak,) = tracker.get_tracker_snapshot("peak").values()
     categories = {str(getattr(k, "value", k)): int(v) for k, v in peak.items()}

@@ -1,0 +1,92 @@
+"""The accuracy matrix's subset (``benchmarks/planner_accuracy.py``, ``TEST_CASES``): each case's real step
+measured by ``probes/step_memory.py`` (one process, or gloo processes under torchrun) against the planner
+for the same flags. The planned tracked peak (``total - overhead``) must be within 5% of the measured one,
+and the model states (parameters, gradients, optimizer states at the peak) exact to a few bytes.
+
+Also, in the default run: what the planner does not model (the matrix's ``NOT_MODELLED`` cases) is
+refused by ``lmforge estimate`` in one line, exit status 2, instead of a figure."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmforge.plan.request import NOT_MODELLED
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location(
+    "planner_accuracy", REPO / "benchmarks" / "planner_accuracy.py"
+)
+matrix = importlib.util.module_from_spec(_spec)
+sys.modules["planner_accuracy"] = matrix  # its dataclasses look their module up
+_spec.loader.exec_module(matrix)
+
+STATE_SLACK = 16  # bytes: the states are counted tensor by tensor, exactly
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("accuracy")
+
+
+def test_the_subset_has_at_least_8_cases_not_all_default_shapes():
+    cases = [matrix.BY_NAME[n] for n in matrix.TEST_CASES]
+    assert len(cases) >= 8 and {c.processes for c in cases} >= {1, 2}
+    assert len({(c.overrides()["model.d_model"], c.overrides()["model.n_layers"]) for c in cases}) > 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", matrix.TEST_CASES)
+def test_planned_peak_within_5_percent_and_states_exact(name: str, workdir: Path):
+    case = matrix.BY_NAME[name]
+    measured = matrix.measure(case, workdir, timeout=300)
+    c = matrix.compare(case, measured, matrix.plan(case, measured["vocab_size"]))
+    p, m = c["planned"], c["measured"]
+    report = (
+        f"{name} [{p['phase']}]: "
+        + ", ".join(f"{row} {p[row]:,}/{m[row]:,}" for row in (*matrix.ROWS, "peak"))
+        + f" (planned/measured); peak error {c['peak_error']:+.1%}"
+    )
+    print(report)
+    for row in ("parameters", "gradients", "optimizer states"):
+        assert abs(p[row] - m[row]) <= STATE_SLACK, report
+    assert abs(c["peak_error"]) <= matrix.TOLERANCE, report
+
+
+@pytest.mark.parametrize("case", matrix.NOT_MODELLED, ids=lambda c: c.name)
+def test_what_the_planner_does_not_model_is_refused_in_one_line(case, estimate_command):
+    flags = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in case.flags.items()]
+    code, out, err = estimate_command("--gpus", str(case.processes), *flags)
+    (key,) = [k for k in NOT_MODELLED if k in case.flags]
+    lines = err.strip().splitlines()
+    assert code == 2 and out == ""
+    assert len(lines) == 1 and lines[0].startswith(f"lmforge estimate: error: {key}: the memory planner"), err
+    assert matrix.refusal(case) == lines[0].removeprefix("lmforge estimate: error: ")
+
+
+def test_the_language_model_objective_is_planned():
+    assert matrix.refusal(matrix.BY_NAME["one-fp32-adamw-llama"]) == ""
+
+
+def test_the_shipped_accuracy_file_has_its_shape_and_its_summary_follows_from_its_cases(tmp_path):
+    from lmforge.plan.accuracy import PATH, accuracy_summary, load_accuracy
+
+    data = load_accuracy()
+    assert data is not None, f"{PATH} is missing: python benchmarks/planner_accuracy.py writes it"
+    assert set(data) == {"machine", "torch", "date", "tolerance", "cases", "summary"}
+    rows = {"parameters", "gradients", "optimizer states", "activations", "temporaries", "peak"}
+    for c in data["cases"]:
+        assert set(c["planned"]) == rows | {"phase"} and set(c["measured"]) == rows
+        assert c["peak_error"] == pytest.approx(c["planned"]["peak"] / c["measured"]["peak"] - 1)
+    errors = sorted(abs(c["peak_error"]) for c in data["cases"])
+    s = accuracy_summary(data)
+    assert s.cases == len(errors) >= 24 and s.max_abs_peak_error == pytest.approx(errors[-1])
+    assert s.within_tolerance == sum(e <= data["tolerance"] for e in errors)
+    assert s.median_abs_peak_error == pytest.approx(
+        (errors[(len(errors) - 1) // 2] + errors[len(errors) // 2]) / 2
+    )
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert load_accuracy(tmp_path / "missing.json") is None and load_accuracy(tmp_path / "bad.json") is None
