@@ -9,6 +9,7 @@ factored rows and columns) with ``plan/memory.py::model_states`` under the ``lmf
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -111,9 +112,13 @@ def test_sharded_state_bytes_equal_the_real_tensors_on_every_layout(tmp_path):
 
 
 @pytest.mark.parametrize("policy", ["none", "full", "every:2", "selective"])
-@pytest.mark.parametrize(("arch", "precision"), [("llama", "fp32"), ("gpt2", "bf16")])
+@pytest.mark.parametrize(
+    ("arch", "precision"), [("llama", "fp32"), ("gpt2", "bf16"), ("llama", "fp8"), ("gpt2", "fp8")]
+)
 def test_estimate_activations_equal_what_lmforge_objective_saves(arch: str, precision: str, policy: str):
-    """The estimate's activations row (saved part, without the backward's recomputation) equals the bytes
+    """FP8: the blocks' float8 layers take their FP32 weights (no autocast copies; the plan counted
+    them before).
+    The estimate's activations row (saved part, without the backward's recomputation) equals the bytes
     lmforge's own training objective keeps for backward, built from the same recipe as ``lmforge train``
     builds it (``training_module``: the model and loss through the transformations), measured by
     ``probes/activation_memory.py``: the wiring of recipe -> workload -> layout -> activation formula,
@@ -158,6 +163,22 @@ def test_estimate_activations_equal_what_lmforge_objective_saves(arch: str, prec
     workload = workload_from_config(
         cfg, precision, attention_kind("cpu", cfg.train.attention, cfg.model.doc_mask), "cpu"
     )
-    e = estimate(workload, layout_from_config(cfg, 1), hardware.cpu(1e11))
+    hw = hardware.cpu(1e11)  # only memory is compared; FP8 is emulated on a CPU, a placeholder peak
+    hw = dataclasses.replace(hw, peak_flops=hw.peak_flops | {"fp8": 1e11})
+    e = estimate(workload, layout_from_config(cfg, 1), hw)
     transient = max(e.activation_parts["recompute"], e.activation_parts["forward_casts"])
     assert e.activations - transient == measured
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_buffers_are_the_models_buffers(name: str):
+    """The estimate's parameters row holds the parameters and the model's buffers (Llama's RoPE tables),
+    byte for byte as the built model holds them."""
+    from lmforge.plan.memory import model_buffer_bytes
+
+    cfg, vocab, seq = MODELS[name]
+    with torch.device("meta"):
+        model = Transformer(cfg, vocab, seq)
+    model.materialize("cpu")
+    assert model_buffer_bytes(cfg, seq) == sum(b.numel() * b.element_size() for b in model.buffers())
+    assert any(True for _ in model.buffers()) == (cfg.arch == "llama")

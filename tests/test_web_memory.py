@@ -16,7 +16,7 @@ from tests.conftest import estimate_cli, figure, renders, screenshot, wait_rende
 
 SEED = ["--train.micro_batch_size=32", "--data.seq_len=512", "--train.precision=fp16", "--optim.name=adam"]
 ROWS = {  # the page's row key -> the field of estimate --json behind it
-    "row.parameters": lambda e: e["states"]["params"],
+    "row.parameters": lambda e: e["states"]["params"] + e["buffers"],
     "row.gradients": lambda e: e["gradients_at_peak"],
     "row.master_weights": lambda e: e["states"]["master"],
     "row.optimizer_states": lambda e: e["states"]["optim"],

@@ -114,11 +114,12 @@ without it: derived, not measured.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from lmforge.config import ModelConfig
 from lmforge.model.fused_loss import precomputes
 from lmforge.model.transformer import ff_width, uses_bias
+from lmforge.precision import FP8_DIVISOR
 
 ATTENTION_KINDS = ("flash", "flex", "math")
 LOSSES = ("fused", "chunked")
@@ -213,6 +214,7 @@ class _Dims:
     norm_in: int  # bytes per value of the input copy a norm saves
     m: int  # the math kernel's dtype bytes
     mp: bool  # FSDP2's MixedPrecisionPolicy: parameters and block inputs already in the compute dtype
+    fp8: bool = False  # train.precision = fp8: torchao's float8 linear layers in the blocks
 
     @property
     def ac(self) -> bool:
@@ -263,6 +265,27 @@ def _block_weights(D: _Dims) -> int:
     return D.d * D.h * D.e + 2 * D.d * D.g * D.e + D.h * D.e * D.d + D.k_mlp * D.d * D.f
 
 
+def _linears(D: _Dims) -> list[tuple[int, int, int, int]]:
+    """One block's matmuls as ``(whole in features, whole out features, local weight values, local bias
+    values)``: q, k, v, o, then the MLP's."""
+    q, kv, f, tp = D.h * D.e, D.g * D.e, D.f, D.tp
+    mlp_in = [(D.d, f * tp, D.d * f, f)] * (D.k_mlp - 1)
+    return [(D.d, q * tp, D.d * q, q), (D.d, kv * tp, D.d * kv, kv), (D.d, kv * tp, D.d * kv, kv),
+            (q * tp, D.d, q * D.d, D.d), *mlp_in, (f * tp, D.d, f * D.d, D.d)]  # fmt: skip
+
+
+def _cast(D: _Dims, bias: bool) -> int:
+    """Values of one block's weights (``bias``: biases) that autocast casts to ``c``: every matmul's, but
+    under FP8 (:attr:`_Dims.fp8`) not those of the float8 layers (``precision.py::fp8_takes``: both whole
+    dimensions multiples of ``16 tp``), which take the FP32 weight itself and cast it to float8 inside
+    torchao's matmul (nothing the autocast cache holds, nothing a 16-bit copy saves) and add their bias
+    through an uncached ``.to``."""
+    if not D.fp8:
+        return _block_biases(D) if bias else _block_weights(D)
+    div = FP8_DIVISOR * D.tp
+    return sum((b if bias else w) for i, o, w, b in _linears(D) if i % div or o % div)
+
+
 def _block_biases(D: _Dims) -> int:
     """Values of one block's matmul biases on this device (column-parallel ones ``/ tp``):
     ``(h + 2 g) e + (k_mlp - 1) f + 2 d``."""
@@ -298,7 +321,7 @@ def _plain_block(D: _Dims, attention: str, doc_mask: bool) -> dict[str, int]:
         "attention_kernel": kernel,
         "attention_mask": c * B * T * T if (doc_mask and attention == "flash") else 0,
         "mlp": ((D.k_mlp - 1) * c * N * d if D.casts else shared) + (4 if D.llama else 2) * c * N * f,
-        "weight_casts": c * _block_weights(D) if D.casts else 0,
+        "weight_casts": c * _cast(D, bias=False) if D.casts else 0,
     }
 
 
@@ -352,6 +375,7 @@ def activation_bytes(
     device_type: str = "cpu",
     loss: str = "fused",
     fsdp_mixed_precision: bool = False,
+    fp8: bool = False,
 ) -> ActivationBytes:
     """Bytes kept alive between forward and backward of one micro-batch of ``micro_batch x seq_len``
     tokens on one device (formulas in the module docstring).
@@ -365,7 +389,8 @@ def activation_bytes(
     computes in the compute dtype); ``loss``: ``fused`` or ``chunked``; ``fsdp_mixed_precision``: the
     blocks run under FSDP2's ``MixedPrecisionPolicy`` (``parallel/data_parallel.py::apply_fsdp``: ZeRO-2/3
     with a 16-bit compute dtype) instead of plain autocast over FP32 parameters (one process, DDP,
-    ZeRO-1); ignored at ``compute_bytes`` 4. See the module docstring.
+    ZeRO-1); ignored at ``compute_bytes`` 4; ``fp8``: ``train.precision = fp8`` (the blocks' float8 layers
+    cast no weight copies). See the module docstring.
     """
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention {attention!r}: use one of {', '.join(ATTENTION_KINDS)}")
@@ -377,6 +402,7 @@ def activation_bytes(
             f"blocks {first_layer}..{first_layer + layers - 1} are not within 0..{model.n_layers - 1}"
         )
     D = _dims(model, vocab_size, seq_len, micro_batch, compute_bytes, tp, device_type, fsdp_mixed_precision)
+    D = replace(D, fp8=fp8)
     plain = _plain_block(D, attention, model.doc_mask)
     full = {"residual": D.r * D.n * D.d, "rotary": _rotary(D) if D.mp else 0}
     kept = _selective_block(D, attention) if policy == "selective" else full
@@ -400,6 +426,6 @@ def activation_bytes(
         _add(parts, **_head_and_loss(D, loss, loss_chunk))
     forward_casts = 0
     if D.casts:  # autocast's cache: checkpointed blocks' weight casts, and every block's bias casts
-        biases = _block_biases(D) * layers if uses_bias(model) else 0
-        forward_casts = D.c * (_block_weights(D) * checkpointed + biases)
+        biases = _cast(D, bias=True) * layers if uses_bias(model) else 0
+        forward_casts = D.c * (_cast(D, bias=False) * checkpointed + biases)
     return ActivationBytes(**parts, recompute=recompute, forward_casts=forward_casts)

@@ -77,6 +77,7 @@ from lmforge.plan.memory import (
     build_bytes,
     compute_bytes,
     fsdp_shape,
+    model_buffer_bytes,
     model_states,
     param_tensors,
     stage_tensors,
@@ -187,6 +188,7 @@ class Estimate:
     device_params: int
     pp_rank: int
     states: StateBytes
+    buffers: float  # the model's buffers on every rank: the RoPE tables (model_buffer_bytes)
     activations: float
     activation_parts: dict[str, float]
     temporaries: Temporaries
@@ -255,9 +257,10 @@ class Estimate:
 
     def rows(self) -> dict[str, float]:
         """The memory breakdown at the peak (``peak_phase``), one entry per row of the table and bar of the
-        chart; the rows add up to ``total``."""
+        chart; the rows add up to ``total``. The parameters row holds the model's buffers too (``buffers``:
+        the RoPE tables)."""
         return {
-            "parameters": self.states.params,
+            "parameters": self.states.params + self.buffers,
             "gradients": self.gradients_at_peak,
             "master weights": self.states.master,
             "optimizer states": self.states.optim,
@@ -356,6 +359,7 @@ def _activations(
             device_type=workload.device_type,
             loss=workload.loss,
             fsdp_mixed_precision=fsdp_mp,
+            fp8=workload.precision == "fp8",
         )
         for k, v in asdict(a).items():
             if k in TRANSIENT:  # one block recomputes, one forward's autocast cache lives, at a time
@@ -421,6 +425,7 @@ class _RankMemory:
     rank: int
     mine: list[ParamTensor]
     states: StateBytes
+    buffers: float
     activations: float
     parts: dict
     temps: Temporaries
@@ -692,7 +697,8 @@ def _rank_memory(
         checkpointed(layout.activation_checkpointing, max(r.stop for r in owned) - 1),
     )
     at_peak = max(phases, key=lambda ph: ph.total)  # the first of equal phases
-    base = states.total - states.grads
+    buffers = model_buffer_bytes(workload.model, workload.seq_len)
+    base = states.total - states.grads + buffers
     allocated = base + at_peak.total
     overhead = overhead_model.runtime_bytes + overhead_model.fragmentation * allocated
     whole = _param_tensors(model_json, workload.vocab_size, workload.seq_len)
@@ -702,6 +708,7 @@ def _rank_memory(
         rank,
         mine,
         states,
+        buffers,
         acts,
         parts,
         temps,
@@ -841,6 +848,7 @@ def estimate(
         device_params=sum(math.prod(tp_shape(t, layout.tp)) for t in peak.mine),
         pp_rank=peak.rank,
         states=peak.states,
+        buffers=peak.buffers,
         activations=peak.activations,
         activation_parts=peak.parts,
         temporaries=peak.temps,

@@ -161,6 +161,13 @@ def param_count(cfg: ModelConfig, vocab_size: int, seq_len: int) -> int:
     return sum(t.numel for t in param_tensors(cfg, vocab_size, seq_len))
 
 
+def model_buffer_bytes(cfg: ModelConfig, seq_len: int) -> int:
+    """The model's buffers, held whole by every rank (a pipeline stage too) beside its parameters: Llama's
+    RoPE tables, cos and sin, FP32, ``2 * 4 * T * e`` (``T`` the sequence length, ``e`` the head
+    dimension; ``model/transformer.py::reset_buffers``); GPT-2 has none."""
+    return 2 * 4 * seq_len * (cfg.d_model // cfg.n_heads) if cfg.arch == "llama" else 0
+
+
 def split(n: int, parts: int) -> int:
     """The largest piece of ``n`` cut in ``parts`` as torch's ``Shard`` cuts: ``ceil(n / parts)``."""
     return -(-n // parts)
