@@ -91,6 +91,7 @@ CHINCHILLA_TOKENS_PER_PARAM = 20
 DEFAULT_MARGIN = 0.8
 DEFAULT_MFU = 0.4
 SELECTIVE_RECOMPUTE = 1.03
+LOOKUPS = ("embed.weight", "pos_embed.weight")  # read by index: their gradients come last in backward
 POLICIES = ("none", "selective", "every:2", "full")
 
 
@@ -554,6 +555,7 @@ def step_phases(
     block_grads: float = 0.0,
     rounds: int = 1,
     last_checkpointed: bool = True,
+    late_grads: float = 0.0,
 ) -> list[Phase]:
     """The phases of a training step of ``micro_batches`` (micro-batches times pipeline micro-batches) on
     one rank, in the order PyTorch allocates and frees them (``parts``: the activation parts of
@@ -584,7 +586,9 @@ def step_phases(
     last block's backward and the first's (``blocks`` on this rank), activations fall and gradients grow
     block by block, so the larger end is the peak: at the first block's, ``A_1`` is one block's saved
     activations (``(A - head - loss - embedding) / (in_flight * blocks)`` plus the embedding's) and ``G'``
-    every gradient but that block's (``grads - block_grads``; while accumulating, ``G``); under
+    every gradient but that block's and those made after it (``grads - block_grads - late_grads``:
+    ``late_grads`` the untied embedding's and positions' gradients, which autograd makes last, outside
+    FSDP2, whose root unit's gradients are counted at the end; while accumulating, ``G``); under
     checkpointing, whose saved activations are small, this end is the larger. A pipeline rank holding
     ``in_flight`` micro-batches at its first backward has every gradient but one micro-batch's activations
     at its last (1F1B and GPipe alike; the last rank holds one, but a micro-batch's gradients at its
@@ -619,7 +623,7 @@ def step_phases(
     out += [
         Phase(
             "backward: first block" + recomputing + suffix,
-            accumulating if micro_batches > 1 else max(states.grads - block_grads, 0.0),
+            accumulating if micro_batches > 1 else max(states.grads - block_grads - late_grads, 0.0),
             one_block + recompute,
             _alive(
                 temps,
@@ -682,6 +686,8 @@ def _rank_memory(
         if t.layer is not None:
             per_block[t.layer] = per_block.get(t.layer, 0) + n
     block_grads = states.grads * max(per_block.values(), default=0) / max(sum(local), 1)
+    lookups = sum(n for t, n in zip(mine, local, strict=True) if t.name in LOOKUPS and not t.linear)
+    late_grads = 0.0 if layout.kind in ("zero2", "zero3") else states.grads * lookups / max(sum(local), 1)
     phases = step_phases(
         states,
         parts,
@@ -695,6 +701,7 @@ def _rank_memory(
         block_grads,
         accum,
         checkpointed(layout.activation_checkpointing, max(r.stop for r in owned) - 1),
+        late_grads,
     )
     at_peak = max(phases, key=lambda ph: ph.total)  # the first of equal phases
     buffers = model_buffer_bytes(workload.model, workload.seq_len)
