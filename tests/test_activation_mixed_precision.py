@@ -157,13 +157,15 @@ def test_autocast_cache_at_the_end_of_forward_is_the_formulas_forward_casts(mode
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp8"])
 def test_estimate_applies_fsdp_mixed_precision_where_fsdp2_computes_in_16_bits(layout, mp, precision):
     """The estimate's activations row takes FSDP2's mixed precision under ZeRO-2/3 (FP8 too: its policy
-    computes in BF16) and autocast elsewhere; a transient on top: the larger of the recomputation and
-    the autocast cache."""
+    computes in BF16) and autocast elsewhere (where FP8's float8 layers take no autocast weight copies);
+    a transient on top: the larger of the recomputation and the autocast cache."""
     w = Workload(LLAMA, V, T, precision=precision, loss_chunk=CHUNK, device_type="cpu")
     layout = replace(layout, micro_batch=B, activation_checkpointing="every:2")
     flops = dict.fromkeys(("fp32", "tf32", "bf16", "fp16", "fp8"), 1e11)
     hw = hardware.Hardware("cpu", 2**36, flops, 1e10, 1e10, "test")
     e = estimate(w, layout, hw)
-    a = acts(LLAMA, "every:2", mp=mp)
+    a = activation_bytes(
+        LLAMA, V, T, B, "every:2", C, "flash", CHUNK, fsdp_mixed_precision=mp, fp8=precision == "fp8"
+    )
     assert e.activation_parts["attention_proj"] == a.attention_proj == (C if mp else 3 * C) * N * 64
     assert e.activations == a.total + max(a.recompute, a.forward_casts)

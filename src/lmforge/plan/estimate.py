@@ -329,9 +329,11 @@ def accumulation(workload: Workload, layout: Layout) -> tuple[int, int]:
 
 
 def _activations(
-    workload: Workload, layout: Layout, stages: list[range], in_flight: int, mb: int, accounting: str
-) -> tuple[float, dict]:
-    """Saved activations of the ``in_flight`` pipeline micro-batches a rank holds over its ``stages``, plus
+    workload: Workload, layout: Layout, pipe: _Pipeline, rank: int, accounting: str
+) -> tuple[float, dict, int, float | None]:
+    """Saved activations of the pipeline micro-batches pipeline rank ``rank`` holds at once over its
+    stages (:meth:`_Pipeline.held`; returned too: the most of one stage, and under an interleaved
+    schedule the saved bytes held once every gradient exists, else None), plus
     the larger of the two transients on top of them (``ActivationBytes.peak``): one checkpointed block's
     recomputation (in backward) or autocast's cached weight casts (at the end of one forward); each is
     per forward or per block, so counted once whatever is in flight.
@@ -344,12 +346,14 @@ def _activations(
     c = compute_bytes(workload.precision)
     fsdp_mp = layout.kind in ("zero2", "zero3") and c < 4
     parts: dict[str, float] = {}
+    stages = pipe.owned(layout, rank)
+    per_stage = []
     for r in stages:
         a = activation_bytes(
             workload.model,
             workload.vocab_size,
             workload.seq_len,
-            mb,
+            pipe.micro_batch,
             layout.activation_checkpointing,
             c,
             workload.attention,
@@ -362,15 +366,30 @@ def _activations(
             fsdp_mixed_precision=fsdp_mp,
             fp8=workload.precision == "fp8",
         )
+        per_stage.append(a)
+    # a stage's output, kept by the pipeline stage for its backward (nothing in the stage saves it): the
+    # residual stream of a micro-batch, on every stage but the one ending with the head
+    out_bytes = (
+        (c if fsdp_mp else 4) * pipe.micro_batch * workload.seq_len * workload.model.d_model / layout.tp
+    )
+    outputs = [0.0 if r.stop == workload.model.n_layers or layout.pp == 1 else out_bytes for r in stages]
+    counts, with_grads = pipe.held(
+        layout, rank, [a.total + o for a, o in zip(per_stage, outputs, strict=True)]
+    )
+    parts["stage_output"] = float(sum(o * n for o, n in zip(outputs, counts, strict=True)))
+    later = (
+        float(sum(a.total * n for a, n in zip(per_stage, with_grads, strict=True))) if with_grads else None
+    )
+    for a, count in zip(per_stage, counts, strict=True):
         for k, v in asdict(a).items():
             if k in TRANSIENT:  # one block recomputes, one forward's autocast cache lives, at a time
                 parts[k] = max(parts.get(k, 0.0), float(v))
             else:
-                parts[k] = parts.get(k, 0.0) + float(v) * in_flight
+                parts[k] = parts.get(k, 0.0) + float(v) * count
     if accounting == "zero-paper":
         parts["weight_casts"] = parts["forward_casts"] = 0.0
     saved = sum(v for k, v in parts.items() if k not in TRANSIENT)
-    return saved + max(parts[k] for k in TRANSIENT), parts
+    return saved + max(parts[k] for k in TRANSIENT), parts, max(counts), later
 
 
 def _link(hw: Hardware, span: int) -> float:
@@ -400,6 +419,57 @@ class _Pipeline:
         if layout.pp == 1:
             return 1
         return self.m if layout.pp_schedule == "gpipe" else min(self.m, layout.pp - rank)
+
+    def held(self, layout: Layout, rank: int, sizes: list[float]) -> tuple[list[int], list[int] | None]:
+        """Pipeline micro-batches of each of rank ``rank``'s stages whose activations it holds at once
+        (``sizes``: one micro-batch's saved bytes of each stage), at most and once every gradient exists
+        (None: one micro-batch's, as under 1F1B): :meth:`in_flight` of every stage, but under the
+        interleaved schedules (:func:`interleaved_held`)."""
+        if layout.pp == 1 or self.v == 1 or layout.pp_schedule in V_SHAPED:
+            return [self.in_flight(layout, rank)] * len(sizes), None
+        factor = 2 if layout.pp_schedule == "interleaved_1f1b" else 1
+        return interleaved_held(layout.pp, self.v, self.m, rank, factor, sizes)
+
+
+def interleaved_held(
+    p: int, v: int, m: int, rank: int, factor: int, sizes: list[float]
+) -> tuple[list[int], list[int]]:
+    """Micro-batches held per local stage by rank ``rank`` of an interleaved schedule (``p`` ranks, ``v``
+    stages each, ``m`` micro-batches) at the moment their bytes (``sizes`` per micro-batch and local
+    stage) are largest, following the order torch's schedules run (``torch.distributed.pipelining``,
+    interleaved 1F1B with ``factor`` 2, interleaved zero bubble with 1): ``mpr = m / max(1, m // p)``
+    micro-batches a round; the rank first runs ``W = min((v - 1) mpr + factor (p - 1 - rank), m v)``
+    forwards, then alternates one forward and one backward. Forward ``i`` runs local stage
+    ``(i // mpr) mod v``, backward ``j`` local stage ``v - 1 - (j // mpr) mod v``. Returned: the largest
+    holding, and the largest once every local stage has had a backward (from then on all of the rank's
+    gradients exist beside the activations; the rank keeps about ``W`` micro-batches in flight until
+    its last forward). (One stage per rank, 1F1B, the first is ``min(m, p - rank)``,
+    :meth:`_Pipeline.in_flight`, and the second one micro-batch.)"""
+    mpr = m // max(1, m // p)
+    total = m * v
+    forwards = [(i // mpr) % v for i in range(total)]
+    backwards = [v - 1 - (j // mpr) % v for j in range(total)]
+    held = [0] * v
+    done = min((v - 1) * mpr + factor * (p - 1 - rank), total)
+    for s in forwards[:done]:
+        held[s] += 1
+    best, with_grads = list(held), [0] * v
+    stepped: set[int] = set()  # local stages that have had a backward (their gradients exist)
+
+    def size(h: list[int]) -> float:
+        return sum(n * b for n, b in zip(h, sizes, strict=True))
+
+    for j in range(total):
+        if done < total:
+            held[forwards[done]] += 1
+            done += 1
+        if size(held) > size(best):
+            best = list(held)
+        if len(stepped) == v and size(held) > size(with_grads):
+            with_grads = list(held)
+        held[backwards[j]] -= 1
+        stepped.add(backwards[j])
+    return best, with_grads
 
 
 def _pipeline(workload: Workload, layout: Layout) -> _Pipeline:
@@ -530,15 +600,22 @@ def _head_and_last_block(
 
 
 def _variants(
-    saved: float, accumulating: float, micro_batches: int, rounds: int, in_flight: int
+    saved: float,
+    accumulating: float,
+    micro_batches: int,
+    rounds: int,
+    in_flight: int,
+    with_gradients: float | None = None,
 ) -> list[tuple[float, float, str]]:
     """``(gradients, saved activations, name)`` of the step's first backward (of its last micro-batch
     round) and, with pipeline micro-batches, of its last micro-batch (every gradient, one micro-batch's
-    activations: :func:`step_phases`)."""
+    activations: :func:`step_phases`; ``with_gradients``: an interleaved schedule's, which keeps more)."""
     first = accumulating if rounds > 1 else 0.0
     if micro_batches <= rounds:
         return [(first, saved, "")]
     name = f", {in_flight} micro-batches in flight" if in_flight > 1 else ""
+    if with_gradients is not None:
+        return [(first, saved, name), (accumulating, with_gradients, ", every gradient made")]
     return [(first, saved, name), (accumulating, saved / in_flight, ", the last micro-batch")]
 
 
@@ -555,7 +632,7 @@ def step_phases(
     block_grads: float = 0.0,
     rounds: int = 1,
     last_checkpointed: bool = True,
-    late_grads: float = 0.0,
+    with_gradients: float | None = None,
 ) -> list[Phase]:
     """The phases of a training step of ``micro_batches`` (micro-batches times pipeline micro-batches) on
     one rank, in the order PyTorch allocates and frees them (``parts``: the activation parts of
@@ -586,15 +663,14 @@ def step_phases(
     last block's backward and the first's (``blocks`` on this rank), activations fall and gradients grow
     block by block, so the larger end is the peak: at the first block's, ``A_1`` is one block's saved
     activations (``(A - head - loss - embedding) / (in_flight * blocks)`` plus the embedding's) and ``G'``
-    every gradient but that block's and those made after it (``grads - block_grads - late_grads``:
-    ``late_grads`` the untied embedding's and positions' gradients, which autograd makes last, outside
-    FSDP2, whose root unit's gradients are counted at the end; while accumulating, ``G``); under
-    checkpointing, whose saved activations are small, this end is the larger. A pipeline rank holding
+    every gradient but ``block_grads``: that block's and the untied lookups' (made last; outside FSDP2)
+    (while accumulating, ``G``); under checkpointing, whose saved activations are small, this end is the
+    larger. A pipeline rank holding
     ``in_flight`` micro-batches at its first backward has every gradient but one micro-batch's activations
     at its last (1F1B and GPipe alike; the last rank holds one, but a micro-batch's gradients at its
     second), so the loss and last-block phases come twice: ``G`` with ``A``, and
-    ``accumulating`` with ``A / in_flight``. Measured against PyTorch's MemTracker / FSDPMemTracker:
-    ``tests/test_estimate_phases.py``. A pipeline rank without the head has no loss phases."""
+    ``accumulating`` with ``A / in_flight`` (interleaved: ``with_gradients``, :func:`interleaved_held`).
+    A rank without the head has no loss phases. Measured: ``tests/test_estimate_phases.py``."""
     accumulating_suffix = (
         ", unsharded gradients accumulating" if accumulating != states.grads else ", gradients accumulating"
     )
@@ -605,7 +681,7 @@ def step_phases(
     recomputing = ", a checkpointed block recomputing" if recompute else ""
 
     out = []
-    for g, held, name in _variants(saved, accumulating, micro_batches, rounds, in_flight):
+    for g, held, name in _variants(saved, accumulating, micro_batches, rounds, in_flight, with_gradients):
         name += accumulating_suffix if g else ""
         out += _head_and_last_block(
             temps,
@@ -623,7 +699,7 @@ def step_phases(
     out += [
         Phase(
             "backward: first block" + recomputing + suffix,
-            accumulating if micro_batches > 1 else max(states.grads - block_grads - late_grads, 0.0),
+            accumulating if micro_batches > 1 else max(states.grads - block_grads, 0.0),
             one_block + recompute,
             _alive(
                 temps,
@@ -656,9 +732,7 @@ def _rank_memory(
 ) -> _RankMemory:
     """The memory of pipeline rank ``rank``: its step's peak phase and its build."""
     owned = pipe.owned(layout, rank)
-    acts, parts = _activations(
-        workload, layout, owned, pipe.in_flight(layout, rank), pipe.micro_batch, accounting
-    )
+    acts, parts, in_flight, with_gradients = _activations(workload, layout, pipe, rank, accounting)
     tokens = pipe.micro_batch * workload.seq_len
     model_json = workload.model.model_dump_json()
     mine, states, temps = _device_states(
@@ -696,12 +770,12 @@ def _rank_memory(
         accumulating,
         layout.kind,
         layout.pp > 1,
-        pipe.in_flight(layout, rank),
+        in_flight,
         len(per_block),
-        block_grads,
+        block_grads + late_grads,
         accum,
         checkpointed(layout.activation_checkpointing, max(r.stop for r in owned) - 1),
-        late_grads,
+        with_gradients,
     )
     at_peak = max(phases, key=lambda ph: ph.total)  # the first of equal phases
     buffers = model_buffer_bytes(workload.model, workload.seq_len)
