@@ -39,6 +39,7 @@ class StepMemory:
 
     total: int
     categories: dict[str, int] = field(default_factory=dict)
+    states: dict[str, int] = field(default_factory=dict)  # :func:`model_state_bytes` of the measured step
 
     def rows(self) -> dict[str, int]:
         """The categories summed into the planner's rows (:data:`ROWS`); anything else under ``other``."""
@@ -114,6 +115,20 @@ def _peak_tracker():
     return PeakTracker()
 
 
+def model_state_bytes(model: torch.nn.Module, optimizers: list) -> dict[str, int]:
+    """This rank's bytes of the model's state, counted tensor by tensor (a DTensor's local shard;
+    ``optim/state_size.py::tensor_bytes``): ``parameters`` (with the buffers), ``gradients`` (those
+    alive now) and ``optimizer states`` (of ``optimizers``: ZeRO-1's inner one holds this rank's)."""
+    from lmforge.optim.state_size import state_bytes, tensor_bytes
+
+    params = {id(p): p for p in model.parameters()}.values()
+    return {
+        "parameters": sum(tensor_bytes(p) for p in params) + sum(tensor_bytes(b) for b in model.buffers()),
+        "gradients": sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer states": sum(state_bytes(o) for o in optimizers),
+    }
+
+
 def measure_step(run, warmup: int = 1) -> StepMemory:
     """``warmup`` steps, then the peak of one step under the tracker (module docstring)."""
     for _ in range(warmup):
@@ -126,12 +141,22 @@ def measure_step(run, warmup: int = 1) -> StepMemory:
     else:
         tracker = _peak_tracker()
         tracker.track_external(run.model, *_optimizers(run.optimizer))
-    with tracker, _fresh_module_stats(run.module, tracker):
-        take_step(run)
+    states: dict[str, int] = {}
+
+    def before_step(optimizer, args, kwargs) -> None:  # every gradient of the step exists, once
+        states.update(model_state_bytes(run.model, []))
+
+    hook = run.optimizer.register_step_pre_hook(before_step)
+    try:
+        with tracker, _fresh_module_stats(run.module, tracker):
+            take_step(run)
+    finally:
+        hook.remove()
+    states["optimizer states"] = model_state_bytes(run.model, _optimizers(run.optimizer))["optimizer states"]
     (peak,) = tracker.get_tracker_snapshot("peak").values()
     categories = {str(getattr(k, "value", k)): int(v) for k, v in peak.items()}
     total = categories.pop("Total")
-    return StepMemory(total, categories)
+    return StepMemory(total, categories, states)
 
 
 def optimizer_step_scratch(
