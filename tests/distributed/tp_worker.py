@@ -224,7 +224,6 @@ def run_stages(mesh) -> None:
 
 
 def main(names: list[str]) -> None:
-    torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     with process_group_scope():
         for name in names or [*CASES, "stages"]:
