@@ -88,7 +88,7 @@ def test_float64_stays_float64(reduction: str, chunk: int):
     """Float64 matmuls (the verification runs of ``train.precision = "fp64"``) keep the softmax, the losses
     and the gradient sums in float64: equal to ``F.cross_entropy`` on the whole float64 logits within
     1e-12 (float64's unit roundoff 1.1e-16 times sums of <= 96 terms and a few operations per term:
-    ~1e-14; measured 3.3e-16 on a 2-core AMD EPYC with AVX-512-BF16/AMX). The loss before it kept these
+    ~1e-14; measured 3.3e-16 on a 2-core AMD EPYC with AVX-512-BF16 (no AMX)). The loss before it kept these
     in FP32 and measured 1.8e-7 here."""
     torch.manual_seed(0)
     model = _model(True).double()

@@ -24,7 +24,7 @@ NAMES_2D = ["adamw", "lion", "adafactor", "adamw8bit", "muon"]
 
 # The model runs are float64 (``--dtype float64``: FP32 draws widened, float64 gradients, reductions and
 # states), so that "as one process" does not depend on the CPU's summation order. Measured on a 2-core
-# AMD EPYC with AVX-512-BF16/AMX (default kernels and AVX2 forced, 1 and 2 threads): against the
+# AMD EPYC with AVX-512-BF16 (no AMX) (default kernels and AVX2 forced, 1 and 2 threads): against the
 # reference that accumulates the ranks' shares in rank order every difference is 0.0 (the same sum in
 # the same order); against the whole batch in one backward, gradients differ by <= 1.4e-15 and
 # parameters after three steps by <= 2.0e-13 (AdamW: Adam divides by the root of the second moment and

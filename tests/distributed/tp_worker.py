@@ -39,7 +39,7 @@ DTYPE = torch.float64
 # In float64 every difference below is summation order (float64's unit roundoff 1.1e-16, times sums of
 # <= 128 terms; Adam magnifies a last-bit difference of a small gradient by up to |g| / eps): the largest
 # |difference| of losses, logits, gradients, gradient norms and parameters after three AdamW steps,
-# printed with each OK, measured <= 1.8e-14 on a 2-core AMD EPYC with AVX-512-BF16/AMX, with its default
+# printed with each OK, measured <= 1.8e-14 on a 2-core AMD EPYC with AVX-512-BF16 (no AMX), with its default
 # kernels and with the AVX2 ones forced, at 1 and 2 threads. The bound (relative and absolute) leaves a
 # factor of 5,000. The FP32 bound it replaced (1e-5) failed on one CPU (1.06e-5 after three steps).
 TOL = 1e-10
