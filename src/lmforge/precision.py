@@ -40,7 +40,8 @@ the gradients the optimizer sees are FP32 in every case but ``fp64``:
   their reductions (gloo and NCCL reduce float64) and the optimizer state. For verification: a layout's
   run then equals one process's to ~1e-13 whatever order a CPU's kernels sum in, where FP32 runs differ
   by ~1e-6 and Adam magnifies that (``tests/test_distributed.py``). Refused with AdamW8bit (torchao's
-  FP32 moments) and FP8-only paths; slow, and on GPUs very slow.
+  FP32 moments refuse float64 DTensor parameters); Muon's Newton-Schulz stays BF16. Slow, and on GPUs
+  very slow: not for training.
 * ``auto`` picks BF16 only where the hardware computes it natively: a CUDA GPU with BF16 support, or a
   CPU with AVX-512-BF16 or AMX tiles. Elsewhere (for example AVX2-only CPUs) BF16 matrix products are
   emulated and run tens of times slower than FP32, so ``auto`` picks FP32 and ``bf16`` warns.
