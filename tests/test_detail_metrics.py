@@ -265,6 +265,7 @@ def test_layout_norms_match_one_process(name, corpus_dir, tmp_path):
     nproc, layout = DETAIL_LAYOUTS[name]
     cache = tmp_path / "cache"
     extra = {"metrics.detail_interval": 5, "model.tie_embeddings": layout.get("model.tie_embeddings", True)}
+    extra["train.precision"] = "fp32"  # as written and measured (_overrides now gives the layout tests' fp64)
     train(load_config(None, _overrides(corpus_dir, cache, **extra)), tmp_path / "one", progress_bar=False)
     launch(nproc, tmp_path / name, _overrides(corpus_dir, cache, **{**extra, **layout}))
     want = [r for r in _records(tmp_path / "one") if r.get("detail")]

@@ -23,6 +23,7 @@ from lmforge.model.transformer import Transformer
 from lmforge.optim.clip import Clipper
 from lmforge.parallel.apply import ApplyContext, apply
 from lmforge.parallel.data_parallel import GradientSync
+from lmforge.parallel.materialize import Init
 from lmforge.precision import PrecisionPolicy, check_precision, convert_fp8, fp8_refusal, fp8_takes
 from lmforge.recipe import load_config
 from lmforge.train.callbacks import Callback
@@ -314,6 +315,32 @@ def test_cpu_warnings(precision, says, caplog):
     with caplog.at_level(logging.WARNING, logger="lmforge"):
         check_precision(TrainConfig(precision="fp32"), ParallelConfig(), CPU)
     assert not caplog.records
+
+
+def test_fp64_is_float64_from_the_fp32_draws():
+    """``fp64`` (verification runs): no autocast, losses summed in float64, the build's parameters float64
+    holding the FP32 run's initial values exactly (widened), and AdamW8bit refused in one line."""
+    policy = PrecisionPolicy.resolve("fp64", CPU)
+    assert policy.compute_dtype == policy.sum_dtype == torch.float64
+    assert policy.autocast().__class__.__name__ == "nullcontext"
+    with pytest.raises(ConfigError, match=r"train\.precision: fp64 with optim\.name = adamw8bit"):
+        check_precision(TrainConfig(precision="fp64"), ParallelConfig(), CPU, optimizer="adamw8bit")
+    cfg = ModelConfig(n_layers=1, d_model=32, n_heads=4)
+    models = {}
+    for dtype in (torch.float32, torch.float64):
+        with torch.device("meta"):
+            model = Transformer(cfg, 64, 16)
+        ctx = ApplyContext(
+            TrainConfig(precision="fp64" if dtype == torch.float64 else "fp32"),
+            CPU,
+            compute_dtype=dtype,
+            init=Init(CPU, tuple(model.init_plan()), seed=3),
+        )
+        apply(NextTokenLoss(model), model, ctx)
+        models[dtype] = model
+    pairs = zip(models[torch.float32].named_parameters(), models[torch.float64].parameters(), strict=True)
+    for (name, a), b in pairs:
+        assert b.dtype == torch.float64 and torch.equal(a.double(), b), name
 
 
 def test_cli_refuses_in_one_line_before_work(tmp_path, capsys, cli_logging):

@@ -1,7 +1,8 @@
 """Tensor parallelism (lmforge/parallel/tensor.py): config checks, and equivalence with one process.
 
 The equivalence runs real processes (``tests/distributed/tp_worker.py`` under torchrun, gloo on CPU): a
-2-rank tensor-parallel model must give the single-process loss, gradients and AdamW updates. One case
+2-rank tensor-parallel model must give the single-process loss, gradients and AdamW updates, in float64
+within 1e-10 (the worker's ``TOL`` says where it comes from). One case
 (Llama with GQA, RoPE, tied embeddings, document masks) runs by default; every case runs with
 ``-m distributed``.
 """

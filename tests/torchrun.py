@@ -18,12 +18,13 @@ def torchrun(
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node=NPROC [extra] ARGS`` (``ARGS``: a script and its arguments,
-    or ``-m module ...``), one intra-op thread per process, Python's fault handler on, ``env`` added to
+    or ``-m module ...``), one intra-op thread per process (``LMFORGE_TEST_THREADS`` in the environment:
+    that many, to run the tests at another thread count), Python's fault handler on, ``env`` added to
     the environment; returns the finished process (output captured)."""
     # PYTHONFAULTHANDLER: a rank killed by a signal (SIGABRT, SIGSEGV) prints its Python stacks to stderr
     env = {
         **os.environ,
-        "OMP_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": os.environ.get("LMFORGE_TEST_THREADS", "1"),
         "PYTHONPATH": str(REPO / "src"),
         "PYTHONFAULTHANDLER": "1",
         **(env or {}),

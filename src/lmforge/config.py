@@ -209,11 +209,12 @@ class TrainConfig(_Section):
         ge=1,
         description="tokens per optimizer step, over all ranks (default: one micro-batch per rank)",
     )
-    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16", "fp8"] = Field(
+    precision: Literal["auto", "fp32", "tf32", "bf16", "fp16", "fp8", "fp64"] = Field(
         "auto",
         description="fp32; tf32 (CUDA: TF32 matmuls); bf16 (autocast, fp32 master weights); fp16 (autocast "
         "with dynamic loss scaling); fp8 (torchao float8 linear layers, train.fp8_recipe, bf16 elsewhere); "
-        "auto: bf16 where the hardware has it",
+        "fp64 (everything float64, from the fp32 run's initial values: for verifying layouts against one "
+        "process, not for training); auto: bf16 where the hardware has it",
     )
     fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = Field(
         "tensorwise", description="torchao float8 scaling recipe of train.precision = fp8"

@@ -1,7 +1,7 @@
 """The numeric precision policy of a run: one object answers every precision question.
 
 ``train.precision`` chooses how matrix products compute; the master weights, the optimizer state and
-the gradients the optimizer sees are FP32 in every case:
+the gradients the optimizer sees are FP32 in every case but ``fp64``:
 
 * ``fp32``: no autocast. On CUDA, matrix products are IEEE FP32 (TF32 off).
 * ``tf32``: FP32 tensors, but CUDA matrix products and cuDNN convolutions use TF32 tensor cores
@@ -35,6 +35,13 @@ the gradients the optimizer sees are FP32 in every case:
   :func:`register_fp8_scale_precompute`), the rowwise recipes' in BF16; under tensor parallelism the
   float8 layers are sharded by ``lmforge/parallel/tensor.py``'s plan (torchao's float8 styles). Measured
   figures: ``docs/parallelism.md``.
+* ``fp64``: everything float64: parameters (the FP32 run's initial draws, widened: ``model/init.py``),
+  activations, the loss (``model/fused_loss.py`` keeps its softmax and sums in float64 then), gradients,
+  their reductions (gloo and NCCL reduce float64) and the optimizer state. For verification: a layout's
+  run then equals one process's to ~1e-13 whatever order a CPU's kernels sum in, where FP32 runs differ
+  by ~1e-6 and Adam magnifies that (``tests/test_distributed.py``). Refused with AdamW8bit (torchao's
+  FP32 moments refuse float64 DTensor parameters); Muon's Newton-Schulz stays BF16. Slow, and on GPUs
+  very slow: not for training.
 * ``auto`` picks BF16 only where the hardware computes it natively: a CUDA GPU with BF16 support, or a
   CPU with AVX-512-BF16 or AMX tiles. Elsewhere (for example AVX2-only CPUs) BF16 matrix products are
   emulated and run tens of times slower than FP32, so ``auto`` picks FP32 and ``bf16`` warns.
@@ -94,7 +101,9 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp8": torch.bfloat16,  # everything but the converted linear layers
+    "fp64": torch.float64,
 }
+FULL = (torch.float32, torch.float64)  # compute dtypes without autocast (the parameters' own)
 FP8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
 FP8_DIVISOR = 16  # torch._scaled_mm needs both dimensions of a weight to be multiples of 16
 
@@ -139,10 +148,17 @@ def check_precision(
     parallel: ParallelConfig,
     device: torch.device,
     capability: tuple[int, int] | None = None,
+    optimizer: str = "",
 ) -> None:
-    """Refuse (one line naming the key) what this device or layout cannot do with ``train.precision``,
-    warn where it is slow; ``capability``: the CUDA device's (read from the device when None)."""
+    """Refuse (one line naming the key) what this device, layout or ``optimizer`` (``optim.name``) cannot
+    do with ``train.precision``, warn where it is slow; ``capability``: the CUDA device's (read from the
+    device when None)."""
     name = train.precision
+    if name == "fp64" and optimizer == "adamw8bit":
+        raise ConfigError(
+            "train.precision: fp64 with optim.name = adamw8bit is not supported (its 8-bit moments are "
+            "computed in FP32); use --train.precision=fp32 or another optimizer"
+        )
     if name == "fp8" and device.type == "cuda":
         refusal = fp8_refusal(capability or torch.cuda.get_device_capability(device))
         if refusal:
@@ -227,6 +243,11 @@ class PrecisionPolicy:
         return DTYPES[self.name]
 
     @property
+    def sum_dtype(self) -> torch.dtype:
+        """The dtype a step's losses are summed in: FP32, FP64 under ``fp64``."""
+        return torch.promote_types(self.compute_dtype, torch.float32)
+
+    @property
     def eval_dtype(self) -> torch.dtype:
         """The dtype evaluation computes in: the training compute dtype, so validation measures the
         function that was trained."""
@@ -238,8 +259,9 @@ class PrecisionPolicy:
         return None if self.scaler is None else float(self.scaler.get_scale())
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The context forward passes run in: autocast to :attr:`compute_dtype`, nothing for fp32/tf32."""
-        if self.compute_dtype == torch.float32:
+        """The context forward passes run in: autocast to :attr:`compute_dtype`, nothing for
+        fp32/tf32/fp64."""
+        if self.compute_dtype in FULL:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 

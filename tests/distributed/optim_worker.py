@@ -1,7 +1,8 @@
 """Every optimizer under every data-parallel layout, against one process (run by tests/test_optim_distributed.py).
 
-``torchrun --nproc-per-node=2 optim_worker.py --out FILE NAME...`` checks, for each optimizer NAME, a tiny
-FP32 model trained ``STEPS`` steps on batches of ``BATCH`` sequences, each rank running its share:
+``torchrun --nproc-per-node=2 optim_worker.py --out FILE [--dtype float64] [--mutate] NAME...`` checks, for
+each optimizer NAME, a tiny model trained ``STEPS`` steps on batches of ``BATCH`` sequences, each rank
+running its share:
 
 * ``fsdp2``: ``fully_shard`` on each block and on the objective (1-D mesh of all ranks);
 * ``zero``: DDP and ``ZeroRedundancyOptimizer`` (ZeRO-1, :func:`build_zero_optimizer`);
@@ -18,6 +19,7 @@ whose gradient differs in the last bits. Then:
   step (compared with the ``micro`` reference's), and their state is compared with the saved one;
 * ``zero_resume`` / ``zero_to_plain``: ZeRO-1's consolidated state dict loaded into a fresh ZeRO-1
   optimizer and into a plain one, one more step each;
+* ``fsdp2_grad`` / ``zero_grad`` (and ``..._whole``): the first step's gradients against the references';
 * ``quantised``: how many 8-bit moments each run holds (AdamW8bit; 0 for the others);
 * ``placements``: the bare optimizer over DTensor parameters placed every way of ``placements_for`` against a
   plain copy, both fed the same gradients (the step alone). With 4 ranks (``--placements-only``) the mesh
@@ -25,6 +27,12 @@ whose gradient differs in the last bits. Then:
 
 Rank 0 writes ``{name: {check: difference | "error: ..."}}`` as JSON to ``--out``. A parameter difference
 is the largest over parameters of ``max |a - b| / max |b|``; a state difference the same over state tensors.
+
+``--dtype float64``: every model, gradient and optimizer state in float64, so that a difference of
+summation order is ~1e-16 rather than FP32's ~1e-7 (the initial values are the FP32 draws, widened).
+``--mutate``: the data-parallel reductions divide by ``world * (1 + 2**-23)`` instead of ``world`` (FSDP2's
+gradient divide factor, a DDP communication hook): a one-ulp-of-FP32 error of scaling, which the float64
+checks must see.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel
@@ -66,6 +74,12 @@ VOCAB, SEQ, BATCH = 128, 32, 8
 MODEL = ModelConfig(d_model=64, n_heads=4, n_layers=2)
 CPU = torch.device("cpu")
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+DTYPE = torch.float32  # --dtype, but FP32 for the optimizers of FP32_ONLY
+# torchao's 8-bit AdamW computes its moments in FP32 (``exp_avg.float().lerp(grad.float(), ...)``), which a
+# DTensor float64 parameter refuses (``aten.lerp``: "expected dtype torch.float64 for `end`"): FP32 only
+FP32_ONLY = {"adamw8bit"}
+MUTATE = False  # --mutate
+ULP = 1 + 2**-23  # the mutation's factor: one FP32 ulp of 1
 
 
 def optim_cfg(name: str) -> OptimConfig:
@@ -76,8 +90,8 @@ def optim_cfg(name: str) -> OptimConfig:
 def fresh_model() -> Transformer:
     torch.manual_seed(0)
     model = Transformer(MODEL, VOCAB, SEQ)
-    model.init_weights()
-    return model
+    model.init_weights()  # FP32 draws, then widened: the same initial values in every dtype
+    return model.to(DTYPE)
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -89,9 +103,10 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def train(objective, optimizer, data, lr: float, how: str) -> None:
+def train(objective, optimizer, data, lr: float, how: str, grads: dict | None = None) -> None:
     """One step per batch, the gradient taken ``how``: ``whole`` (one backward), ``micro`` (one backward per
-    rank's share, accumulated in rank order) or ``rank`` (this rank's share; the wrapper averages)."""
+    rank's share, accumulated in rank order) or ``rank`` (this rank's share; the wrapper averages).
+    ``grads``: filled with the first step's whole gradients by parameter name."""
     world, rank = dist.get_world_size(), dist.get_rank()
     for inputs, targets in data:
         for group in optimizer.param_groups:  # as the training loop does: a float rate per group
@@ -106,6 +121,9 @@ def train(objective, optimizer, data, lr: float, how: str) -> None:
         for x, y in shares:
             loss_sum, _ = objective(x, y)
             (loss_sum / n * scale).backward()
+        if grads is not None and not grads:
+            model = objective.module if isinstance(objective, DistributedDataParallel) else objective
+            grads.update({k: whole(p.grad).clone() for k, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -122,6 +140,11 @@ def param_diff(model: nn.Module, ref: nn.Module) -> float:
         a, b = whole(p.detach()), ref_params[name].detach()
         worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
     return worst
+
+
+def grad_diff(got: dict, want: dict) -> float:
+    """Largest over parameters of ``max |a - b| / max |b|`` of two gradient dicts."""
+    return max(((got[k] - b).abs().max() / b.abs().max()).item() for k, b in want.items())
 
 
 def flat_state(model: nn.Module, optimizer) -> dict:
@@ -143,7 +166,7 @@ def state_diff(a: dict, b: dict) -> float:
             if v != b[k]:
                 raise AssertionError(f"{k}: {v!r} != {b[k]!r}")
             continue
-        x, y = whole(v).float(), whole(b[k]).float()
+        x, y = whole(v).double(), whole(b[k]).double()
         worst = max(
             worst, ((x - y).abs().max() / y.abs().max().clamp(min=1.0 if y.eq(0).all() else 0)).item()
         )
@@ -169,7 +192,26 @@ def shard(model: Transformer) -> NextTokenLoss:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.blocks.values():
         fully_shard(block, mesh=mesh)
-    return fully_shard(NextTokenLoss(model), mesh=mesh)
+    objective = fully_shard(NextTokenLoss(model), mesh=mesh)
+    if MUTATE:
+        for module in objective.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(dist.get_world_size() * ULP)
+    return objective
+
+
+def ddp(objective: nn.Module) -> DistributedDataParallel:
+    """DDP over ``objective``; with ``--mutate`` its gradients averaged with the mutated divisor."""
+    wrapped = DistributedDataParallel(objective)
+    if MUTATE:
+        wrapped.register_comm_hook(dist.get_world_size() * ULP, _divided_all_reduce)
+    return wrapped
+
+
+def _divided_all_reduce(divisor: float, bucket):  # no return annotation: DDP checks it as an object
+    """DDP's all-reduce hook, dividing by ``divisor`` where torch's divides by the world size."""
+    work = dist.all_reduce(bucket.buffer().div_(divisor), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def attempt(out: dict, key: str, fn) -> None:
@@ -186,11 +228,13 @@ def check(name: str, tmp: str) -> dict:
     cfg = optim_cfg(name)
     data = batches()
     out: dict = {}
-    refs = {}
+    refs: dict = {"grads": {}}
+    out["dtype"] = str(DTYPE).removeprefix("torch.")
     for how in ("micro", "whole"):
         ref = fresh_model()
         ref_opt = build_optimizer(ref, cfg, CPU, compile=False)
-        train(NextTokenLoss(ref), ref_opt, data[:STEPS], cfg.lr, how)
+        refs["grads"][how] = {}
+        train(NextTokenLoss(ref), ref_opt, data[:STEPS], cfg.lr, how, refs["grads"][how])
         refs[how] = fresh_model()
         refs[how].load_state_dict(ref.state_dict())
         if how == "micro":
@@ -198,13 +242,19 @@ def check(name: str, tmp: str) -> dict:
             out["quantised"] = {"reference": n_quantised(ref_opt)}
             train(NextTokenLoss(ref), ref_opt, data[STEPS:], cfg.lr, how)  # the step the resumed runs take
             refs["next"] = ref
+    # one process twice, the batch's gradient summed in two orders: the noise of summation order
+    out["noise_whole"] = param_diff(refs["whole"], refs["micro"])
+    out["noise_grad"] = grad_diff(refs["grads"]["whole"], refs["grads"]["micro"])
 
     def fsdp2() -> dict:
         model = fresh_model()
         objective = shard(model)  # before the optimizer: fully_shard replaces the parameters
         opt = build_optimizer(model, cfg, CPU, compile=False)
-        train(objective, opt, data[:STEPS], cfg.lr, "rank")
+        grads: dict = {}
+        train(objective, opt, data[:STEPS], cfg.lr, "rank", grads)
         result = {
+            "fsdp2_grad": grad_diff(grads, refs["grads"]["micro"]),
+            "fsdp2_grad_whole": grad_diff(grads, refs["grads"]["whole"]),
             "fsdp2": param_diff(model, refs["micro"]),
             "fsdp2_whole": param_diff(model, refs["whole"]),
             "fsdp2_state": state_diff(flat_state(model, opt), refs["state"]),
@@ -220,8 +270,14 @@ def check(name: str, tmp: str) -> dict:
     def zero() -> dict:
         model = fresh_model()
         opt = build_zero_optimizer(model, cfg, CPU, compile=False)
-        train(DistributedDataParallel(NextTokenLoss(model)), opt, data[:STEPS], cfg.lr, "rank")
-        result = {"zero": param_diff(model, refs["micro"]), "zero_whole": param_diff(model, refs["whole"])}
+        grads: dict = {}
+        train(ddp(NextTokenLoss(model)), opt, data[:STEPS], cfg.lr, "rank", grads)
+        result = {
+            "zero_grad": grad_diff(grads, refs["grads"]["micro"]),
+            "zero_grad_whole": grad_diff(grads, refs["grads"]["whole"]),
+            "zero": param_diff(model, refs["micro"]),
+            "zero_whole": param_diff(model, refs["whole"]),
+        }
         out["quantised"]["zero"] = n_quantised(opt)
         attempt(result, "zero_resume", lambda: zero_resume(cfg, model, opt, data, refs, out["quantised"]))
         return result
@@ -266,7 +322,7 @@ def zero_resume(cfg: OptimConfig, model, opt, data, refs: dict, quantised: dict)
         fresh = fresh_model()
         fresh.load_state_dict(model.state_dict())
         if layout == "zero_resume":
-            objective, how = DistributedDataParallel(NextTokenLoss(fresh)), "rank"
+            objective, how = ddp(NextTokenLoss(fresh)), "rank"
             fresh_opt = build_zero_optimizer(fresh, cfg, CPU, compile=False)
         else:
             objective, how = NextTokenLoss(fresh), "micro"
@@ -306,7 +362,7 @@ def placements(cfg: OptimConfig, world: int) -> dict:
         runs = []
         for sharded in (False, True):
             torch.manual_seed(0)
-            model = Bare(512 if cfg.name == "adamw8bit" else 64)
+            model = Bare(512 if cfg.name == "adamw8bit" else 64).to(DTYPE)
             if sharded:
                 for mod in model.modules():
                     for pname, p in list(mod.named_parameters(recurse=False)):
@@ -316,7 +372,7 @@ def placements(cfg: OptimConfig, world: int) -> dict:
             g = torch.Generator().manual_seed(2)
             for _ in range(STEPS):
                 for p in model.parameters():
-                    grad = torch.randn(p.shape, generator=g) * 1e-2
+                    grad = (torch.randn(p.shape, generator=g) * 1e-2).to(DTYPE)
                     p.grad = distribute_tensor(grad, mesh, p.placements) if sharded else grad
                 opt.step()
             runs.append(model)
@@ -328,9 +384,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--placements-only", action="store_true")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--mutate", action="store_true")
     parser.add_argument("names", nargs="+")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    global DTYPE, MUTATE
+    MUTATE = args.mutate
     logging.basicConfig(level=logging.WARNING)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a rank left waiting fails, not hangs
     results = {}
@@ -339,6 +398,7 @@ def main() -> None:
         dist.broadcast_object_list(shared, src=0)  # one checkpoint directory for all ranks
         for name in args.names:
             start = time.perf_counter()
+            DTYPE = torch.float32 if name in FP32_ONLY else getattr(torch, args.dtype)
             if args.placements_only:
                 results[name] = {}
                 cfg = optim_cfg(name)

@@ -14,7 +14,9 @@ For ``N`` tokens ``x_t`` (rows of ``hidden``), a head ``W`` (``V x d``), logit s
 Two reductions: ``"sum"`` (the next-token loss: ``sum_t l_t``, FP32 scalar) and ``"none"`` (``l_t`` per
 token, FP32: DPO sums them per sequence). Tokens go ``chunk`` at a time (``0``: all at once), so the
 largest temporaries are one chunk's ``chunk x V`` logits in the compute dtype, their FP32 softmax
-gradient and its compute-dtype copy for the gradient matmuls.
+gradient and its compute-dtype copy for the gradient matmuls. With FP64 matmuls (a float64
+verification run, ``train.precision = "fp64"``) every "FP32" below is FP64 (:func:`wide`), so that the
+loss and its gradients carry no FP32 rounding.
 
 What is kept for backward (the point of fusing; measured in docs/memory.md), one of two ways:
 
@@ -100,9 +102,20 @@ def precomputes(tokens: int, rows: int, d_model: int, chunk: int, compute_bytes:
     return 4 * (tokens + rows) * d_model <= chunk_bytes(chunk, rows, d_model, compute_bytes)
 
 
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the softmax, the losses and the gradient sums for matmuls in ``dtype``: FP32, or
+    FP64 when the matmuls are FP64 (a float64 verification run keeps float64 throughout)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _widen(z: torch.Tensor) -> torch.Tensor:
+    return z.to(wide(z.dtype))
+
+
 def _row_max(z: torch.Tensor) -> torch.Tensor:
-    """The largest logit of each row of a chunk ``z`` (this rank's vocabulary rows), FP32."""
-    return z.amax(dim=1).float()
+    """The largest logit of each row of a chunk ``z`` (this rank's vocabulary rows), FP32 (FP64 for
+    FP64 logits)."""
+    return _widen(z.amax(dim=1))
 
 
 def _sum_exp(z, top, local, mine) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +125,7 @@ def _sum_exp(z, top, local, mine) -> tuple[torch.Tensor, torch.Tensor]:
     accumulator is part of the fused reduction. (FP32 sums, or FP32 partial sums over blocks of
     columns, round differently wherever a shard boundary cuts them: measured, a TP run then left one
     process's parameters by 1.2e-5 after AdamW steps, over the tests' 1e-5.)"""
-    zf = z.float()
+    zf = _widen(z)
     target = zf.gather(1, local[:, None]).squeeze(1) * mine
     return torch.exp(zf - top[:, None]).sum(dim=1, dtype=torch.float64), target.double()
 
@@ -121,7 +134,7 @@ def _sum_exp_sliced(z, top, local, mine) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_sum_exp` eagerly: the exponentials in place, their FP64 sum taken 256 columns at a time
     (converting the whole chunk to FP64 at once measured 13x slower: the converted slices stay in
     cache)."""
-    zf = z.float()
+    zf = _widen(z)
     target = zf.gather(1, local[:, None]).squeeze(1) * mine
     e = (zf - top[:, None]).exp_()
     total = e.new_zeros(e.shape[0], dtype=torch.float64)
@@ -133,7 +146,7 @@ def _sum_exp_sliced(z, top, local, mine) -> tuple[torch.Tensor, torch.Tensor]:
 def _grad_in_place(z, lse, local, mine, coef, dtype: torch.dtype) -> torch.Tensor:
     """``coef_t (p_t - e_y_t)`` of a chunk in ``dtype`` (``p = exp(z - lse)``; ``coef`` is 0 for ignored
     tokens): in place on ``z``, made FP32 by :func:`_to_float` (eager)."""
-    p = z.float().sub_(lse[:, None]).exp_().mul_(coef[:, None])
+    p = _widen(z).sub_(lse[:, None]).exp_().mul_(coef[:, None])
     p.scatter_add_(1, local[:, None], (-coef * mine)[:, None])
     return p.to(dtype)
 
@@ -142,11 +155,12 @@ def _grad_pointwise(z, lse, local, mine, coef, dtype: torch.dtype) -> torch.Tens
     """:func:`_grad_in_place` as one element-wise expression (the target a comparison with the column
     index rather than a scatter), so that a compiler fuses it into one pass."""
     hit = (torch.arange(z.shape[1], device=z.device)[None, :] == local[:, None]) & mine[:, None]
-    return (coef[:, None] * (torch.exp(z.float() - lse[:, None]) - hit.float())).to(dtype)
+    zf = _widen(z)
+    return (coef[:, None] * (torch.exp(zf - lse[:, None]) - hit.to(zf.dtype))).to(dtype)
 
 
 def _to_float(z: torch.Tensor) -> torch.Tensor:
-    return z.float()
+    return _widen(z)
 
 
 def _as_is(z: torch.Tensor) -> torch.Tensor:
@@ -225,7 +239,8 @@ class _Chunks:
         sums = self.kernels.sum_exp(z, top, self.local[a:b], self.mine[a:b])
         if self.group is not None:
             sums = _all_reduce(torch.stack(sums), dist.ReduceOp.SUM, self.group)
-        return (top + sums[0].log()).float(), sums[1].float()
+        acc = wide(self.x.dtype)
+        return (top + sums[0].log()).to(acc), sums[1].to(acc)
 
     def softmax_grad(self, z, lse, coef, a: int, b: int) -> torch.Tensor:
         """The chunk's softmax gradient ``coef_t (p_t - e_y_t)`` in the compute dtype (``coef`` carries
@@ -241,8 +256,9 @@ class _Chunks:
 
     def buffers(self, need_x: bool, need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """FP32 gradient buffers of the hidden states and of this rank's weight rows, where needed."""
-        grad_x = self.x.new_empty(self.x.shape, dtype=torch.float32) if need_x else None
-        grad_w = self.w.new_zeros(self.w.shape, dtype=torch.float32) if need_w else None
+        acc = wide(self.x.dtype)
+        grad_x = self.x.new_empty(self.x.shape, dtype=acc) if need_x else None
+        grad_w = self.w.new_zeros(self.w.shape, dtype=acc) if need_w else None
         return grad_x, grad_w
 
     def finish(self, grad_x: torch.Tensor | None) -> None:
@@ -287,8 +303,8 @@ class _PrecomputedSum(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels):
         c = _Chunks(hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels)
         grad_x, grad_w = c.buffers(ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        coef = c.valid.float() * scale
-        losses = hidden.new_empty(targets.shape, dtype=torch.float32)
+        coef = c.valid.to(wide(dtype)) * scale
+        losses = hidden.new_empty(targets.shape, dtype=wide(dtype))
         for a, b in c.spans():
             c.sum_chunk(a, b, losses, coef, grad_x, grad_w)
         c.finish(grad_x)
@@ -311,7 +327,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels):
         c = _Chunks(hidden, weight, targets, scale, chunk, dtype, group, vocab_start, kernels)
-        losses = hidden.new_empty(targets.shape, dtype=torch.float32)
+        losses = hidden.new_empty(targets.shape, dtype=wide(dtype))
         lse = torch.empty_like(losses)
         for a, b in c.spans():
             c.token_chunk(a, b, losses, lse)
@@ -324,7 +340,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         c = _Chunks(hidden, weight, targets, *ctx.args)
         grad_x, grad_w = c.buffers(ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        coef = grad_out.float() * c.valid * c.scale
+        coef = grad_out.to(wide(c.x.dtype)) * c.valid * c.scale
         for a, b in c.spans():
             c.token_chunk_backward(a, b, lse, coef, grad_x, grad_w)
         c.finish(grad_x)
@@ -352,7 +368,7 @@ def linear_cross_entropy(
     head when ``group`` (the tensor-parallel group; every rank passes the same ``hidden`` and
     ``targets``); ``targets``: ``(N,)`` int64 whole-vocabulary ids, ``-100`` ignored. ``dtype``: the
     matmuls' dtype (default: ``weight``'s; BF16 under autocast is the caller's to pass). ``reduction``:
-    ``"sum"`` (FP32 scalar) or ``"none"`` (FP32 ``(N,)``, 0 at ignored targets). Gradients come back in
+    ``"sum"`` (FP32 scalar) or ``"none"`` (FP32 ``(N,)``, 0 at ignored targets; FP64 for FP64 matmuls). Gradients come back in
     the dtypes of ``hidden`` and ``weight``. ``kernels``: :data:`EAGER` or :func:`compiled_kernels`.
 
     An outer ``torch.compile`` runs it as it is (``torch.compiler.disable``: the compiled training

@@ -94,8 +94,12 @@ class InitStep:
 
     @torch.no_grad()
     def apply(self, tensor: torch.Tensor) -> None:
-        """Fill ``tensor`` (the whole parameter) in place."""
-        if self.kind == "normal":
+        """Fill ``tensor`` (the whole parameter) in place. A float64 tensor (``train.precision = "fp64"``)
+        gets the FP32 draws widened, so that a float64 verification run starts from the values of the FP32
+        run with the same seed (float64 draws would be other numbers)."""
+        if self.kind == "normal" and tensor.dtype == torch.float64:
+            tensor.copy_(nn.init.normal_(torch.empty_like(tensor, dtype=torch.float32), 0.0, self.std))
+        elif self.kind == "normal":
             nn.init.normal_(tensor, 0.0, self.std)
         elif self.kind == "zeros":
             nn.init.zeros_(tensor)

@@ -65,7 +65,7 @@ def total_norm(grads: list[torch.Tensor], across: dist.ProcessGroup | None = Non
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     if across is not None:
-        squared = norm.float() ** 2
+        squared = norm.to(torch.promote_types(norm.dtype, torch.float32)) ** 2
         dist.all_reduce(squared, group=across)
         norm = squared.sqrt()
     return norm

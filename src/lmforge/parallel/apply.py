@@ -87,7 +87,10 @@ def can_compile(enabled: bool, device: torch.device) -> bool:
 
 def convert(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
     """Module conversions: with ``train.precision = "fp8"``, torchao float8 training of the linear layers
-    (``train.fp8_recipe``; ``lmforge/precision.py::convert_fp8``); else unchanged."""
+    (``train.fp8_recipe``; ``lmforge/precision.py::convert_fp8``); with ``fp64`` the (meta) parameters
+    become float64, before any later stage shards them; else unchanged."""
+    if ctx.compute_dtype == torch.float64:
+        module.to(torch.float64)
     if ctx.train.precision == "fp8":
         from lmforge.precision import convert_fp8
 

@@ -60,7 +60,7 @@ def apply_fsdp(
     returns ``objective``. The head is a unit of its own because a pipeline's last stage calls it from
     the loss, outside the stage's forward, where it must still gather its weight."""
     kw: dict = {"mesh": fsdp_mesh(layout), "reshard_after_forward": layout.zero == 3}
-    if compute_dtype != torch.float32:
+    if compute_dtype not in (torch.float32, torch.float64):  # autocast: gathered low, reduced in FP32
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if layout.offload:
         kw["offload_policy"] = CPUOffloadPolicy()

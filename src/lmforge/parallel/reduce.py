@@ -39,7 +39,7 @@ class StepReduce:
         """The step's mean token loss from each rank's share (sum over data-parallel ranks and stages)."""
         if not self.layout.distributed:
             return local
-        total = local.detach().float().clone()
+        total = local.detach().to(torch.promote_types(local.dtype, torch.float32), copy=True)
         if self.dp > 1:
             dist.all_reduce(total, group=self.layout.group("dp"))
         if self.layout.degrees["pp"] > 1:

@@ -93,7 +93,7 @@ def validate(cfg: Config) -> torch.device:
             "train.activation_offload: offloading activations to host memory needs a CUDA device (on a CPU "
             "they already live in host memory); remove --train.activation_offload"
         )
-    check_precision(cfg.train, cfg.parallel, device)
+    check_precision(cfg.train, cfg.parallel, device, optimizer=cfg.optim.name)
     check_layout(cfg, launch_env()[2])
     check_model_layout(cfg)
     if cfg.train.micro_batch_size == "auto":

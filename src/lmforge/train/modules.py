@@ -186,7 +186,7 @@ class PipelineModule(ModelState):
             out = self.pipeline.step(batch.inputs, batch.targets, batch.doc_ids, loss_scale=dp / n_targets)
         if out is None:  # not the last stage's rank: its share is counted there
             return torch.zeros((), device=precision.device)
-        return out.float() / dp
+        return out.to(torch.promote_types(out.dtype, torch.float32)) / dp
 
     def finish_backward(self) -> None:
         self.pipeline.reduce_tied_grads()  # the tied embedding's copies: one sum per step

@@ -89,7 +89,7 @@ def train_step(
     reduce = reduce or StepReduce()
     counts = [b.n_targets for b in batches]
     n_targets = reduce.total_targets(sum(counts), precision.device)
-    loss_total = torch.zeros((), device=precision.device)
+    loss_total = torch.zeros((), dtype=precision.sum_dtype, device=precision.device)
     for i, batch in enumerate(batches):
         with module.micro_batch(i, len(batches)):
             loss_total += module.forward_backward(batch.to(precision.device), n_targets, reduce.dp, precision)
