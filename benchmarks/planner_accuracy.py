@@ -167,6 +167,7 @@ NOT_MODELLED = [
     _case("zero3-fp32-offload", 2, use=[GQA, _shard(2, 3)], parallel__offload=True),
     _case("one-fp32-activation-offload", 1, use=[GQA], train__activation_offload=True),
     _case("one-fp32-dpo", 1, use=[GQA], train__objective="dpo"),
+    _case("one-fp64-adamw", 1, use=[GQA], train__precision="fp64"),
 ]
 
 
@@ -280,6 +281,7 @@ def plan(case: Case, vocab_size: int) -> dict:
     }
     return {
         "states": states,
+        "pp_rank": est.pp_rank,
         # lmforge accounting keeps no separate master copy; any is counted with the parameters
         "parameters": round(rows["parameters"] + rows["master weights"]),
         "gradients": round(rows["gradients"]),
@@ -327,8 +329,12 @@ def compare(case: Case, measured: dict, planned: dict) -> dict:
     rows = {k: int(rank["rows"][k]) for k in ROWS} | {"peak": int(rank["total"])}
     f = case.overrides()
     planned = dict(planned)
-    planned_states = planned.pop("states")
-    largest = {k: max(r["states"][k] for r in measured["ranks"]) for k in planned_states}
+    planned_states, pp_rank = planned.pop("states"), planned.pop("pp_rank")
+    # the planner's states are those of its peak's pipeline rank (mesh order pp first: global ranks
+    # pp_rank * world / pp onwards); the largest of that rank's data- and tensor-parallel ranks
+    per_stage = len(measured["ranks"]) // f.get("parallel.pp", 1)
+    stage = measured["ranks"][pp_rank * per_stage : (pp_rank + 1) * per_stage]
+    largest = {k: max(r["states"][k] for r in stage) for k in planned_states}
     return {
         "name": case.name,
         "processes": case.processes,
@@ -516,7 +522,8 @@ def render_doc(
 def summary_block(data: dict) -> str:
     """The paragraph docs/memory.md's "How exact it is" opens with: the matrix's figures, from ``data``."""
     s, cases = data["summary"], data["cases"]
-    layouts = sorted({c["layout"].split(" x")[0].split(" ")[0] for c in cases})
+    first = [c["layout"].split(" + ")[0] for c in cases]
+    layouts = sorted({f if f == "one process" else f.split(" ")[0] for f in first})
     exact = sum(_states_exact(c) for c in cases)
     off = [c for c in cases if abs(c["peak_error"]) > data["tolerance"]]
     return "\n".join(

@@ -348,6 +348,11 @@ def test_limit_is_not_checked_for_offloaded_runs_and_says_so_when_asked():
         assert check_memory(_cfg(**{key: True}), 1, "cuda", "bf16", device_memory=1) is None
         with pytest.raises(ConfigError, match=rf"^parallel\.max_memory_gb: .*not model {key}.*remove"):
             check_memory(_cfg(**{key: True, "parallel.max_memory_gb": 1.0}), 1, "cuda", "bf16")
+    # a float64 verification run: 8 bytes a value where the plan counts 4
+    fp64 = {"train.precision": "fp64"}
+    assert check_memory(_cfg(**fp64), 1, "cuda", "fp32", device_memory=1) is None
+    with pytest.raises(ConfigError, match=r"^parallel\.max_memory_gb: .*not model train\.precision=fp64"):
+        check_memory(_cfg(**fp64, **{"parallel.max_memory_gb": 1.0}), 1, "cuda", "fp32")
 
 
 def test_limit_plans_auto_micro_batch_at_its_smallest_candidate():

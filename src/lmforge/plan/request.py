@@ -87,6 +87,7 @@ def estimate_inputs(req: EstimateRequest):
     from lmforge.probes.peak_flops import cpu_peak_flops
 
     hw = hardware.get(req.gpu, cpu_peak_flops() if req.gpu == "cpu" else None)
+    check_modelled(cfg)
     precision = cfg.train.precision
     if precision == "auto":
         import torch
@@ -119,7 +120,6 @@ def run_estimate(req: EstimateRequest) -> EstimateResult:
     from lmforge.plan.search import fewest_devices, search
 
     cfg, hw, precision = estimate_inputs(req)
-    check_modelled(cfg)
     try:
         layout = layout_from_config(cfg, req.gpus)
     except ValueError as exc:
@@ -177,6 +177,10 @@ NOT_MODELLED = {
     "train.objective": (
         lambda cfg: cfg.train.objective == "dpo",
         "DPO (two sequences per pair and a reference model)",
+    ),
+    "train.precision": (
+        lambda cfg: cfg.train.precision == "fp64",
+        "float64 verification runs (8 bytes a value everywhere)",
     ),
 }
 
