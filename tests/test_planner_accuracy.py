@@ -98,6 +98,8 @@ def test_the_shipped_accuracy_file_has_its_shape_and_its_summary_follows_from_it
 def test_the_memory_docs_summary_is_the_shipped_matrix():
     """docs/memory.md's "How exact it is" opens with the matrix's own figures (written by the script from
     the JSON it ships), not hand-typed ones."""
+    from lmforge.plan.accuracy import load_accuracy
+
     data = load_accuracy()
     text = matrix.MEMORY_DOC.read_text()
     assert matrix.summary_block(data) in text
