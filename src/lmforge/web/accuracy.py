@@ -8,10 +8,15 @@ import statistics
 
 from lmforge.plan import accuracy
 
-# the breakdown rows (``Estimate.rows()``) the matrix measures, each under the same name
-MEASURED_ROWS = ("parameters", "gradients", "optimizer states", "activations", "temporaries")
-UNMEASURED_ROWS = {  # rows the matrix has no measurement of, and why
+# the breakdown rows (``Estimate.rows()``) the matrix measures, each under the same name: the model states
+# whole (a case's ``states``: counted tensor by tensor once the step's gradients are complete)
+MEASURED_ROWS = ("parameters", "gradients", "optimizer states")
+UNMEASURED_ROWS = {  # rows the matrix has no measurement of their own, and why
     "master weights": "not a row of the accuracy matrix",
+    "activations": "in the peak's accuracy: the trackers file a step's buffers under other names than "
+    "the planner's rows (docs/memory-accuracy.md)",
+    "temporaries": "in the peak's accuracy: the trackers file a step's buffers under other names than "
+    "the planner's rows (docs/memory-accuracy.md)",
     "overhead": "not measured: an allowance for the runtime and fragmentation",
 }
 EXACT_BYTES = 1024  # a category off by at most this many bytes in every case is shown as exact
@@ -19,14 +24,16 @@ NOT_MEASURED = "accuracy not measured: this install has no accuracy matrix (lmfo
 
 
 def row_error(cases: list[dict], row: str) -> dict:
-    """How far the planner's ``row`` was from the measured one over the matrix's ``cases``:
+    """How far the planner's ``row`` was from the measured one over the matrix's ``cases`` (their whole
+    model states where a case has them, else the rows at the peak):
     ``max_error`` = max over cases of ``|planned - measured| / measured`` (a case whose measured ``row``
     is 0 is divided by its measured peak instead, so a planned part where none was measured still
     counts), ``median_error`` the median of the same, ``max_bytes`` = max ``|planned - measured|``,
     ``cases`` how many cases measured it, and the one-line ``text`` the pages show."""
     errors, diffs = [], []
     for case in cases:
-        planned, measured = case["planned"].get(row), case["measured"].get(row)
+        states = case.get("states") or {"planned": case["planned"], "measured": case["measured"]}
+        planned, measured = states["planned"].get(row), states["measured"].get(row)
         if planned is None or measured is None:
             continue
         diff = abs(planned - measured)
