@@ -52,8 +52,8 @@ parameter held whole as a plain tensor is initialised in place. Peak of a rank::
 dimension (data-parallel shard first, then tensor-parallel), so a parameter held in pieces briefly costs
 its whole size plus those pieces (:func:`init_temporary`; with FSDP2 over a tensor-parallel dim-0 shard,
 twice its whole size). Measured by PyTorch's ``MemTracker`` on 2 and 4 CPU processes
-(``tests/test_estimate_build.py``): exact to the bytes, but for the RoPE tables (``2 * 4 T e``, DDP
-broadcasts them through a copy) and a few scalars.
+(``tests/test_estimate_build.py``): exact to the bytes, but for the RoPE tables (``2 * 4 T e``, counted
+beside the step's parameters, not here) and a few scalars.
 """
 
 from __future__ import annotations
