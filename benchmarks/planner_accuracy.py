@@ -571,8 +571,13 @@ def run_cases(cases: list[Case], workdir: Path) -> tuple[list[dict], list[tuple[
     """Measure and plan every case (one worker at a time), printing each as it finishes; the records, and
     the cases whose worker failed with the last line of its error (listed in the doc, not hidden)."""
     results, failed = [], []
-    for case in cases:
+    start = time.time()
+    for i, case in enumerate(cases):
         t0 = time.time()
+        if i:  # the cases so far set the pace: about 5-20 s each on 2 cores
+            left = (t0 - start) / i * (len(cases) - i)
+            print(f"[{i + 1}/{len(cases)}] {case.name} ({case.processes} process(es)), about {left:.0f} s left",
+                  flush=True)  # fmt: skip
         try:
             measured = measure(case, workdir)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
