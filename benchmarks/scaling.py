@@ -276,6 +276,7 @@ def measured_step(run, lr: float) -> dict:
 def worker(args: argparse.Namespace, extra: list[str]) -> None:
     import torch.distributed as dist
 
+    from lmforge.parallel.layout import end_process_group
     from lmforge.recipe import load_config, parse_overrides
     from lmforge.train.build import build_run
     from lmforge.train.step import train_step
@@ -322,7 +323,7 @@ def worker(args: argparse.Namespace, extra: list[str]) -> None:
         }
         print(RESULT + json.dumps(result), flush=True)
     if run.layout.distributed:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 # -- driver ---------------------------------------------------------------------------------------------

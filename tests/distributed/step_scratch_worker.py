@@ -23,6 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from lmforge.config import ModelConfig, OptimConfig
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer, build_zero_optimizer
+from lmforge.parallel.layout import process_group_scope
 from lmforge.probes.step_memory import optimizer_step_scratch
 
 # the least of a few measurements: one rank's step once peaked higher than the same step repeated (gpt2-48,
@@ -51,7 +52,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     cases = json.loads(sys.argv[2])
     out = {}
-    try:
+    with process_group_scope():
         for layout in ("zero1", "zero3"):
             for shape, model_kw in cases["models"].items():
                 for name, optim_kw in cases["optims"].items():
@@ -63,8 +64,6 @@ def main() -> None:
         if dist.get_rank() == 0:
             with open(sys.argv[1], "w") as f:
                 json.dump(out, f)
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -211,18 +212,31 @@ def close_layout(layout: Layout, finished: bool = True) -> None:
         end_process_group(wait=finished)
 
 
+# seconds the main thread sleeps (the GIL released) after ending its groups, before the interpreter shuts down
+GLOO_SETTLE_S = 0.2
+
+
 def end_process_group(wait: bool = True) -> None:
-    """``destroy_process_group`` after a garbage collection (and, with ``wait``, a barrier).
+    """``destroy_process_group`` after a garbage collection (and, with ``wait``, a barrier), then a short
+    sleep that releases the GIL.
 
     What used the groups (DDP's reducer, FSDP2's state, a pipeline's stages, pending works) is often held
-    in reference cycles; collected first, it is destroyed while its groups still exist. Left to
-    interpreter shutdown, it was seen to abort a rank ("terminate called without an active exception",
-    then SIGABRT or SIGSEGV) after its work had finished, about once in 50 launches on a loaded 2-core
-    machine."""
+    in reference cycles; collected first, it is destroyed while its groups still exist.
+
+    The sleep is for gloo's worker threads. A thread that ran a collective frees the finished work after
+    the caller has been woken, and freeing the work's tensors takes the GIL. DTensor's caches keep device
+    meshes, and through them the group, alive past ``destroy_process_group``, so the group's destructor
+    (which would join those threads) does not run before the interpreter shuts down; a worker thread that
+    asks for the GIL once shutdown has begun is ended mid-destructor, and the rank aborts ("terminate
+    called without an active exception", SIGABRT) after its work has finished. Seen under gdb: the
+    thread was freeing an all-gather's work while the main thread was in ``Py_FinalizeEx``, in 5 of 30
+    launches of a worker that went straight from its last ``all_gather_object`` to shutdown. The thread
+    needs the GIL for microseconds; the sleep gives it the GIL."""
     gc.collect()
     if wait:
         dist.barrier()
     dist.destroy_process_group()
+    time.sleep(GLOO_SETTLE_S)
 
 
 @contextlib.contextmanager
