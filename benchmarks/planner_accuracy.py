@@ -161,6 +161,7 @@ TEST_CASES = [
     "zero3-fp32-selective-gqa",
     "tp2-fp32-adamw",
     "pp2-1f1b-fp32-adamw",
+    "pp2-interleaved-fp32-lion",
 ]
 # what the planner does not model: lmforge estimate refuses these flags in one line (plan/request.py)
 NOT_MODELLED = [

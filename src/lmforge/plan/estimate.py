@@ -330,10 +330,11 @@ def accumulation(workload: Workload, layout: Layout) -> tuple[int, int]:
 
 def _activations(
     workload: Workload, layout: Layout, pipe: _Pipeline, rank: int, accounting: str
-) -> tuple[float, dict, int, float | None]:
+) -> tuple[float, dict, int, float | None, float]:
     """Saved activations of the pipeline micro-batches pipeline rank ``rank`` holds at once over its
-    stages (:meth:`_Pipeline.held`; returned too: the most of one stage, and under an interleaved
-    schedule the saved bytes held once every gradient exists, else None), plus
+    stages (:meth:`_Pipeline.held`; returned too: the most of one stage, under an interleaved schedule
+    the saved bytes held once every gradient exists, else None, and the bytes of every send of the step,
+    alive at its end under an interleaved schedule, else 0), plus
     the larger of the two transients on top of them (``ActivationBytes.peak``): one checkpointed block's
     recomputation (in backward) or autocast's cached weight casts (at the end of one forward); each is
     per forward or per block, so counted once whatever is in flight.
@@ -373,12 +374,18 @@ def _activations(
         (c if fsdp_mp else 4) * pipe.micro_batch * workload.seq_len * workload.model.d_model / layout.tp
     )
     outputs = [0.0 if r.stop == workload.model.n_layers or layout.pp == 1 else out_bytes for r in stages]
-    counts, with_grads = pipe.held(
-        layout, rank, [a.total + o for a, o in zip(per_stage, outputs, strict=True)]
+    # what a finished backward's sends keep alive under the interleaved schedules (until the step ends):
+    # the stage's output, sent forward, and its input's gradient (the residual stream's size), sent back
+    kept = [o + (0.0 if r.start == 0 else out_bytes) for r, o in zip(stages, outputs, strict=True)]
+    counts, with_grads, sent, sent_later = pipe.held(
+        layout, rank, [a.total + o for a, o in zip(per_stage, outputs, strict=True)], kept
     )
     parts["stage_output"] = float(sum(o * n for o, n in zip(outputs, counts, strict=True)))
+    parts["pipeline_sends"] = sent
     later = (
-        float(sum(a.total * n for a, n in zip(per_stage, with_grads, strict=True))) if with_grads else None
+        float(sum(a.total * n for a, n in zip(per_stage, with_grads, strict=True))) + sent_later
+        if with_grads
+        else None
     )
     for a, count in zip(per_stage, counts, strict=True):
         for k, v in asdict(a).items():
@@ -389,7 +396,8 @@ def _activations(
     if accounting == "zero-paper":
         parts["weight_casts"] = parts["forward_casts"] = 0.0
     saved = sum(v for k, v in parts.items() if k not in TRANSIENT)
-    return saved + max(parts[k] for k in TRANSIENT), parts, max(counts), later
+    sends_at_end = pipe.m * sum(kept) if sent or sent_later else 0.0
+    return saved + max(parts[k] for k in TRANSIENT), parts, max(counts), later, sends_at_end
 
 
 def _link(hw: Hardware, span: int) -> float:
@@ -420,56 +428,75 @@ class _Pipeline:
             return 1
         return self.m if layout.pp_schedule == "gpipe" else min(self.m, layout.pp - rank)
 
-    def held(self, layout: Layout, rank: int, sizes: list[float]) -> tuple[list[int], list[int] | None]:
+    def held(
+        self, layout: Layout, rank: int, sizes: list[float], kept: list[float]
+    ) -> tuple[list[int], list[int] | None, float, float]:
         """Pipeline micro-batches of each of rank ``rank``'s stages whose activations it holds at once
         (``sizes``: one micro-batch's saved bytes of each stage), at most and once every gradient exists
-        (None: one micro-batch's, as under 1F1B): :meth:`in_flight` of every stage, but under the
-        interleaved schedules (:func:`interleaved_held`)."""
+        (None: one micro-batch's, as under 1F1B), and the bytes of finished backwards' sends still alive at
+        each of the two moments (``kept``: per backward of each stage): :meth:`in_flight` of every stage
+        and nothing kept, but under the interleaved schedules (:func:`interleaved_held`)."""
         if layout.pp == 1 or self.v == 1 or layout.pp_schedule in V_SHAPED:
-            return [self.in_flight(layout, rank)] * len(sizes), None
+            return [self.in_flight(layout, rank)] * len(sizes), None, 0.0, 0.0
         factor = 2 if layout.pp_schedule == "interleaved_1f1b" else 1
-        return interleaved_held(layout.pp, self.v, self.m, rank, factor, sizes)
+        best, with_grads, best_done, with_grads_done = interleaved_held(
+            layout.pp, self.v, self.m, rank, factor, sizes, kept
+        )
+
+        def sent(done: list[int]) -> float:
+            return float(sum(d * k for d, k in zip(done, kept, strict=True)))
+
+        return best, with_grads, sent(best_done), sent(with_grads_done)
 
 
 def interleaved_held(
-    p: int, v: int, m: int, rank: int, factor: int, sizes: list[float]
-) -> tuple[list[int], list[int]]:
+    p: int, v: int, m: int, rank: int, factor: int, sizes: list[float], kept: list[float] | None = None
+) -> tuple[list[int], list[int], list[int], list[int]]:
     """Micro-batches held per local stage by rank ``rank`` of an interleaved schedule (``p`` ranks, ``v``
-    stages each, ``m`` micro-batches) at the moment their bytes (``sizes`` per micro-batch and local
-    stage) are largest, following the order torch's schedules run (``torch.distributed.pipelining``,
-    interleaved 1F1B with ``factor`` 2, interleaved zero bubble with 1): ``mpr = m / max(1, m // p)``
-    micro-batches a round; the rank first runs ``W = min((v - 1) mpr + factor (p - 1 - rank), m v)``
-    forwards, then alternates one forward and one backward. Forward ``i`` runs local stage
-    ``(i // mpr) mod v``, backward ``j`` local stage ``v - 1 - (j // mpr) mod v``. Returned: the largest
-    holding, and the largest once every local stage has had a backward (from then on all of the rank's
-    gradients exist beside the activations; the rank keeps about ``W`` micro-batches in flight until
-    its last forward). (One stage per rank, 1F1B, the first is ``min(m, p - rank)``,
-    :meth:`_Pipeline.in_flight`, and the second one micro-batch.)"""
+    stages each, ``m`` micro-batches) at the moment its bytes are largest, following the order torch's
+    schedules run (``torch.distributed.pipelining``, interleaved 1F1B with ``factor`` 2, interleaved zero
+    bubble with 1): ``mpr = m / max(1, m // p)`` micro-batches a round; the rank first runs
+    ``W = min((v - 1) mpr + factor (p - 1 - rank), m v)`` forwards, then alternates one forward and one
+    backward. Forward ``i`` runs local stage ``(i // mpr) mod v``, backward ``j`` local stage
+    ``v - 1 - (j // mpr) mod v``.
+
+    The bytes of a moment: ``sum_s held_s sizes_s + sum_s done_s kept_s``, ``sizes``: one micro-batch's
+    saved bytes of each local stage; ``kept``: what each finished backward of a local stage leaves alive
+    until the step ends, ``done_s`` the backwards finished so far. These schedules run on torch's
+    schedule runtime, which waits for its sends only at the end of the step, and a send's work holds its
+    tensor: the stage's output sent forward, its input's gradient sent back.
+
+    Returned: the holding at the largest moment, the holding at the largest moment once every local stage
+    has had a backward (from then on all of the rank's gradients exist beside the activations; the rank
+    keeps about ``W`` micro-batches in flight until its last forward), and the backwards finished at each
+    of the two. (One stage per rank, 1F1B, holds ``min(m, p - rank)``, :meth:`_Pipeline.in_flight`, and
+    one micro-batch at its last backward.)"""
+    kept = kept or [0.0] * v
     mpr = m // max(1, m // p)
     total = m * v
     forwards = [(i // mpr) % v for i in range(total)]
     backwards = [v - 1 - (j // mpr) % v for j in range(total)]
-    held = [0] * v
+    held, finished = [0] * v, [0] * v
     done = min((v - 1) * mpr + factor * (p - 1 - rank), total)
     for s in forwards[:done]:
         held[s] += 1
-    best, with_grads = list(held), [0] * v
-    stepped: set[int] = set()  # local stages that have had a backward (their gradients exist)
+    best, best_done = list(held), [0] * v
+    with_grads, with_grads_done = [0] * v, [0] * v
 
-    def size(h: list[int]) -> float:
-        return sum(n * b for n, b in zip(h, sizes, strict=True))
+    def size(h: list[int], f: list[int]) -> float:
+        return sum(n * b + d * k for n, b, d, k in zip(h, sizes, f, kept, strict=True))
 
     for j in range(total):
         if done < total:
             held[forwards[done]] += 1
             done += 1
-        if size(held) > size(best):
-            best = list(held)
-        if len(stepped) == v and size(held) > size(with_grads):
-            with_grads = list(held)
+        if size(held, finished) > size(best, best_done):
+            best, best_done = list(held), list(finished)
+        if all(finished) and size(held, finished) > size(with_grads, with_grads_done):
+            with_grads, with_grads_done = list(held), list(finished)
         held[backwards[j]] -= 1
-        stepped.add(backwards[j])
-    return best, with_grads
+        finished[backwards[j]] += 1
+    return best, with_grads, best_done, with_grads_done
 
 
 def _pipeline(workload: Workload, layout: Layout) -> _Pipeline:
@@ -633,6 +660,7 @@ def step_phases(
     rounds: int = 1,
     last_checkpointed: bool = True,
     with_gradients: float | None = None,
+    sends: float = 0.0,
 ) -> list[Phase]:
     """The phases of a training step of ``micro_batches`` (micro-batches times pipeline micro-batches) on
     one rank, in the order PyTorch allocates and frees them (``parts``: the activation parts of
@@ -652,7 +680,8 @@ def step_phases(
         backward: last block     G + A - (head + loss) / in_flight + recompute + B + R + 2 U
                                    + one block's backward working set W
         backward: first block    G' + A_1 + recompute + B + R + U + one unit's reduce-scatter buffers S + W
-        end of backward          grads + B + R + S + tied copies
+                                   + the step's sends K
+        end of backward          grads + B + R + S + tied copies + K
         optimizer step           grads + B + the step's scratch
 
     The loss's kept gradients (precomputing) are activations of the first two; its buffers and the head's
@@ -670,7 +699,11 @@ def step_phases(
     at its last (1F1B and GPipe alike; the last rank holds one, but a micro-batch's gradients at its
     second), so the loss and last-block phases come twice: ``G`` with ``A``, and
     ``accumulating`` with ``A / in_flight`` (interleaved: ``with_gradients``, :func:`interleaved_held`).
-    A rank without the head has no loss phases. Measured: ``tests/test_estimate_phases.py``."""
+    A rank without the head has no loss phases. ``sends`` (``K``): under an interleaved schedule every
+    send of the step (each stage output sent forward, each input gradient sent back) stays alive until
+    the step ends (:func:`interleaved_held`); the sends of the backwards finished by the larger moments
+    are in ``parts`` (``pipeline_sends``) and ``with_gradients``. Measured:
+    ``tests/test_estimate_phases.py``."""
     accumulating_suffix = (
         ", unsharded gradients accumulating" if accumulating != states.grads else ", gradients accumulating"
     )
@@ -694,13 +727,14 @@ def step_phases(
             parts.get("forward_casts", 0.0),
         )
     embedding = parts.get("embedding", 0.0) / in_flight
-    one_block = (saved - in_flight * freed - in_flight * embedding) / (in_flight * max(blocks, 1)) + embedding
+    kept = saved - parts.get("pipeline_sends", 0.0)
+    one_block = (kept - in_flight * freed - in_flight * embedding) / (in_flight * max(blocks, 1)) + embedding
     suffix = accumulating_suffix if micro_batches > 1 else ""
     out += [
         Phase(
             "backward: first block" + recomputing + suffix,
             accumulating if micro_batches > 1 else max(states.grads - block_grads, 0.0),
-            one_block + recompute,
+            one_block + recompute + sends,
             _alive(
                 temps,
                 fsdp_gathered=first,
@@ -711,7 +745,7 @@ def step_phases(
         Phase(
             "end of backward",
             max(states.grads, accumulating) if micro_batches > 1 else states.grads,
-            0.0,
+            sends,
             _alive(
                 temps, fsdp_gathered=end, fsdp_grad_reduce=temps.fsdp_grad_reduce, tied_grads=temps.tied_grads
             ),
@@ -732,7 +766,7 @@ def _rank_memory(
 ) -> _RankMemory:
     """The memory of pipeline rank ``rank``: its step's peak phase and its build."""
     owned = pipe.owned(layout, rank)
-    acts, parts, in_flight, with_gradients = _activations(workload, layout, pipe, rank, accounting)
+    acts, parts, in_flight, with_gradients, sends = _activations(workload, layout, pipe, rank, accounting)
     tokens = pipe.micro_batch * workload.seq_len
     model_json = workload.model.model_dump_json()
     mine, states, temps = _device_states(
@@ -776,6 +810,7 @@ def _rank_memory(
         accum,
         checkpointed(layout.activation_checkpointing, max(r.stop for r in owned) - 1),
         with_gradients,
+        sends,
     )
     at_peak = max(phases, key=lambda ph: ph.total)  # the first of equal phases
     buffers = model_buffer_bytes(workload.model, workload.seq_len)
