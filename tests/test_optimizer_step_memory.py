@@ -58,6 +58,22 @@ def planned(model_kw: dict, ocfg: OptimConfig, kind: str = "none", shards: int =
     return int(temps.optimizer_step)
 
 
+def lingering(model_kw: dict, ocfg: OptimConfig, kind: str) -> int:
+    """What may still be alive of the matrix stepped before, beyond the plan, where the step gathers each
+    matrix whole (FSDP2: Muon's update, Adafactor's parameter and gradient): gloo's worker thread frees a
+    finished all-gather's tensors only once it gets the GIL, so on a loaded machine the previous matrix's
+    gathered copy can outlive its step and meet the next one's. Seen on the 2-core EPYC with other jobs
+    running: one 48 x 48 (or 32 x 32) FP32 update, 9,216 (4,096) bytes over the plan, in 3 of 36 runs of
+    the test, each measurement the least of two; never with the machine otherwise idle. Bounded here by
+    the largest gathered matrix's copy (0 where nothing is gathered)."""
+    if kind != "zero3" or ocfg.name not in ("muon", "adafactor"):
+        return 0
+    tensors = param_tensors(ModelConfig(**model_kw), VOCAB, SEQ)
+    if ocfg.name == "muon":
+        return 4 * max(t.numel for t in tensors if t.muon)
+    return 2 * 4 * max(t.numel for t in tensors)
+
+
 @pytest.mark.parametrize("optim", list(OPTIMS))
 @pytest.mark.parametrize("shape", list(MODELS))
 def test_step_scratch_one_process(shape: str, optim: str) -> None:
@@ -119,9 +135,10 @@ def test_step_scratch_zero1_fsdp2(tmp_path) -> None:
     bad = []
     for key, per_rank in measured.items():
         layout, shape, optim = key.split("|")
-        want = planned(MODELS[shape], OptimConfig(**OPTIMS[optim]), layout, 2)
+        ocfg = OptimConfig(**OPTIMS[optim])
+        want = planned(MODELS[shape], ocfg, layout, 2)
         got = max(per_rank)
-        if abs(got - want) > SLACK:
+        if not want - SLACK <= got <= want + lingering(MODELS[shape], ocfg, layout) + SLACK:
             bad.append(f"{key}: measured {per_rank}, planned {want:,}")
     assert not bad, "\n".join(bad)
     assert len(measured) == 2 * len(MODELS) * len(OPTIMS)

@@ -26,9 +26,9 @@ from lmforge.optim.build import build_optimizer, build_zero_optimizer
 from lmforge.parallel.layout import process_group_scope
 from lmforge.probes.step_memory import optimizer_step_scratch
 
-# the least of a few measurements: one rank's step once peaked higher than the same step repeated (gpt2-48,
-# FSDP2, Muon: 156,672 B against 101,376 B in 6 repeats on both ranks), a transient the step does not always
-# make (not pinned down; Python's collector is not it: the same with it off)
+# the least of a few measurements: gloo's worker thread frees a finished all-gather's tensors only once it
+# gets the GIL, so when the machine is loaded the previous matrix's gathered copy (Muon, Adafactor under
+# FSDP2) can outlive its step (the test allows for it: test_optimizer_step_memory.py::lingering)
 REPEATS = 2
 
 

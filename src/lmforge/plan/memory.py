@@ -689,7 +689,10 @@ def optimizer_step_bytes(
 
     Gradient clipping before the step (``optim/clip.py``) adds one scalar norm per tensor: left out.
     Measured by PyTorch's ``MemTracker`` around ``optimizer.step()`` on CPU, one process, ZeRO-1 and
-    FSDP2 on 2 gloo processes (``tests/test_optimizer_step_memory.py``): exact but for a few scalars.
+    FSDP2 on 2 gloo processes (``tests/test_optimizer_step_memory.py``): exact but for a few scalars,
+    and but for a race that is not planned: where the step gathers each matrix whole, gloo's worker
+    thread frees a finished gather's tensors only once it gets the GIL, so on a loaded machine the
+    previous matrix's gathered copy was seen to outlive its step (one more whole matrix, at times).
     """
     if not tensors:
         return 0
