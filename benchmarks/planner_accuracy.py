@@ -4,6 +4,7 @@
     python benchmarks/planner_accuracy.py --quick         # a few cases, prints the table only
     python benchmarks/planner_accuracy.py --cases ddp-fp32-adamw,zero3-fp32-adamw-gqa [--write]
     python benchmarks/planner_accuracy.py --render        # only the doc again, from the JSON file
+    python benchmarks/planner_accuracy.py --device cuda   # the one-process cases on this machine's GPU
 
 Each case is a tiny recipe (``--SECTION.KEY=VALUE`` overrides over :data:`BASE`) and a process count. It
 is built by ``train/build.py::build_run`` in a worker (one process, or ``torchrun --standalone`` with gloo
@@ -20,6 +21,14 @@ A full run writes ``docs/memory-accuracy.md`` (:func:`write_doc`) and ``src/lmfo
 (:func:`write_json`, read by ``lmforge.plan.accuracy.load_accuracy``); both are functions of the
 collected results only. Cases the planner does not model (:data:`NOT_MODELLED`) are not run: the doc lists
 them with the planner's one-line refusal.
+
+``--device cuda`` runs the one-process cases on the machine's GPU (``train.device=cuda``; a case on more
+processes needs a GPU each, so none here) and plans them for that GPU (``plan/hardware.py::
+from_device_name``, the attention kernel a CUDA run gets). Besides the tracker's peak, the worker reads
+the caching allocator's: ``torch.cuda.max_memory_allocated()`` over the measured step, after
+``reset_peak_memory_stats`` (it counts the same tensors plus what kernels allocate for themselves, such
+as cuBLAS's workspace, and the allocator's rounding of each block to 512 bytes). It writes
+``docs/memory-accuracy-cuda.md`` (:func:`render_cuda_doc`), not the CPU files.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ MEMORY_DOC = REPO / "docs" / "memory.md"  # its "How exact it is" opens with the
 BLOCK = ("<!-- planner-accuracy: start (python benchmarks/planner_accuracy.py writes this) -->",
          "<!-- planner-accuracy: end -->")  # fmt: skip
 JSON_OUT = REPO / "src" / "lmforge" / "plan" / "accuracy.json"
+CUDA_DOC = REPO / "docs" / "memory-accuracy-cuda.md"
 TOLERANCE = 0.05
 COMMAND = "python benchmarks/planner_accuracy.py"
 ROWS = ("parameters", "gradients", "optimizer states", "activations", "temporaries")
@@ -191,17 +201,20 @@ def corpus(workdir: Path) -> Path:
     return path
 
 
-def run_overrides(case: Case, workdir: Path) -> dict:
-    """The overrides a worker builds the run from: the case's, the corpus and a cache per vocabulary."""
+def run_overrides(case: Case, workdir: Path, device: str = "cpu") -> dict:
+    """The overrides a worker builds the run from: the case's, the corpus, a cache per vocabulary and the
+    device."""
     over = case.overrides()
     cache = workdir / f"cache-v{over['data.vocab_size']}"
-    return over | {"data.sources": [{"path": str(corpus(workdir))}], "data.cache_dir": str(cache)}
+    paths = {"data.sources": [{"path": str(corpus(workdir))}], "data.cache_dir": str(cache)}
+    return over | paths | {"train.device": device}
 
 
-def measure(case: Case, workdir: Path, timeout: float = 600) -> dict:
-    """Run the case's worker; ``{"ranks": [{"total", "rows", "categories"}, ...], "vocab_size"}``."""
+def measure(case: Case, workdir: Path, timeout: float = 600, device: str = "cpu") -> dict:
+    """Run the case's worker; ``{"ranks": [{"total", "rows", "categories", "states"[, "allocator"]}, ...],
+    "vocab_size"[, "device_name"]}`` (``allocator``, ``device_name``: on CUDA)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src"), "PYTHONFAULTHANDLER": "1"}
-    args = [__file__, "--worker", json.dumps(run_overrides(case, workdir))]
+    args = [__file__, "--worker", json.dumps(run_overrides(case, workdir, device))]
     if case.processes > 1:
         cmd = [
             sys.executable,
@@ -227,23 +240,36 @@ def worker(overrides_json: str) -> None:
     import torch.distributed as dist
 
     from lmforge.parallel.layout import close_layout
-    from lmforge.probes.step_memory import measure_step
+    from lmforge.probes.step_memory import measure_step, take_step
     from lmforge.recipe import load_config
     from lmforge.train.build import build_run
 
     torch.set_num_threads(1)
     run = build_run(load_config(None, json.loads(overrides_json)))
+    cuda = run.device.type == "cuda"
     finished = False
     try:
-        m = measure_step(run)
-        mine = {"total": m.total, "rows": m.rows(), "categories": m.categories, "states": m.states}
+        extra = {}
+        if cuda:  # the warm-up step here, so that the allocator's peak covers the measured step only
+            take_step(run)
+            torch.cuda.synchronize(run.device)
+            torch.cuda.reset_peak_memory_stats(run.device)
+        m = measure_step(run, warmup=0 if cuda else 1)
+        if cuda:
+            torch.cuda.synchronize(run.device)
+            extra = {"allocator": int(torch.cuda.max_memory_allocated(run.device))}
+        mine = {"total": m.total, "rows": m.rows(), "categories": m.categories, "states": m.states, **extra}
         ranks = [mine]
         if dist.is_available() and dist.is_initialized():
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
         if run.layout.is_main:
             print(
-                "STEP " + json.dumps({"ranks": ranks, "vocab_size": run.data.tokenizer.vocab_size}),
+                "STEP "
+                + json.dumps(
+                    {"ranks": ranks, "vocab_size": run.data.tokenizer.vocab_size}
+                    | ({"device_name": torch.cuda.get_device_name(run.device)} if cuda else {})
+                ),
                 flush=True,
             )
         finished = True
@@ -261,18 +287,23 @@ def planner_config(case: Case, vocab_size: int):
     return load_config(None, case.overrides() | {"data.vocab_size": vocab_size})
 
 
-def plan(case: Case, vocab_size: int) -> dict:
-    """The planner's rows at its peak phase, the tracked part of its peak and the phase's name."""
+def plan(case: Case, vocab_size: int, device_name: str | None = None) -> dict:
+    """The planner's rows at its peak phase, the tracked part of its peak and the phase's name; for the
+    CPU, or for the CUDA device ``device_name`` (``torch.cuda.get_device_name``)."""
     from lmforge.plan.activations import attention_kind
     from lmforge.plan.estimate import estimate, layout_from_config, workload_from_config
-    from lmforge.plan.hardware import cpu
+    from lmforge.plan.hardware import GPUS, cpu, from_device_name
 
+    device = "cuda" if device_name else "cpu"
     cfg = planner_config(case, vocab_size)
     layout = layout_from_config(cfg, case.processes)
-    attention = attention_kind("cpu", cfg.train.attention, cfg.model.doc_mask)
-    workload = workload_from_config(cfg, cfg.train.precision, attention, "cpu")
-    hw = cpu(1.0)  # only memory is compared: the FLOP/s are placeholders (FP8's too, emulated on a CPU)
-    hw = replace(hw, peak_flops=hw.peak_flops | {"fp8": 1.0})
+    attention = attention_kind(device, cfg.train.attention, cfg.model.doc_mask)
+    workload = workload_from_config(cfg, cfg.train.precision, attention, device)
+    if device_name:  # memory only is compared: a GPU the table lacks is planned as an H100
+        hw = from_device_name(device_name) or GPUS["h100-80gb"]
+    else:  # only memory is compared: the FLOP/s are placeholders (FP8's too, emulated on a CPU)
+        hw = cpu(1.0)
+        hw = replace(hw, peak_flops=hw.peak_flops | {"fp8": 1.0})
     est = estimate(workload, layout, hw)
     rows = est.rows()
     states = {
@@ -349,7 +380,7 @@ def compare(case: Case, measured: dict, planned: dict) -> dict:
         # the model states, tensor by tensor after the step's backward (the planner plans the largest rank)
         "states": {"planned": planned_states, "measured": largest},
         "inputs": int(rank["rows"].get("inputs", 0)),  # batch tensors: in the measured peak, no row
-    }
+    } | ({"allocator_peak": rank["allocator"]} if "allocator" in rank else {})
 
 
 def summary(cases: list[dict]) -> dict:
@@ -568,7 +599,9 @@ def print_table(results: list[dict]) -> None:
               f"  [{p['phase']}]")  # fmt: skip
 
 
-def run_cases(cases: list[Case], workdir: Path) -> tuple[list[dict], list[tuple[Case, str]]]:
+def run_cases(
+    cases: list[Case], workdir: Path, device: str = "cpu"
+) -> tuple[list[dict], list[tuple[Case, str]]]:
     """Measure and plan every case (one worker at a time), printing each as it finishes; the records, and
     the cases whose worker failed with the last line of its error (listed in the doc, not hidden)."""
     results, failed = [], []
@@ -580,7 +613,7 @@ def run_cases(cases: list[Case], workdir: Path) -> tuple[list[dict], list[tuple[
             print(f"[{i + 1}/{len(cases)}] {case.name} ({case.processes} process(es)), about {left:.0f} s left",
                   flush=True)  # fmt: skip
         try:
-            measured = measure(case, workdir)
+            measured = measure(case, workdir, device=device)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
             errors = [ln for ln in lines if "Error:" in ln and "ChildFailedError" not in ln]
@@ -590,7 +623,7 @@ def run_cases(cases: list[Case], workdir: Path) -> tuple[list[dict], list[tuple[
             print(f"{case.name}: FAILED: {last}", flush=True)
             continue
         try:
-            planned = plan(case, measured["vocab_size"])
+            planned = plan(case, measured["vocab_size"], measured.get("device_name"))
         except (KeyError, ValueError) as exc:
             failed.append((case, f"planner: {exc}"))
             print(f"{case.name}: FAILED: planner: {exc}", flush=True)
@@ -601,6 +634,83 @@ def run_cases(cases: list[Case], workdir: Path) -> tuple[list[dict], list[tuple[
     return results, failed
 
 
+def render_cuda_doc(data: dict, skipped: list[Case], failed: list[tuple[Case, str]], command: str) -> str:
+    """``docs/memory-accuracy-cuda.md``: each case's planned peak against the tracker's and the caching
+    allocator's (``data``: :func:`record` of a ``--device cuda`` run, with ``device_name``)."""
+    cases = data["cases"]
+
+    def within(key: str) -> int:
+        return sum(abs(c["planned"]["peak"] / c[key] - 1) <= data["tolerance"] for c in cases)
+
+    allocator = [{"peak": c["allocator_peak"]} for c in cases]
+    out = [
+        "# How exact the memory planner is on a GPU",
+        "",
+        f"Generated by `{command}` on {data['date']}: {data['device_name']}, torch {data['torch']}. "
+        "Do not edit by hand; re-run the script on a machine with a GPU.",
+        "",
+        "The one-process cases of [the CPU matrix](memory-accuracy.md) (one GPU each is needed; the "
+        "multi-process cases run where there are that many), each built by `build_run` with "
+        "`train.device=cuda`, one warm-up step, then one step measured twice at once: PyTorch's "
+        "`MemTracker` (the tensors alive at its peak) and `torch.cuda.max_memory_allocated()` over the "
+        "step (the caching allocator's peak: the same tensors, each block rounded up to 512 bytes, plus "
+        "what kernels allocate for themselves, such as cuBLAS's workspace). Planned: `lmforge estimate` "
+        "for the same flags on this GPU, its tracked part `total - overhead`.",
+        "",
+        f"- cases: {len(cases)}; planned peak within {data['tolerance']:.0%} of the tracker's: "
+        f"{within('measured_peak')}, of the allocator's: {within('allocator_peak')}",
+        f"- |error| against the allocator's peak: {_spread([c['planned']['peak'] for c in cases], allocator)}",
+        "",
+        "| case | precision | optimizer | planned KiB | tracker peak KiB | allocator peak KiB | error (tracker) "
+        "| error (allocator) | planned phase |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for c in cases:
+        p, t, a = c["planned"]["peak"], c["measured_peak"], c["allocator_peak"]
+        out.append(
+            f"| `{c['name']}` | {c['precision']} | {c['optimizer']} | {_kib(p)} | {_kib(t)} | {_kib(a)} | "
+            f"{p / t - 1:+.1%} | {p / a - 1:+.1%} | {c['planned']['phase']} |"
+        )
+    if skipped:
+        out += [
+            "",
+            f"Not run (more processes than this machine's GPUs): {', '.join(f'`{c.name}`' for c in skipped)}.",
+        ]
+    if failed:
+        out += ["", "## Failed to run", ""] + [f"- `{c.name}`: `{msg}`" for c, msg in failed]
+    return "\n".join(out) + "\n"
+
+
+def _spread(planned: list[float], measured: list[dict]) -> str:
+    errs = sorted(abs(p / m["peak"] - 1) for p, m in zip(planned, measured, strict=True))
+    if not errs:
+        return "no case"
+    return f"median {statistics.median(errs):.1%}, max {errs[-1]:.1%}"
+
+
+def run_cuda(names: list[str] | None, workdir: Path) -> int:
+    """``--device cuda``: the cases that fit this machine's GPUs, measured and planned on CUDA; writes
+    :data:`CUDA_DOC`. Exit status 2, before any work, where no GPU is visible."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("planner_accuracy.py: --device cuda: no CUDA device is visible here (torch.cuda.is_available() "
+              "is False); run it on a machine with a GPU, or leave --device out for the CPU matrix",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    cases = [BY_NAME[n] for n in names] if names else list(CASES)
+    gpus = torch.cuda.device_count()
+    skipped = [c for c in cases if c.processes > gpus]
+    results, failed = run_cases([c for c in cases if c.processes <= gpus], workdir, device="cuda")
+    print_table(results)
+    data = record(results) | {"device_name": torch.cuda.get_device_name(0)}
+    for c in data["cases"]:
+        c["measured_peak"] = c["measured"]["peak"]
+    CUDA_DOC.write_text(render_cuda_doc(data, skipped, failed, COMMAND + " --device cuda"))
+    print(f"wrote {CUDA_DOC.relative_to(REPO)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", help="comma-separated case names (default: all)")
@@ -608,6 +718,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", action="store_true", help="write the doc and JSON for a subset too")
     ap.add_argument("--workdir", default="/tmp/lmforge-planner-accuracy", help="corpus and tokenizer cache")
     ap.add_argument("--render", action="store_true", help="only rewrite the doc from the JSON file")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help=f"cuda: the cases that fit this machine's GPUs, on CUDA; writes {CUDA_DOC.name}")  # fmt: skip
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -623,6 +735,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         ap.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
+    if args.device == "cuda":
+        return run_cuda(names if args.cases or args.quick else None, Path(args.workdir))
     results, failed = run_cases([BY_NAME[n] for n in names], Path(args.workdir))
     print_table(results)
     data = record(results)

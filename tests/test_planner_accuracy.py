@@ -103,3 +103,45 @@ def test_the_memory_docs_summary_is_the_shipped_matrix():
     data = load_accuracy()
     text = matrix.MEMORY_DOC.read_text()
     assert matrix.summary_block(data) in text
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="the refusal is for machines without a GPU"
+)
+def test_the_cuda_comparison_without_a_gpu_says_so_in_one_line_and_exits_2(capsys):
+    assert matrix.main(["--device", "cuda", "--quick"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device cuda: no CUDA device is visible" in err[0]
+
+
+def test_the_cuda_comparison_plans_for_the_gpu_it_ran_on():
+    """The CUDA rows are planned for CUDA: a document-masked case gets FlexAttention's saved tensors there
+    (O(T) per head) and SDPA's explicit-mask kernel on the CPU, so the two plans differ; a GPU the table
+    lacks is planned as an H100."""
+    case = matrix.BY_NAME["one-fp32-adamw-llama"]
+    cpu_plan = matrix.plan(case, 512)
+    h100 = matrix.plan(case, 512, "NVIDIA H100 80GB HBM3")
+    assert h100 != cpu_plan
+    assert matrix.plan(case, 512, "Some Future GPU") == h100
+    assert h100["states"] == cpu_plan["states"]  # the model states do not depend on the device
+
+
+def test_the_cuda_doc_reports_both_peaks():
+    """Errors against the tracker's and the allocator's peaks, computed by hand: planned 1,040 KiB against
+    1,000 (+4.0%) and 1,024 (+1.6%)."""
+    kib = 1024
+    case = {
+        "name": "c",
+        "precision": "bf16",
+        "optimizer": "adamw",
+        "planned": {"peak": 1040 * kib, "phase": "forward: head and loss"},
+        "measured_peak": 1000 * kib,
+        "allocator_peak": 1024 * kib,
+    }
+    data = {"date": "d", "device_name": "NVIDIA H100", "torch": "t", "tolerance": 0.05, "cases": [case]}
+    doc = matrix.render_cuda_doc(data, [matrix.BY_NAME["ddp-fp32-adamw"]], [], "cmd")
+    assert (
+        "| `c` | bf16 | adamw | 1,040.0 | 1,000.0 | 1,024.0 | +4.0% | +1.6% | forward: head and loss |" in doc
+    )
+    assert "of the tracker's: 1, of the allocator's: 1" in doc
+    assert "Not run (more processes than this machine's GPUs): `ddp-fp32-adamw`." in doc
