@@ -156,6 +156,10 @@ CASES = [
           parallel__pp_schedule="1f1b", train__micro_batch_size=4),
     _case("pp2-interleaved-fp32-lion", 2, use=[GPT2, UNTIED], model__n_layers=4, parallel__pp=2,
           parallel__pp_schedule="interleaved_1f1b", train__micro_batch_size=4, optim__name="lion"),
+    _case("pp2-zero-bubble-fp32-adamw", 2, use=[GQA, UNTIED], model__n_layers=4, parallel__pp=2,
+          parallel__pp_schedule="zero_bubble", train__micro_batch_size=4),
+    _case("pp2-zbv-fp32-sgd", 2, use=[GQA, UNTIED], model__n_layers=4, parallel__pp=2,
+          parallel__pp_schedule="zbv", train__micro_batch_size=4, optim__name="sgd"),
 ]  # fmt: skip
 BY_NAME = {c.name: c for c in CASES}
 QUICK = ["one-fp32-adamw-llama", "one-bf16-gpt2-adamw", "zero3-fp32-adamw-gqa", "ddp-fp32-adamw"]

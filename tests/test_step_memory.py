@@ -40,3 +40,17 @@ def test_a_step_of_two_micro_batches_is_measured(corpus_dir, tmp_path):
     rows = measure_step(run).rows()
     assert rows["parameters"] == _bytes(run.model.parameters()) + _bytes(run.model.buffers())
     assert rows["optimizer states"] == state_bytes(run.optimizer)
+
+
+def test_the_plain_storage_count_equals_the_tracker_on_the_same_step(corpus_dir, tmp_path):
+    """``StoragePeak`` (for the zero-bubble schedules, whose split backward the tracker's module hooks
+    cannot follow) counts what ``MemTracker`` counts: the same run's next step, to the byte."""
+    from lmforge.probes.step_memory import _measure_plainly
+
+    torch.manual_seed(0)
+    over = tiny_overrides(corpus_dir, tmp_path / "data") | {"model.arch": "gpt2", "optim.name": "lion"}
+    run = build_run(load_config(None, over))
+    tracked = measure_step(run)
+    plain = _measure_plainly(run)
+    assert plain.total == tracked.total > 0
+    assert plain.states == tracked.states

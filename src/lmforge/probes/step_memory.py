@@ -11,11 +11,18 @@ peak fell in, or the optimizer step).
 
 They see tensors only: not the allocator's rounding and caching, not the interpreter, not what kernels
 allocate outside the dispatcher (``torch.compile``'s): measure eager runs.
+
+The zero-bubble pipeline schedules (``zero_bubble``, ``zbv``) split each backward in two with
+``torch.autograd.grad``, which the trackers' module hooks cannot follow in torch 2.13 ("A leaf node was
+passed to _will_engine_execute_node but we are currently running autograd.grad()"). Their steps are
+measured by :class:`StoragePeak` instead: the same storage accounting without the module hooks, so the
+total only, no categories.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -129,10 +136,110 @@ def model_state_bytes(model: torch.nn.Module, optimizers: list) -> dict[str, int
     }
 
 
+class StoragePeak:
+    """The most bytes of tensor storage alive at once while it is entered, beside the storages of
+    ``known`` (the tensors already counted: the model's and the optimizers'). A storage counts from the
+    first operator that returns it, or takes it as an input, until it is freed (a weak reference's
+    callback); a view or an in-place result is not a new storage. PyTorch's ``MemTracker``'s accounting
+    without its module hooks (module docstring); equal to it on one-process and pipeline steps
+    (``tests/test_step_memory.py``). Not for FSDP2, which frees and refills its gathered parameters' storages
+    in place (``resize_``), what ``MemTracker`` follows and this does not."""
+
+    def __init__(self, known: list[torch.Tensor] = ()) -> None:
+        self.current = self.peak = 0
+        self._known = {_storage_key(t) for t in known}
+        self._live: dict[int, int] = {}
+        self._refs: dict[int, object] = {}
+
+    def _see(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key is None or key in self._known or key in self._live:
+            return
+        st = t.untyped_storage()
+        if st.nbytes() == 0:
+            return
+        self._live[key] = st.nbytes()
+        self._refs[key] = weakref.ref(st, lambda _, k=key: self._freed(k))
+        self.current += st.nbytes()
+        self.peak = max(self.peak, self.current)
+
+    def _freed(self, key: int) -> None:
+        self.current -= self._live.pop(key)
+        self._refs.pop(key, None)
+
+    def __enter__(self) -> StoragePeak:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        see = self._see
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                for t in tree_flatten((args, kwargs))[0]:
+                    if isinstance(t, torch.Tensor):
+                        see(t)
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        see(t)
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage (None: a meta tensor, or a storage FSDP2 has freed)."""
+    if t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
+def _split_backward(run) -> bool:
+    """Whether the run's pipeline schedule splits its backwards with ``autograd.grad`` (zero bubble)."""
+    pipeline = getattr(run.module, "pipeline", None)
+    return getattr(pipeline, "schedule_name", "") in ("zero_bubble", "zbv")
+
+
+def _measure_plainly(run) -> StepMemory:
+    """One step under :class:`StoragePeak`: the states alive before it (parameters with the buffers,
+    optimizer states; no gradients: each step ends with ``zero_grad(set_to_none=True)``) plus what the
+    step allocates at most; the states as :func:`measure_step` counts them."""
+    if _has_fsdp(run.model):
+        raise ValueError("StoragePeak does not follow FSDP2's storage resizing: measure with FSDPMemTracker")
+    optimizers = _optimizers(run.optimizer)
+    before = model_state_bytes(run.model, optimizers)
+    states: dict[str, int] = {}
+
+    def before_step(optimizer, args, kwargs) -> None:
+        states.update(model_state_bytes(run.model, []))
+
+    known = [*run.model.parameters(), *run.model.buffers()]
+    known += [v for o in optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
+    hook = run.optimizer.register_step_pre_hook(before_step)
+    try:
+        with StoragePeak(known) as peak:
+            take_step(run)
+    finally:
+        hook.remove()
+    states["optimizer states"] = model_state_bytes(run.model, optimizers)["optimizer states"]
+    base = before["parameters"] + before["optimizer states"] + before["gradients"]
+    return StepMemory(base + peak.peak, {}, states)
+
+
 def measure_step(run, warmup: int = 1) -> StepMemory:
     """``warmup`` steps, then the peak of one step under the tracker (module docstring)."""
     for _ in range(warmup):
         take_step(run)
+    if _split_backward(run):
+        return _measure_plainly(run)
     module = _tracked(run)
     if _has_fsdp(module):
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
