@@ -62,11 +62,14 @@ def test_importing_lmforge_tags_the_caches_only_with_the_variable_set():
     code = "import sys, lmforge; print('torch' in sys.modules)"
     plain = subprocess.run([sys.executable, "-c", code], env=_child_env(), capture_output=True, text=True)
     assert plain.returncode == 0 and plain.stdout.split() == ["False"], plain.stderr  # nothing imported
-    code = "import lmforge, torch; print(torch.compiler.config.cache_key_tag)"
     env = _child_env(ATEN_CPU_CAPABILITY="avx2", TORCH_COMPILE_CACHE_KEY_TAG="mine")
-    tagged = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert tagged.returncode == 0, tagged.stderr
-    assert tagged.stdout.split() == ["mine,ATEN_CPU_CAPABILITY=avx2"]  # the user's tag kept
+    quiet = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert quiet.returncode == 0 and quiet.stdout.split() == ["False"], quiet.stderr  # nor with it
+    for first in ("lmforge, torch", "torch, lmforge"):  # torch imported after lmforge, and before it
+        code = f"import {first}; print(torch.compiler.config.cache_key_tag)"
+        tagged = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert tagged.returncode == 0, tagged.stderr
+        assert tagged.stdout.split() == ["mine,ATEN_CPU_CAPABILITY=avx2"], first  # the user's tag kept
 
 
 def _compile_in_child(cache_dir: str, capability: str | None, sizes: list[int]) -> dict:

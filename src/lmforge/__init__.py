@@ -2,15 +2,18 @@
 
 Importing the package does one thing beyond naming its version: with ``ATEN_CPU_CAPABILITY`` set, it
 gives ``torch.compile``'s caches one set of entries per capability
-(:func:`key_compile_caches_by_cpu_capability`), before anything in the process compiles. Without the
-variable it imports nothing and changes nothing.
+(:func:`key_compile_caches_by_cpu_capability`), before anything in the process compiles. It imports
+nothing (torch reads the tag from the environment when it is imported), and without the variable it
+changes nothing.
 """
 
 import os
+import sys
 
 __version__ = "0.1.0"
 
 CPU_CAPABILITY_VARIABLE = "ATEN_CPU_CAPABILITY"
+TAG_VARIABLE = "TORCH_COMPILE_CACHE_KEY_TAG"  # torch.compiler.config.cache_key_tag's, read at torch's import
 
 
 def compile_cache_key_tag(tag: str, capability: str | None) -> str:
@@ -43,11 +46,16 @@ def key_compile_caches_by_cpu_capability() -> None:
     The remedy is torch's own knob for splitting caches: ``ATEN_CPU_CAPABILITY=<value>`` is added to
     ``torch.compiler.config.cache_key_tag`` (part of every compile cache's key; a tag the user set, e.g.
     through ``TORCH_COMPILE_CACHE_KEY_TAG``, is kept), so each capability compiles and caches its own
-    kernels. The generated code is unchanged, and a process without the variable keys its caches as
+    kernels. Before torch is imported the tag is set in that variable (torch reads it at import; child
+    processes inherit it), so importing lmforge imports nothing; after, on torch's config. The generated code is unchanged, and a process without the variable keys its caches as
     before.
     """
     capability = os.environ.get(CPU_CAPABILITY_VARIABLE)
     if not capability:
+        return
+    if "torch" not in sys.modules:  # torch reads the variable when it is imported: nothing imported here
+        tag = os.environ.get(TAG_VARIABLE, "")
+        os.environ[TAG_VARIABLE] = compile_cache_key_tag(tag, capability)
         return
     import torch.compiler.config
 

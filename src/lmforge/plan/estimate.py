@@ -668,11 +668,11 @@ def step_phases(
     micro-batches accumulate, :func:`accumulating_gradients`; ``kind``: the layout's; ``rounds``: the
     step's micro-batches of ``train.tokens_per_step``, each split in pipeline micro-batches). ``A`` the
     saved activations (every part but the transients ``recompute`` and ``forward_casts``), ``G`` the
-    gradients at the step's first backward of
-    its last round (0 with one round: each step ends with ``zero_grad(set_to_none=True)``; else
-    ``accumulating``), ``B``
-    DDP's buckets (alive throughout), FSDP2's gathered copies as ZeRO-3 holds them (root ``R``, untied head
-    ``H``, largest block ``U``; ZeRO-2 and a pipeline stage keep every unit gathered)::
+    gradients at the step's first backward of its last round (0 with one round: each step ends with
+    ``zero_grad(set_to_none=True)``; else ``accumulating``), ``B`` DDP's buckets (alive throughout),
+    FSDP2's gathered copies as ZeRO-3 holds them (root ``R``, untied head ``H``, largest block ``U``;
+    ZeRO-2 and a pipeline stage keep every unit gathered), ``K`` an interleaved schedule's sends of the
+    whole step, alive until it ends (:func:`interleaved_held`)::
 
         forward: head and loss   G + A + autocast's cached weight casts + B + R + H + U (the last
                                    all-gather's buffer) + loss forward buffers
@@ -699,11 +699,7 @@ def step_phases(
     at its last (1F1B and GPipe alike; the last rank holds one, but a micro-batch's gradients at its
     second), so the loss and last-block phases come twice: ``G`` with ``A``, and
     ``accumulating`` with ``A / in_flight`` (interleaved: ``with_gradients``, :func:`interleaved_held`).
-    A rank without the head has no loss phases. ``sends`` (``K``): under an interleaved schedule every
-    send of the step (each stage output sent forward, each input gradient sent back) stays alive until
-    the step ends (:func:`interleaved_held`); the sends of the backwards finished by the larger moments
-    are in ``parts`` (``pipeline_sends``) and ``with_gradients``. Measured:
-    ``tests/test_estimate_phases.py``."""
+    A rank without the head has no loss phases. Measured: ``tests/test_estimate_phases.py``."""
     accumulating_suffix = (
         ", unsharded gradients accumulating" if accumulating != states.grads else ", gradients accumulating"
     )
@@ -712,20 +708,12 @@ def step_phases(
     fwd, bwd, last, first, end = _gathered(temps, kind, pipeline)
     recompute = parts.get("recompute", 0.0)
     recomputing = ", a checkpointed block recomputing" if recompute else ""
+    recompute_last, casts = (recompute if last_checkpointed else 0.0), parts.get("forward_casts", 0.0)
 
     out = []
     for g, held, name in _variants(saved, accumulating, micro_batches, rounds, in_flight, with_gradients):
         name += accumulating_suffix if g else ""
-        out += _head_and_last_block(
-            temps,
-            g,
-            held,
-            name,
-            (fwd, bwd, last),
-            freed,
-            recompute if last_checkpointed else 0.0,
-            parts.get("forward_casts", 0.0),
-        )
+        out += _head_and_last_block(temps, g, held, name, (fwd, bwd, last), freed, recompute_last, casts)
     embedding = parts.get("embedding", 0.0) / in_flight
     kept = saved - parts.get("pipeline_sends", 0.0)
     one_block = (kept - in_flight * freed - in_flight * embedding) / (in_flight * max(blocks, 1)) + embedding
