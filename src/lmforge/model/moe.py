@@ -33,6 +33,7 @@ activation checkpointing in backward counts nothing twice.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 
 import torch
@@ -337,10 +338,11 @@ class MoE(nn.Module):
 
 
 def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoE]]:
-    """``(block index, layer)`` of every MoE layer of ``model`` (a pipeline stage: its own)."""
+    """``(block index, layer)`` of every MoE layer of ``model`` (a layer on its own: ``("0", layer)``)."""
     for name, module in model.named_modules():
         if isinstance(module, MoE):
-            yield name.split("blocks.", 1)[1].split(".", 1)[0], module
+            found = re.search(r"blocks\.(\d+)", name)
+            yield found.group(1) if found else "0", module
 
 
 def start_step(model: nn.Module) -> None:
