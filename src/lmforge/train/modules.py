@@ -15,7 +15,7 @@ module                              what it trains
 :class:`DPOModule`                  preference pairs (``train.objective = dpo``, ``posttrain/dpo.py``)
 ==================================  ========================================================================
 
-A new objective (mixture of experts, reward model, RL) is a new class here with these methods, built in
+A new objective (reward model, RL) is a new class here with these methods, built in
 ``train/build.py``; the step and the trainer do not change.
 """
 
