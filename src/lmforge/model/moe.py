@@ -198,8 +198,9 @@ def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
 
 
 def grouped_mm_fits(device: torch.device, dtype: torch.dtype, *dims: int) -> bool:
-    """Whether ``torch._grouped_mm`` runs here: FP32 / BF16 / FP16 with every row a multiple of 16 bytes
-    (measured on CPU, torch 2.13); on CUDA BF16 on compute capability 9.0 or newer only."""
+    """Whether ``torch._grouped_mm`` runs here: on a CPU FP32 / BF16 / FP16 with every row a multiple of 16
+    bytes (measured, torch 2.13); on CUDA assumed for BF16 on compute capability 9.0 or newer only (the
+    kernel's documented case; not yet run on a GPU here, so ``train.moe_kernel = "loop"`` is the way out)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     if any(d * torch.finfo(dtype).bits // 8 % 16 for d in dims):
