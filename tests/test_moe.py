@@ -305,3 +305,27 @@ def test_tiny_moe_run_learns_logs_routing_and_resumes_its_bias(corpus_dir, tmp_p
     assert a["blocks.1.mlp.expert_bias"].abs().sum() > 0
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.distributed
+def test_ddp_moe_run_matches_one_process(corpus_dir, tmp_path):
+    """Two DDP ranks against one process (float64, tests/test_distributed.py's harness): the balancing
+    bias moves by the load summed over the ranks, so it and every weight match one process's. Dropless
+    and without the balance losses, which are per-rank batch statistics (not the whole batch's)."""
+    from tests.test_distributed import _overrides, assert_same_run, launch, losses
+
+    extra = {
+        "model.moe.experts": 4,
+        "model.moe.top_k": 2,
+        "model.moe.d_expert": 16,
+        "model.moe.bias_update_rate": 0.01,
+    }
+    ref = tmp_path / "one"
+    train(load_config(None, _overrides(corpus_dir, tmp_path / "cache", **extra)), ref, progress_bar=False)
+    run = tmp_path / "ddp"
+    launch(2, run, _overrides(corpus_dir, tmp_path / "cache", **extra, **{"parallel.dp_replicate": 2}))
+    assert_same_run(run, ref)
+    for key in ("moe/layer.0/load", "moe/layer.3/load"):  # each step's load: every token counted once
+        assert losses(run, key) == losses(ref, key)
+    bias = load_checkpoint(latest_checkpoint(run))["model"]["blocks.0.mlp.expert_bias"]
+    assert bias.abs().sum() > 0
