@@ -230,8 +230,9 @@ def test_switch_aux_loss_alone_balances_a_skewed_router():
 
 
 def test_checkpointed_block_counts_its_routing_once():
-    cfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, moe=MOE)
-    loads = []
+    moe = MOE | {"aux_loss": 0.01, "seq_aux_loss": 0.01, "z_loss": 0.001}
+    cfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, moe=moe)
+    loads, grads = [], []
     for recompute in (False, True):
         torch.manual_seed(0)
         model = model_of(cfg, 50, 8)
@@ -239,9 +240,13 @@ def test_checkpointed_block_counts_its_routing_once():
             for block in model.blocks.values():
                 block.runner = lambda layers, *a: checkpoint(layers, *a, use_reentrant=False)
         start_step(model)
-        model(torch.arange(16).view(2, 8) % 50).square().mean().backward()
+        out = model(torch.arange(16).view(2, 8) % 50).square().mean()
+        (out + take_aux_loss(model)).backward()
         loads.append(model.blocks[0].mlp.load.clone())
+        grads.append(model.blocks[0].mlp.router.weight.grad.clone())
+        assert take_aux_loss(model) is None  # the recomputation set no second loss
     assert loads[0].sum() == 16 * 2 and torch.equal(loads[0], loads[1])
+    torch.testing.assert_close(grads[0], grads[1])
 
 
 def test_bad_moe_settings_are_refused_before_work(tmp_path):

@@ -309,13 +309,15 @@ class MoE(nn.Module):
         out = torch.zeros(t, shape[-1], device=x.device).index_add_(0, token, ys * w[:, None])
         if self.shared is not None:
             out = out + self.shared(flat).float()
-        if self.training and torch.is_grad_enabled() and not _recomputing():
+        if self.training and torch.is_grad_enabled():
             dropped = (t * k - counts[:e].sum()).float() if keep is not None else 0.0
             self._count(logits, scores, experts, shape, dropped)
         return out.to(x.dtype).view(shape)
 
     def _count(self, logits, scores, experts, shape, dropped) -> None:
-        """Add this micro-batch to the step's counters and set ``aux_loss`` (the weighted losses)."""
+        """Set ``aux_loss`` (the weighted losses) and add this micro-batch to the step's counters. A
+        recomputation (activation checkpointing) builds the same loss graph, as checkpointing requires
+        the same saved tensors, but neither sets ``aux_loss`` again nor counts."""
         probs = score_distribution(scores, self.score)
         values = {
             "aux_loss": lambda: switch_aux_loss(probs, experts, self.n_experts),
@@ -326,6 +328,8 @@ class MoE(nn.Module):
         }
         raw = {n: values[n]() if c else None for n, c in self.coefficients.items()}
         terms = [self.coefficients[n] * v for n, v in raw.items() if v is not None]
+        if _recomputing():
+            return
         self.aux_loss = torch.stack(terms).sum() if terms else None
         with torch.no_grad():
             self.load += expert_counts(experts, self.n_experts)
