@@ -313,8 +313,11 @@ def test_tiny_moe_run_learns_logs_routing_and_resumes_its_bias(corpus_dir, tmp_p
 
 
 @pytest.mark.distributed
-def test_ddp_moe_run_matches_one_process(corpus_dir, tmp_path):
-    """Two DDP ranks against one process (float64, tests/test_distributed.py's harness): the balancing
+@pytest.mark.parametrize(
+    "layout", [{"parallel.dp_replicate": 2}, {"parallel.dp_shard": 2}], ids=["ddp", "zero3"]
+)
+def test_data_parallel_moe_run_matches_one_process(layout, corpus_dir, tmp_path):
+    """Two DDP or FSDP2 ranks against one process (float64, tests/test_distributed.py's harness): the balancing
     bias moves by the load summed over the ranks, so it and every weight match one process's. Dropless
     and without the balance losses, which are per-rank batch statistics (not the whole batch's)."""
     from tests.test_distributed import _overrides, assert_same_run, launch, losses
@@ -328,7 +331,7 @@ def test_ddp_moe_run_matches_one_process(corpus_dir, tmp_path):
     ref = tmp_path / "one"
     train(load_config(None, _overrides(corpus_dir, tmp_path / "cache", **extra)), ref, progress_bar=False)
     run = tmp_path / "ddp"
-    launch(2, run, _overrides(corpus_dir, tmp_path / "cache", **extra, **{"parallel.dp_replicate": 2}))
+    launch(2, run, _overrides(corpus_dir, tmp_path / "cache", **extra, **layout))
     assert_same_run(run, ref)
     for key in ("moe/layer.0/load", "moe/layer.3/load"):  # each step's load: every token counted once
         assert losses(run, key) == losses(ref, key)
