@@ -23,6 +23,7 @@ from lmforge.model.moe import (
     after_optimizer_step,
     check_moe,
     expert_capacity,
+    grouped_mm_fits,
     imbalance,
     keep_mask,
     route,
@@ -66,6 +67,30 @@ def test_experts_kernel_equals_plain_loop(kernel):
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(got, [xr.grad] + [p.grad for p in params], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_kernel_takes_grouped_mm_only_where_it_runs():
+    cpu = torch.device("cpu")
+    assert grouped_mm_fits(cpu, torch.float32, 16, 8) and grouped_mm_fits(cpu, torch.bfloat16, 16, 8)
+    assert not grouped_mm_fits(cpu, torch.float32, 16, 6)  # 24-byte rows: torch refuses them
+    assert not grouped_mm_fits(cpu, torch.bfloat16, 16, 4)  # 8-byte rows
+    assert not grouped_mm_fits(cpu, torch.float64, 16, 8)  # no float64 kernel
+    with pytest.raises(RuntimeError):
+        torch._grouped_mm(
+            torch.randn(4, 16), torch.randn(2, 16, 6), offs=torch.tensor([2, 4], dtype=torch.int32)
+        )
+    torch.manual_seed(0)
+    experts = GroupedExperts(2, 16, 6).double()
+    for p in experts.parameters():
+        torch.nn.init.normal_(p)
+    x, counts = torch.randn(5, 16, dtype=torch.float64), torch.tensor([2, 3])
+    want = torch.cat(
+        [
+            plain_expert(x[:2], *(p[0] for p in experts.parameters())),
+            plain_expert(x[2:], *(p[1] for p in experts.parameters())),
+        ]
+    )
+    torch.testing.assert_close(experts(x, counts, "auto"), want)  # float64, 6 wide: the loop
 
 
 def moe_layer(kernel: str = "auto", **moe) -> MoE:
