@@ -16,6 +16,66 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class MoEConfig(_Section):
+    """Mixture of experts (``model/moe.py``, docs/moe.md): which blocks replace their MLP by routed SwiGLU
+    experts, how tokens are routed and how the load is balanced. ``experts = 0`` keeps every block dense."""
+
+    experts: int = Field(0, ge=0, description="routed experts per MoE block (0: dense model, no MoE)")
+    top_k: int = Field(2, ge=1, description="experts each token is sent to (token-choice top-k)")
+    shared_experts: int = Field(
+        0,
+        ge=0,
+        description="experts every token goes through besides the routed ones (one SwiGLU of "
+        "shared_experts x d_expert hidden units)",
+    )
+    d_expert: int | None = Field(
+        None, ge=1, description="hidden width of each expert (default: the dense MLP's, model.d_ff)"
+    )
+    every: int = Field(1, ge=1, description="every k-th block (after first_dense) is an MoE block")
+    first_dense: int = Field(0, ge=0, description="the first blocks kept dense (DeepSeek keeps 1 to 3)")
+    score: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="router scores: softmax over the experts, or an independent sigmoid each"
+    )
+    normalize: bool | None = Field(
+        None,
+        description="divide the chosen experts' scores by their sum (default: yes for sigmoid, no for "
+        "softmax; with top_k = 1 and softmax keep it off, or the router gets no gradient from the loss)",
+    )
+    capacity_factor: float = Field(
+        0.0,
+        ge=0,
+        description="0: dropless; else each expert takes at most floor(factor x tokens x top_k / experts) "
+        "tokens of a training micro-batch, the rest of its assignments are dropped (counted)",
+    )
+    aux_loss: float = Field(
+        0.0, ge=0, description="coefficient of the Switch/GShard load-balancing loss (0: off; e.g. 0.01)"
+    )
+    seq_aux_loss: float = Field(
+        0.0, ge=0, description="coefficient of the sequence-wise balance loss of DeepSeek-V3 (0: off)"
+    )
+    z_loss: float = Field(0.0, ge=0, description="coefficient of the router z-loss (0: off; e.g. 0.001)")
+    bias_update_rate: float = Field(
+        0.0,
+        ge=0,
+        description="auxiliary-loss-free balancing: after each optimizer step every expert's routing bias "
+        "moves by this much towards the mean load (0: off; e.g. 0.001)",
+    )
+
+    @model_validator(mode="after")
+    def _routing(self) -> MoEConfig:
+        if self.experts and self.top_k > self.experts:
+            raise ValueError(
+                f"model.moe.top_k: {self.top_k} exceeds model.moe.experts ({self.experts}); choose at most "
+                "as many experts per token as there are"
+            )
+        return self
+
+    def is_moe_block(self, index: int) -> bool:
+        """Block ``index`` is an MoE block: experts on, ``index >= first_dense`` and
+        ``(index - first_dense) % every == 0``."""
+        return self.experts > 0 and index >= self.first_dense and (index - self.first_dense) % self.every == 0
+
+
 class ModelConfig(_Section):
     """The decoder-only transformer. ``vocab_size`` comes from the tokenizer."""
 
@@ -48,6 +108,9 @@ class ModelConfig(_Section):
     mup_base_width: int = Field(
         256, ge=8, description="muP: d_model at which the recipe was tuned (width_mult = d_model / this)"
     )
+    moe: MoEConfig = Field(
+        default_factory=MoEConfig, description="mixture of experts (experts = 0: every block dense)"
+    )
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
@@ -62,6 +125,15 @@ class ModelConfig(_Section):
             )
         if self.arch == "llama" and (self.d_model // self.n_heads) % 2:
             raise ValueError("model.n_heads: RoPE needs an even head dimension (d_model / n_heads)")
+        if self.moe.experts and self.arch != "llama":
+            raise ValueError("model.moe.experts: MoE blocks use SwiGLU experts; set model.arch = llama")
+        if self.moe.experts and self.bias:
+            raise ValueError("model.bias: MoE experts and routers have no biases; set model.bias = false")
+        if self.moe.experts and not any(self.moe.is_moe_block(i) for i in range(self.n_layers)):
+            raise ValueError(
+                f"model.moe.first_dense: {self.moe.first_dense} keeps all {self.n_layers} blocks dense; "
+                "lower it below model.n_layers"
+            )
         if self.mup and self.mup_base_width % self.n_heads:
             raise ValueError(
                 f"model.mup_base_width: {self.mup_base_width} must be divisible by n_heads ({self.n_heads})"
@@ -237,6 +309,11 @@ class TrainConfig(_Section):
     compile: bool = Field(True, description="torch.compile the model (skipped where the platform cannot)")
     attention: Literal["auto", "sdpa", "flex"] = Field(
         "auto", description="attention kernel: auto = FlexAttention on CUDA with doc_mask, else SDPA"
+    )
+    moe_kernel: Literal["auto", "grouped_mm", "loop"] = Field(
+        "auto",
+        description="MoE experts' matrix products: grouped_mm (torch._grouped_mm, one call for all experts), "
+        "loop (one matmul per expert); auto: grouped_mm where the device and dtype have it",
     )
     loss_chunk: int = Field(
         1024, ge=0, description="tokens per chunk of the output head + loss (0: all at once)"

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from lmforge.config import ModelConfig
-from lmforge.hf.common import check_mup, flag, model_config, refuse_import, take
+from lmforge.hf.common import check_mup, flag, model_config, refuse_export, refuse_import, take
 from lmforge.model.transformer import ff_width, uses_bias
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -37,8 +37,15 @@ _MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def config_to_hf(model: ModelConfig, vocab_size: int, max_len: int, eot_id: int) -> dict[str, Any]:
-    """The ``config.json`` of ``model`` (every lmforge llama is expressible but muP off its base width)."""
+    """The ``config.json`` of ``model`` (every lmforge llama is expressible but muP off its base width and
+    mixtures of experts)."""
     check_mup(model)
+    if model.moe.experts:
+        raise refuse_export(
+            "model.moe.experts",
+            model.moe.experts,
+            "the export of MoE models is not written yet (docs/moe.md)",
+        )
     bias = uses_bias(model)
     return {
         "architectures": [ARCHITECTURE],

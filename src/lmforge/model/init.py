@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lmforge.model.moe import GroupedExperts
+
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj", "fc_out")
 OUTPUT_HEAD = "lm_head"
 
@@ -138,6 +140,10 @@ def init_plan(model: nn.Module, std: float, n_layers: int, m: float = 1.0) -> li
                 s = hidden_std(s, m)
             add(name, module.weight, "normal", s)
             add(name, module.bias, "zeros")
+        elif isinstance(module, GroupedExperts):  # 3-D [experts, d_in, d_out]: as the dense MLP's
+            for short in ("gate_proj", "up_proj", "down_proj"):
+                s = residual_std(std, n_layers) if short in RESIDUAL_OUTPUTS else std
+                add(name, getattr(module, short), "normal", hidden_std(s, m))
         elif isinstance(module, nn.Embedding):
             add(name, module.weight, "normal", std)
         elif isinstance(module, nn.LayerNorm | nn.RMSNorm):

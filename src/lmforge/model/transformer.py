@@ -39,6 +39,7 @@ from lmforge.model.init import (
     mup_lr_scales,
     width_mult,
 )
+from lmforge.model.moe import MoE
 
 
 def ff_width(cfg: ModelConfig) -> int:
@@ -85,11 +86,11 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))``."""
+    """``down(silu(gate(x)) * up(x))`` (``hidden``: the width, default :func:`ff_width`)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
-        hidden, bias = ff_width(cfg), uses_bias(cfg)
+        hidden, bias = hidden or ff_width(cfg), uses_bias(cfg)
         self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=bias)
         self.up_proj = nn.Linear(cfg.d_model, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, cfg.d_model, bias=bias)
@@ -117,8 +118,18 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=uses_bias(cfg))
 
 
+def make_mlp(cfg: ModelConfig, index: int, moe_kernel: str = "auto") -> nn.Module:
+    """Block ``index``'s feed-forward: an MoE layer (``model/moe.py``) where ``model.moe`` makes it one,
+    else SwiGLU (llama) or the GELU MLP (gpt2)."""
+    if cfg.moe.is_moe_block(index):
+        m, hidden = cfg.moe, cfg.moe.d_expert or ff_width(cfg)
+        shared = SwiGLU(cfg, m.shared_experts * hidden) if m.shared_experts else None
+        return MoE(cfg, hidden, moe_kernel, shared)
+    return SwiGLU(cfg) if cfg.arch == "llama" else GeluMLP(cfg)
+
+
 class Block(nn.Module):
-    """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+    """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (``mlp``: :func:`make_mlp`).
 
     ``runner`` is how the block runs its layers: ``None`` calls :meth:`layers` directly; activation
     checkpointing (``lmforge/parallel/apply.py``) sets it to ``runner(layers, x, rope, mask, block_mask)``
@@ -127,12 +138,12 @@ class Block(nn.Module):
     on the block (FSDP2's all-gather) and ``Module.compile`` of the block see the checkpoint inside.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0, moe_kernel: str = "auto"):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = SwiGLU(cfg) if cfg.arch == "llama" else GeluMLP(cfg)
+        self.mlp = make_mlp(cfg, index, moe_kernel)
         self.runner: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, rope, mask, block_mask) -> torch.Tensor:
@@ -156,15 +167,23 @@ class Blocks(nn.ModuleDict):
 
 class Transformer(nn.Module):
     """Decoder-only transformer. ``attention`` (an execution setting, ``train.attention``) picks the
-    kernel: ``auto`` = FlexAttention on CUDA with a document mask, else SDPA."""
+    kernel: ``auto`` = FlexAttention on CUDA with a document mask, else SDPA; ``moe_kernel``
+    (``train.moe_kernel``) the MoE experts' matrix products (``model/moe.py``)."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_len: int, attention: str = "auto"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        vocab_size: int,
+        max_seq_len: int,
+        attention: str = "auto",
+        moe_kernel: str = "auto",
+    ):
         super().__init__()
         self.cfg, self.vocab_size, self.max_seq_len = cfg, vocab_size, max_seq_len
         self.attention = attention
         self.embed: nn.Embedding | None = nn.Embedding(vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(max_seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
-        self.blocks = Blocks({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.blocks = Blocks({str(i): Block(cfg, i, moe_kernel) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = make_norm(cfg)
         self.lm_head: OutputHead | None = OutputHead(cfg.d_model, vocab_size)
         self.tie_weights()
@@ -190,7 +209,11 @@ class Transformer(nn.Module):
         return {}
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute the non-persistent buffers (RoPE tables) on ``device`` (default: the parameters')."""
+        """(Re)compute the non-persistent buffers (RoPE tables) on ``device`` (default: the parameters') and
+        zero the MoE layers' buffers (their balancing bias, which a checkpoint then loads, and counters)."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.reset_buffers()
         if self.cfg.arch != "llama":
             return
         device = device if device is not None else next(self.parameters()).device

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from lmforge.config import Config
 from lmforge.errors import ConfigError
+from lmforge.model.moe import check_moe
 from lmforge.parallel.pipeline import check_pipeline, pipeline_settings
 from lmforge.parallel.tensor import check_tensor_parallel
 
 
 def check_model_layout(cfg: Config) -> None:
-    """The model and batch must divide as the layout cuts them (pipeline stages, tensor-parallel shards)."""
+    """The model and batch must divide as the layout cuts them (pipeline stages, tensor-parallel shards);
+    MoE layers only where they are supported (``model/moe.py::check_moe``)."""
+    check_moe(cfg)
     p = cfg.parallel
     if p.pp > 1:
         microbatches, v = pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)

@@ -38,6 +38,7 @@ from lmforge.data.mixture import build_train_loader, check_domains
 from lmforge.data.prepare import PreparedData, input_files, prepare_data
 from lmforge.errors import ConfigError
 from lmforge.model.loss import NextTokenLoss
+from lmforge.model.moe import register_balance_step
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper
@@ -113,7 +114,9 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device, init: bool =
     """The plain model of ``cfg``: built on the meta device (no memory, no init work), materialised on
     ``device``, then initialised from ``train.seed`` (``init=False``: left for a checkpoint to fill)."""
     with torch.device("meta"):
-        model = Transformer(cfg.model, vocab_size, cfg.data.seq_len, attention=cfg.train.attention)
+        model = Transformer(
+            cfg.model, vocab_size, cfg.data.seq_len, cfg.train.attention, cfg.train.moe_kernel
+        )
     model.materialize(device)
     if init:
         seed_all(cfg.train.seed)
@@ -134,7 +137,7 @@ def training_module(
     shards materialised and initialised from ``train.seed`` as one process would (``parallel/apply.py``)."""
     t = cfg.train
     with torch.device("meta"):
-        model = Transformer(cfg.model, vocab_size, cfg.data.seq_len, attention=t.attention)
+        model = Transformer(cfg.model, vocab_size, cfg.data.seq_len, t.attention, t.moe_kernel)
     seed_all(t.seed)  # Python's and numpy's generators as one process's build leaves them
     ctx = ApplyContext(t, device, layout, compute_dtype, Init(device, tuple(model.init_plan()), t.seed))
     loss = SequenceLogps if t.objective == "dpo" else NextTokenLoss
@@ -222,6 +225,8 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
     else:
         optimizer = build_optimizer(model, cfg.optim, device, compile=compile)
     register_fp8_scale_precompute(optimizer, model)  # FSDP2's float8 all-gather: scales after each step
+    # MoE: each step's expert load summed over data-parallel ranks, the balancing bias updated
+    register_balance_step(optimizer, model, layout.group("dp") if layout.dp > 1 else None)
     log.info(
         "model: %s, %.2fM parameters; %d micro-batches of %d x %d per step and data-parallel rank; %s",
         cfg.model.arch,

@@ -15,7 +15,7 @@ module                              what it trains
 :class:`DPOModule`                  preference pairs (``train.objective = dpo``, ``posttrain/dpo.py``)
 ==================================  ========================================================================
 
-A new objective (mixture of experts, reward model, RL) is a new class here with these methods, built in
+A new objective (reward model, RL) is a new class here with these methods, built in
 ``train/build.py``; the step and the trainer do not change.
 """
 
@@ -32,6 +32,7 @@ from torch import nn
 from lmforge.data.loader import Batch
 from lmforge.evaluate.validation import token_loss_sum
 from lmforge.model.loss import NextTokenLoss
+from lmforge.model.moe import moe_metrics, start_step, take_aux_loss
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.parallel.pipeline import Pipeline
 from lmforge.posttrain.dpo import DPOObjective
@@ -117,7 +118,12 @@ class LanguageModelModule(ModelState):
     """The next-token loss of ``model``: ``train_fn`` is the model and its loss transformed for training
     (compiled, sharded, wrapped), ``eval_fn`` the one evaluation calls (eager in one process: evaluation is
     too rare to pay for a second compiled graph; the training one where it is sharded). ``whole``: the
-    rank runs the whole network on whole tensors (no tensor parallelism)."""
+    rank runs the whole network on whole tensors (no tensor parallelism).
+
+    With MoE layers (``model/moe.py``) each micro-batch's weighted balance losses join its loss with the
+    micro-batch's share of the step's targets (``n_i / n_targets``, times ``dp`` as the loss), so the step
+    trains on their token-weighted mean over micro-batches and ranks; the returned loss stays the
+    next-token loss alone (the balance losses are in :meth:`take_metrics`)."""
 
     def __init__(
         self,
@@ -135,6 +141,8 @@ class LanguageModelModule(ModelState):
         return cls(loss.model, loss, loss, GradientSync())
 
     def micro_batch(self, index: int, count: int) -> contextlib.AbstractContextManager:
+        if index == 0:
+            start_step(self.model)  # the MoE layers count this step's routing afresh
         return self.sync.micro_batch(index, count)
 
     def forward_backward(
@@ -143,7 +151,11 @@ class LanguageModelModule(ModelState):
         with precision.autocast():
             loss_sum, _ = self.train_fn(batch.inputs, batch.targets, batch.doc_ids)
         loss = loss_sum / n_targets
-        precision.backward(loss * dp if dp != 1 else loss)
+        objective = loss
+        aux = take_aux_loss(self.model)
+        if aux is not None:
+            objective = loss + aux * (batch.n_targets / n_targets)
+        precision.backward(objective * dp if dp != 1 else objective)
         return loss.detach()
 
     def finish_backward(self) -> None:
@@ -165,7 +177,7 @@ class LanguageModelModule(ModelState):
         return True
 
     def take_metrics(self) -> dict[str, float]:
-        return {}
+        return moe_metrics(self.model)  # the MoE layers' routing of the last step (empty without them)
 
 
 class PipelineModule(ModelState):
