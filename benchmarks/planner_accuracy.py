@@ -183,6 +183,7 @@ NOT_MODELLED = [
     _case("one-fp32-activation-offload", 1, use=[GQA], train__activation_offload=True),
     _case("one-fp32-dpo", 1, use=[GQA], train__objective="dpo"),
     _case("one-fp64-adamw", 1, use=[GQA], train__precision="fp64"),
+    _case("one-moe-adamw", 1, use=[GQA], model__moe__experts=4),
 ]
 
 

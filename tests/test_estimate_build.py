@@ -353,6 +353,11 @@ def test_limit_is_not_checked_for_offloaded_runs_and_says_so_when_asked():
     assert check_memory(_cfg(**fp64), 1, "cuda", "fp32", device_memory=1) is None
     with pytest.raises(ConfigError, match=r"^parallel\.max_memory_gb: .*not model train\.precision=fp64"):
         check_memory(_cfg(**fp64, **{"parallel.max_memory_gb": 1.0}), 1, "cuda", "fp32")
+    # Mixture of Experts: the plan would count a dense MLP where the experts' weights and buffers are
+    moe = {"model.moe.experts": 4}
+    assert check_memory(_cfg(**moe), 1, "cuda", "fp32", device_memory=1) is None
+    with pytest.raises(ConfigError, match=r"^parallel\.max_memory_gb: .*not model model\.moe\.experts"):
+        check_memory(_cfg(**moe, **{"parallel.max_memory_gb": 1.0}), 1, "cuda", "fp32")
 
 
 def test_limit_plans_auto_micro_batch_at_its_smallest_candidate():

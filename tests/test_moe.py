@@ -327,6 +327,7 @@ def test_tiny_moe_run_learns_logs_routing_and_resumes_its_bias(corpus_dir, tmp_p
     last = steps[-1]
     assert len(last["moe/layer.0/load"]) == 4 and sum(last["moe/layer.0/load"]) == 4 * 32 * 2
     assert last["moe/imbalance"] >= 1 and "moe/aux_loss" in last and "moe/layer.1/dropped" in last
+    assert "mfu" not in last  # its FLOP count would be a dense model's (a dense run logs it on this CPU)
     train(cfg, tmp_path / "resumed", progress_bar=False, callbacks=[StopAfter(10)])
     train(cfg, tmp_path / "resumed", resume=True, progress_bar=False)
     # the bias is in the model's state: the checkpoints of the straight and the resumed run hold the same

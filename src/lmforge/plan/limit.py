@@ -36,10 +36,11 @@ GB = 1e9
 KEY = "parallel.max_memory_gb"
 # what the planner does not model: no check with these on (offloading moves memory off the device; a
 # float64 verification run holds 8 bytes a value where the plan counts 4)
-OFFLOAD = {
+NOT_PLANNED = {  # what the planner does not model (plan/request.py::NOT_MODELLED refuses it in estimate)
     "parallel.offload": lambda cfg: cfg.parallel.offload,
     "train.activation_offload": lambda cfg: cfg.train.activation_offload,
     "train.precision=fp64": lambda cfg: cfg.train.precision == "fp64",
+    "model.moe.experts": lambda cfg: cfg.model.moe.experts > 0,
 }
 
 
@@ -93,10 +94,10 @@ def check_memory(
 ) -> Estimate | None:
     """The planned peak of ``cfg`` (:func:`planned_peak`) checked against ``parallel.max_memory_gb`` (GB),
     or, unset, ``device_memory`` (bytes; a CUDA device's); ConfigError (:func:`refusal`) when it exceeds
-    the limit. None when there is no limit (CPU without the key) or the run offloads to host memory
-    (``parallel.offload``, ``train.activation_offload``: not modelled; with the key set, a ConfigError):
-    nothing is planned."""
-    offload = [k for k, on in OFFLOAD.items() if on(cfg)]
+    the limit. None when there is no limit (CPU without the key) or the run is one the planner does not
+    model (:data:`NOT_PLANNED`: offloading to host memory, float64, Mixture of Experts; with the key set, a
+    ConfigError): nothing is planned."""
+    offload = [k for k, on in NOT_PLANNED.items() if on(cfg)]
     if offload and cfg.parallel.max_memory_gb is not None:
         raise ConfigError(
             f"{KEY}: the planner does not model {offload[0]}, so it cannot check the limit; remove {KEY} "

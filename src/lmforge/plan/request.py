@@ -182,6 +182,10 @@ NOT_MODELLED = {
         lambda cfg: cfg.train.precision == "fp64",
         "float64 verification runs (8 bytes a value everywhere)",
     ),
+    "model.moe.experts": (
+        lambda cfg: cfg.model.moe.experts > 0,
+        "Mixture of Experts yet (the experts' weights and states, the routing and dispatch buffers)",
+    ),
 }
 
 
