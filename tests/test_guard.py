@@ -45,6 +45,10 @@ GUARD_RUN = {
     "guard.spike_min_history": 5,
 }
 
+# Tolerances: spike limits and loss windows are float64 arithmetic on Python numbers, compared with
+# pytest.approx's default (1e-6 relative) for rounding only; the bounds on whole runs (clip ratios, validation
+# losses) say where they come from where they are asserted.
+
 
 # ---------------------------------------------------------------------------------------------------------
 # units

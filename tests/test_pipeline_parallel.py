@@ -28,6 +28,10 @@ from lmforge.parallel.pipeline import (
 )
 from tests.torchrun import torchrun, worker
 
+# Tolerances: bubble_fraction is float64 arithmetic on Python numbers, compared with pytest.approx's default
+# (1e-6 relative) for rounding only. The equivalence bounds of the worker's runs say where they come from
+# where they are asserted.
+
 
 def test_stage_layers_contiguous_and_even():
     assert stage_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
