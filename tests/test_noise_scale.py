@@ -37,6 +37,9 @@ def test_estimators_are_unbiased_on_nested_batches():
     assert float(sq_big.mean()) - g_sq > 0.5 * trace / 16
 
 
+# The exact-value tests compare float64 formulas with pytest.approx's default (1e-6): rounding only.
+
+
 def test_exact_expectations_give_exact_values():
     g_sq, trace = 2.5, 40.0
     sq = {b: g_sq + trace / b for b in (8, 32)}  # E|G_B|^2 = |G|^2 + tr(Sigma) / B
@@ -52,6 +55,8 @@ def test_smoothed_ratio_converges_to_b_simple():
     assert math.isnan(gns.value())
     for a, b in zip(sq_small, sq_big, strict=True):
         gns.update(8, a, 32, b)
+    # sampling error, not rounding: 3000 seeded draws of noisy squared norms, averaged with beta = 0.995
+    # (an effective 200 samples); measured 1.7% off for seed 1, 0.15 is the spread such an average allows
     assert gns.value() == pytest.approx(trace / g_sq, rel=0.15)
     # the ratio of the two averages (their common 1 - beta^n bias cancels)
     assert gns.value() == pytest.approx(float(gns.trace) / float(gns.grad_sq))
