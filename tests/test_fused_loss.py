@@ -304,6 +304,7 @@ def test_planner_temporaries_match_the_measured_peak(autocast: bool, chunk: int)
 def run_worker(cases: list[str]) -> str:
     proc = torchrun(2, [worker("fused_loss_worker.py"), *cases], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("USED")))  # shown with -s
     return proc.stdout
 
 
