@@ -152,6 +152,11 @@ def test_stage_init_is_the_whole_models_slice(arch, tied):
 
 def _check_schedules(results: dict, variants: list[str]) -> None:
     assert sorted(results) == sorted(variants)
+    worst = {k: max(r[k] for r in results.values()) for k in ("loss_err", "eval_err", "param_err")}
+    print(
+        "pipeline against one process, largest relative differences",
+        {k: f"{v:.2g}" for k, v in worst.items()},
+    )
     for name, r in results.items():
         assert r["tied_equal"] in ((True,) if "+tied" in name else (None,)), name  # copies stay equal
         assert r["covers_all_params"], name
