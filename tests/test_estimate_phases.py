@@ -28,6 +28,10 @@ from lmforge.recipe import load_config
 from tests.conftest import tiny_overrides
 from tests.torchrun import torchrun, worker
 
+# Requirements on the planner, not rounding: tensor bytes counted by PyTorch's trackers, the same on every
+# CPU. One process: 2%, measured -0.06% (tied embedding), +1.10% (blocks' backward), -0.22% (BF16 loss)
+# on a 2-core AMD EPYC with AVX-512-BF16 (``-s`` prints each). Elsewhere the planner's stated 5%
+# (docs/memory-accuracy.md); the one-process full-checkpointing case measured +4.93% against it.
 ONE_PROCESS_TOLERANCE = 0.02
 DISTRIBUTED_TOLERANCE = 0.05
 
