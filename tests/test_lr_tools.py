@@ -95,6 +95,7 @@ def test_lr_finder_rules():  # float64 formulas: pytest.approx's default is roun
     # the synthetic curve falls fastest at 1e-3 and the sweep's points are 10^0.1 apart (26%): the rule can
     # land one point off, hence rel=0.3; not rounding
     assert got.lr == pytest.approx(1e-3, rel=0.3)
+    # the curve's minimum is at 1e-1 on a grid of 10^0.1 steps: a factor of 2 either side is not rounding
     assert 0.05 < got.min_lr < 0.2 and got.min_over_10 == pytest.approx(got.min_lr / 10)
     with pytest.raises(ValueError, match="three points"):
         suggest(lrs[:2], loss[:2])
