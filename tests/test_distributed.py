@@ -434,6 +434,8 @@ def test_a_model_bigger_than_a_rank_is_built_and_trained_in_shards(corpus_dir, c
     out = json.loads(done.stdout.split("BIG ", 1)[1].splitlines()[0])
     model, largest = out["model_bytes"], out["largest_param"]
     assert model > 1e9 and all(math.isfinite(x) for x in out["losses"])
+    # bytes, not rounding (the same on every CPU): 10% over what a rank holds by design for its tensors, 25%
+    # for the process (the allocator's and the runtime's pages); a whole-model build would be 8x over
     for rank in out["ranks"]:
         held = rank["local_bytes"] + largest
         assert rank["local_bytes"] < model / 7, rank  # an eighth of the model, give or take padding
@@ -491,4 +493,4 @@ def test_sharded_build_peaks_at_the_shards_plus_the_largest_parameter(corpus_dir
     for rank in out["ranks"]:
         held = rank["local_bytes"] + out["largest_param"]
         assert rank["local_bytes"] <= out["model_bytes"] / 2 + out["largest_param"]
-        assert held <= rank["build_peak"] <= 1.1 * held, (rank, held)
+        assert held <= rank["build_peak"] <= 1.1 * held, (rank, held)  # bytes: 10% room, as above
