@@ -90,6 +90,8 @@ def test_a_model_bigger_than_the_gpu_is_built_one_parameter_at_a_time(tmp_path):
         rope = sum(b.numel() * b.element_size() for b in module.model.buffers())
         on_gpu = sum(p.numel() * p.element_size() for p in module.model.parameters() if p.is_cuda)
         assert on_gpu == 0  # every shard in host memory
+        # bytes, not rounding: the build holds the largest parameter and the RoPE tables on the GPU at once;
+        # 10% is room for the CUDA caching allocator's rounding of blocks (not measured here: no GPU)
         assert build_peak <= 1.1 * (largest + rope), (build_peak, largest, rope)
         torch.cuda.reset_peak_memory_stats()
         x = torch.randint(0, VOCAB, (1, SEQ + 1))

@@ -71,6 +71,8 @@ def test_split_is_deterministic_and_proportional():
     ids = [f"doc-{i}" for i in range(20000)]
     held = [i for i in ids if is_validation(i, 0.1)]
     assert held == [i for i in ids if is_validation(i, 0.1)]
+    # a hash of each id picks 10%: over 20,000 ids the share's standard error is 0.0021, +-0.01 is 4.7 of
+    # them; the hash is deterministic, so this is the same figure on every machine
     assert 0.09 < len(held) / len(ids) < 0.11
 
 

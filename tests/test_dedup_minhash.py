@@ -66,6 +66,7 @@ def candidates(stage: MinHashDedup, texts: list[str]) -> set[tuple[int, int]]:
 
 def test_detection_probability_formula_and_plan_report(tmp_path: Path):
     # FineWeb's banding: 14 bands of 8 detect s = 0.8 with probability 0.924 (datatrove's own note).
+    # abs=1e-4: the figure is written to 4 digits (the formula gives 0.923548), a float64 formula
     assert detection_probability(0.8, 14, 8) == pytest.approx(0.9235, abs=1e-4)
     s = np.linspace(0, 1, 21)
     p = detection_probability(s, 20, 5)
@@ -97,7 +98,7 @@ def test_lsh_candidate_rate_follows_theory(preset: str):
     for k, level in enumerate(levels):
         texts += planted_pairs(level, 20, pairs, p.ngram, first_word=k * 10**7)
     h = MinHasher(p.ngram, p.bands, p.rows, p.seed)
-    for k, level in enumerate(levels):  # the construction is exact
+    for k, level in enumerate(levels):  # the construction is exact: abs=1e-12 is float64 division room
         a = 2 * pairs * k
         assert shingle_jaccard(h, texts[a], texts[a + 1]) == pytest.approx(level / 20, abs=1e-12)
     found = candidates(stage, texts)

@@ -434,6 +434,8 @@ def test_a_model_bigger_than_a_rank_is_built_and_trained_in_shards(corpus_dir, c
     out = json.loads(done.stdout.split("BIG ", 1)[1].splitlines()[0])
     model, largest = out["model_bytes"], out["largest_param"]
     assert model > 1e9 and all(math.isfinite(x) for x in out["losses"])
+    # bytes, not rounding (the same on every CPU): 10% over what a rank holds by design for its tensors, 25%
+    # for the process (the allocator's and the runtime's pages); a whole-model build would be 8x over
     for rank in out["ranks"]:
         held = rank["local_bytes"] + largest
         assert rank["local_bytes"] < model / 7, rank  # an eighth of the model, give or take padding
@@ -448,8 +450,10 @@ def test_fsdp_accumulation_gathers_once_under_zero2_and_defers_reduce_scatters(c
     """4 micro-batches a step on 2 ranks: ZeRO-2 all-gathers each FSDP2 unit once per step (it used to
     re-gather in every micro-batch), ZeRO-3 gathers for each forward and backward; with
     ``parallel.defer_grad_sync`` each unit is reduce-scattered once per step instead of once per
-    micro-batch. The losses and parameters are the same either way (float64 runs; 1e-6 as in FP32, which
-    passed on the AVX2 CPU it was written on; the order of the sums is the same either way)."""
+    micro-batch. The losses and parameters are the same either way (float64 runs, within ``RTOL``: the
+    gathers and reductions move the same values, only FSDP2's reduce-scatter of accumulated or per-micro-batch
+    gradients sums them in another order; measured 1.7e-16 on a 2-core AMD EPYC with AVX-512-BF16, printed
+    with ``-s``). The bound was 1e-6, an FP32 figure read off the AVX2 CPU this test was written on."""
     over = _overrides(corpus_dir, cache, **{"parallel.dp_shard": 2, "train.micro_batch_size": 2})
     done = torchrun(2, [worker("accumulation_worker.py"), json.dumps(over)])
     assert done.returncode == 0, done.stderr[-4000:]
@@ -462,11 +466,15 @@ def test_fsdp_accumulation_gathers_once_under_zero2_and_defers_reduce_scatters(c
     assert z3["all_gathers"] == z3d["all_gathers"] == accum * (units + blocks)
     assert z2["reduce_scatters"] == z3["reduce_scatters"] == accum * units
     assert z2d["reduce_scatters"] == z3d["reduce_scatters"] == units
+    worst = 0.0
     for plain, deferred in ((z2, z2d), (z3, z3d), (z2, z3)):
         for a, b in zip(plain["losses"], deferred["losses"], strict=True):
-            assert a == pytest.approx(b, rel=1e-6)
+            worst = max(worst, abs(a - b) / abs(b))
+            assert a == pytest.approx(b, rel=RTOL)
         for name, norm in plain["param_norms"].items():
-            assert deferred["param_norms"][name] == pytest.approx(norm, rel=1e-6), name
+            worst = max(worst, abs(deferred["param_norms"][name] - norm) / norm)
+            assert deferred["param_norms"][name] == pytest.approx(norm, rel=RTOL), name
+    print(f"accumulation: largest relative difference of losses and parameter norms {worst:.2g}")
 
 
 def test_sharded_build_peaks_at_the_shards_plus_the_largest_parameter(corpus_dir, cache):
@@ -485,4 +493,4 @@ def test_sharded_build_peaks_at_the_shards_plus_the_largest_parameter(corpus_dir
     for rank in out["ranks"]:
         held = rank["local_bytes"] + out["largest_param"]
         assert rank["local_bytes"] <= out["model_bytes"] / 2 + out["largest_param"]
-        assert held <= rank["build_peak"] <= 1.1 * held, (rank, held)
+        assert held <= rank["build_peak"] <= 1.1 * held, (rank, held)  # bytes: 10% room, as above

@@ -36,6 +36,11 @@ P = 2 * BLOCK + 2 * EMBED + 64  # 210,240
 ROPE = 2 * 4 * T * (64 // 4)  # the RoPE cos / sin tables, FP32 (T x head dim each): not planned
 
 
+# Tolerances: the planner is float64 arithmetic on Python numbers (no tensor, nothing CPU-dependent), so
+# pytest.approx's default (1e-6 relative) and rel=1e-12 only absorb the same formula's rounding in another
+# order (~1e-16 relative).
+
+
 def _work(**kw) -> Workload:
     return Workload(MODEL, V, T, **{"precision": "fp32", "loss_chunk": 16, **kw})
 

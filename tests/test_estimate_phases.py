@@ -28,6 +28,10 @@ from lmforge.recipe import load_config
 from tests.conftest import tiny_overrides
 from tests.torchrun import torchrun, worker
 
+# Requirements on the planner, not rounding: tensor bytes counted by PyTorch's trackers, the same on every
+# CPU. One process: 2%, measured -0.06% (tied embedding), +1.10% (blocks' backward), -0.22% (BF16 loss)
+# on a 2-core AMD EPYC with AVX-512-BF16 (``-s`` prints each). Elsewhere the planner's stated 5%
+# (docs/memory-accuracy.md); the one-process full-checkpointing case measured +4.93% against it.
 ONE_PROCESS_TOLERANCE = 0.02
 DISTRIBUTED_TOLERANCE = 0.05
 
@@ -100,6 +104,7 @@ def test_one_process_peak_phase_against_the_tracker(case, corpus_dir, tmp_path_f
     # the recomputing block frees part of its activations inside its own backward before the peak, which
     # the plan does not follow: +4.9% measured here (2-core AMD EPYC), the matrix's 5% bound
     tolerance = DISTRIBUTED_TOLERANCE if case == "untied-full-checkpointing" else ONE_PROCESS_TOLERANCE
+    print(f"{case}: planned against measured {error:+.2%}")
     assert abs(error) <= tolerance, f"error {error:+.2%}; {report}"
     assert est.peak_phase == phase and alive in est.temporaries_alive, f"{report} {est.phase_totals}"
 

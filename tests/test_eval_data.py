@@ -81,6 +81,7 @@ def test_a_file_of_validation_text_gives_the_validation_tokens_and_the_evaluatio
     precision = PrecisionPolicy.resolve("fp32", CPU)
     loss_sum, n = score(NextTokenLoss(model, cfg.train.loss_chunk), cut, SEQ, 4, precision)
     assert n == full * SEQ
+    # the same FP32 windows scored by two callers: measured equal; 1e-6 is 8 FP32 ulps of room
     assert loss_sum / n == pytest.approx(evaluate_run(run, CPU, full * SEQ)["val_loss"], rel=1e-6)
 
 
@@ -113,12 +114,14 @@ def test_eval_data_loss_is_the_mean_token_cross_entropy(run, val_file, tmp_path,
     for row, path in zip(result["files"], (val_file, text), strict=True):
         ft = tokenize_file(path, tok)
         assert row["tokens"] == len(ft.tokens) and row["targets"] == len(ft.tokens) - 1
+        # FP32 token losses summed in other groupings (windows, then float64 here): measured 4e-8 relative;
+        # 1e-5 is the worst case of an FP32 sum of ~170 terms (170 u, u = 6e-8)
         assert row["loss"] == pytest.approx(_hand_loss(model, ft.tokens, ft.offsets), rel=1e-5)
         assert row["ppl"] == pytest.approx(np.exp(row["loss"]))
         total, count = total + row["loss"] * row["targets"], count + row["targets"]
     assert result["files"][1]["documents"] == 1  # a text file is one document
     assert result["files"][1]["tokens"] == 1 + len(tok.encode(text.read_text()))
-    assert result["loss"] == pytest.approx(total / count, rel=1e-9)
+    assert result["loss"] == pytest.approx(total / count, rel=1e-9)  # float64 means: 1.5e-16 measured
     code, out, _ = run_cli(capsys, "eval", str(run), "--data", str(text))
     assert code == 0 and out.splitlines()[-1].split()[0] == "overall"
 

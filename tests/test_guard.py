@@ -45,6 +45,10 @@ GUARD_RUN = {
     "guard.spike_min_history": 5,
 }
 
+# Tolerances: spike limits and loss windows are float64 arithmetic on Python numbers, compared with
+# pytest.approx's default (1e-6 relative) for rounding only; the bounds on whole runs (clip ratios, validation
+# losses) say where they come from where they are asserted.
+
 
 # ---------------------------------------------------------------------------------------------------------
 # units
@@ -207,6 +211,7 @@ def test_pre_clip_norm_and_clip_events_in_metrics(undisturbed):
     assert min(ratios) < 1 and max(ratios) == 1  # the run has clipped and unclipped steps
     for x in steps:
         assert x["clip_threshold"] == 1.0
+        # the logged FP32 ratio against the formula on the logged norm: one FP32 rounding (measured 5.6e-8)
         assert x["clip_ratio"] == pytest.approx(min(1.0, 1.0 / (x["grad_norm"] + 1e-6)), rel=1e-5)
         assert x["clipped_steps"] == int(x["clip_ratio"] < 1)
 
@@ -240,6 +245,8 @@ def test_nan_gradients_are_skipped(guard_overrides, undisturbed, tmp_path, caplo
     assert [x["lr"] for x in steps] == [x["lr"] for x in base_steps]  # skips do not advance the schedule
     assert summary["skipped_steps"] == 2 and summary["rollbacks"] == 0
     assert summary["tokens_seen"] == base["tokens_seen"]
+    # not rounding: two of 30 steps skipped move the final loss (measured 0.60%); the three runs of this file
+    # measured 0.16% to 0.60%, and 2% is 3x the largest
     assert summary["val_loss"] == pytest.approx(base["val_loss"], rel=0.02)
 
 
@@ -256,7 +263,9 @@ def test_loss_spike_is_skipped(guard_overrides, undisturbed, tmp_path):
     assert event["loss"] > event["limit"] and event["loss"] > before + 2.0  # a huge spike, skipped
     assert [x["step"] for x in _train_lines(lines)] == list(range(1, 31))
     assert summary["skipped_steps"] == 1 and summary["rollbacks"] == 0
-    assert summary["val_loss"] == pytest.approx(base["val_loss"], rel=0.02)
+    assert summary["val_loss"] == pytest.approx(
+        base["val_loss"], rel=0.02
+    )  # one step skipped: 0.16% measured
 
 
 def _rollback_hooks(cfg, seen: dict) -> Disturb:
@@ -314,7 +323,7 @@ def test_consecutive_bad_steps_roll_back(guard_overrides, undisturbed, tmp_path)
     assert [x["lr"] for x in steps[13:]] == [0.5 * x["lr"] for x in base_steps[10:]]
     assert summary["skipped_steps"] == 3 and summary["rollbacks"] == 1
     assert summary["tokens_seen"] == base["tokens_seen"]
-    assert summary["val_loss"] == pytest.approx(base["val_loss"], rel=0.02)
+    assert summary["val_loss"] == pytest.approx(base["val_loss"], rel=0.02)  # a rollback: 0.32% measured
 
 
 def test_rollback_run_resumes_exactly_with_adaptive_clipping(guard_overrides, tmp_path):

@@ -36,6 +36,10 @@ from tests.torchrun import torchrun
 
 pytest.importorskip("transformers")
 
+# Largest |logit difference| between transformers' model and lmforge's on the same FP32 weights (their own
+# RMSNorm, RoPE and attention kernels: FP32 rounding in other orders). Measured on a 2-core AMD EPYC with
+# AVX-512-BF16 (no AMX; test_logits_and_greedy_match prints it): 4.8e-7 (Llama variants), 0 (GPT-2).
+# 1e-4 is 200x that; the classic q/k permutation, a real export bug, moves them by more than 5x the bound.
 TOL = 1e-4
 GREEDY = 50
 

@@ -38,6 +38,10 @@ from lmforge.train.launch import train
 from lmforge.train.resume import Change, check_changes, config_changes, read_history, resume_config
 from tests.conftest import cli_args, tiny_overrides
 
+# Tolerances: each pytest.approx here compares float64 arithmetic on Python numbers (times, token counts) with
+# the same formula written by hand: the CPU does not enter, and the bounds (the default 1e-6, or 1e-9) only
+# absorb rounding in another order (~1e-16 relative).
+
 
 @pytest.fixture(autouse=True)
 def _cli_logging(cli_logging):

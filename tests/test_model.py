@@ -25,7 +25,9 @@ def test_forward_shapes_and_loss(arch, tie):
     m = _model(arch=arch, tie_embeddings=tie)
     x = torch.randint(0, V, (3, T))
     assert m.logits(m(x)).shape == (3, T, V)
-    loss_sum, n = loss_of(m, x, torch.randint(0, V, (3, T)))  # at init: close to uniform, log(V)
+    # at init: close to uniform, log(V): logits of std ~0.02 * sqrt(d) lift the loss by about half their
+    # variance; measured within 0.34% of log(V) in all four cases, so 5% is not rounding but the model
+    loss_sum, n = loss_of(m, x, torch.randint(0, V, (3, T)))
     assert int(n) == 3 * T and math.isclose(loss_sum.item() / int(n), math.log(V), rel_tol=0.05)
     assert (m.lm_head.weight is m.embed.weight) == tie
 
@@ -49,6 +51,9 @@ def test_grouped_query_attention():
 def test_initialisation():
     torch.manual_seed(0)
     m = model_of(ModelConfig(arch="gpt2", n_layers=8, d_model=256, n_heads=4), 1000, 16)
+    # Sample standard deviations of N seeded normal draws: standard error std / sqrt(2N), 5.5e-5 (q_proj),
+    # 1.4e-5 (o_proj), 6.9e-6 (fc_out). Measured (seed 0): +2.1e-5, +2.1e-5, +8e-7. The bounds are 18, 14
+    # and 29 standard errors; a missing 1/sqrt(2L) would be off by 0.015
     assert abs(m.blocks[0].attn.q_proj.weight.std().item() - 0.02) < 1e-3
     assert abs(m.blocks[0].attn.o_proj.weight.std().item() - 0.02 / math.sqrt(16)) < 2e-4
     assert abs(m.blocks[3].mlp.fc_out.weight.std().item() - 0.02 / math.sqrt(16)) < 2e-4
@@ -76,6 +81,9 @@ def test_changing_one_document_leaves_the_others_unchanged(arch):
     y[0, 8:18] = torch.randint(0, V, (10,))  # replace the middle document
     a, b = m.logits(m(x, doc)), m.logits(m(y, doc))
     keep = doc[0] != 1
+    # masked keys weigh exactly 0 and both calls have the same shapes: measured bitwise equal (2-core AMD
+    # EPYC with AVX-512-BF16); 1e-6 is ~8 FP32 ulps of these logits (< 1), room for a kernel that blocks
+    # the keys by content. A leak across documents moves them by 0.03 to 0.8 (the asserts below)
     torch.testing.assert_close(a[0, keep], b[0, keep], rtol=0, atol=1e-6)
     assert not torch.allclose(a[0, ~keep], b[0, ~keep])
     # and without the mask, later documents do see the change
@@ -86,6 +94,8 @@ def test_changing_one_document_leaves_the_others_unchanged(arch):
 def test_doc_mask_matches_plain_causal_for_one_document():
     m = _model()
     x = torch.randint(0, V, (2, T))
+    # an all-true document mask or the causal flag: softmaxes of <= 24 keys in FP32 (24 u = 1.4e-6 worst
+    # case, u = 2^-24); measured bitwise equal
     torch.testing.assert_close(m(x, torch.zeros(2, T, dtype=torch.long)), m(x), rtol=1e-5, atol=1e-5)
 
 
@@ -95,6 +105,8 @@ def test_chunked_loss_equals_full_loss():
     y[0, :3] = -100
     s, n = loss_of(m, x, y, chunk=7)
     ref = torch.nn.functional.cross_entropy(m.logits(m(x)).flatten(0, 1), y.flatten(), reduction="sum")
+    # FP32 sums of 45 token losses in chunks of 7 or at once (45 u = 2.7e-6 relative worst case); measured
+    # bitwise equal
     torch.testing.assert_close(s, ref, rtol=1e-5, atol=1e-4)
     assert int(n) == 2 * T - 3
 
@@ -121,7 +133,11 @@ def test_flex_attention_matches_sdpa_mask_on_cuda():
     x = torch.randint(0, V, (2, 128), device="cuda")
     doc = torch.cumsum(torch.rand(2, 128, device="cuda") < 0.05, dim=1)
     a, b = loss_of(flex, x, x, doc)[0], loss_of(sdpa, x, x, doc)[0]
+    # two CUDA attention kernels (FlexAttention's and SDPA's, TF32 not enabled): sums of 256 tokens' losses
+    # and 128-key softmaxes in other orders; not measured here (no GPU): 1e-4 is ~2 n u for n = 128 + 256
+    # with u = 6e-8 at worst, and a wrong mask moves the loss by far more
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
     a.backward()
     b.backward()
+    # gradients through both backward kernels: the loss's bound, 10x for the second pass (not measured)
     torch.testing.assert_close(flex.embed.weight.grad, sdpa.embed.weight.grad, rtol=1e-3, atol=1e-4)

@@ -26,6 +26,7 @@ def _two_batches(trials: int, b_small: int, b_big: int, dim: int, seed: int = 0)
 
 def _close_in_mean(samples: torch.Tensor, truth: float) -> None:
     se = float(samples.std()) / math.sqrt(len(samples))
+    # the sample mean's own standard error: 4 of them is a 6e-5 two-sided chance for a seeded draw
     assert abs(float(samples.mean()) - truth) < 4 * se, (float(samples.mean()), truth, se)
 
 
@@ -35,6 +36,9 @@ def test_estimators_are_unbiased_on_nested_batches():
     _close_in_mean(noise_trace(4, sq_small, 16, sq_big), trace)
     # the naive |G_big|^2 is biased by tr(Sigma) / B_big: far outside the same tolerance
     assert float(sq_big.mean()) - g_sq > 0.5 * trace / 16
+
+
+# The exact-value tests compare float64 formulas with pytest.approx's default (1e-6): rounding only.
 
 
 def test_exact_expectations_give_exact_values():
@@ -52,6 +56,8 @@ def test_smoothed_ratio_converges_to_b_simple():
     assert math.isnan(gns.value())
     for a, b in zip(sq_small, sq_big, strict=True):
         gns.update(8, a, 32, b)
+    # sampling error, not rounding: 3000 seeded draws of noisy squared norms, averaged with beta = 0.995
+    # (an effective 200 samples); measured 1.7% off for seed 1, 0.15 is the spread such an average allows
     assert gns.value() == pytest.approx(trace / g_sq, rel=0.15)
     # the ratio of the two averages (their common 1 - beta^n bias cancels)
     assert gns.value() == pytest.approx(float(gns.trace) / float(gns.grad_sq))

@@ -37,7 +37,9 @@ OPTIMS = {
     "muon-plain": {"name": "muon", "muon": {"nesterov": False}},
     "muon-scale-none": {"name": "muon", "muon": {"scale": "none"}},
 }
-SLACK = 128  # bytes: the scalars a step makes besides (norms, step counters, learning-rate tensors)
+# bytes: the scalars a step makes besides (norms, step counters, learning-rate tensors: 4 or 8 bytes each,
+# up to 16 of them); tensor bytes, not rounding, so the same on every CPU
+SLACK = 128
 
 
 def planned(model_kw: dict, ocfg: OptimConfig, kind: str = "none", shards: int = 1) -> int:

@@ -2,7 +2,7 @@
 
 Default run: the stage cut, the bubble formula, the config checks, the stage placement, and that a stage
 is initialised bit for bit as the same slice of the whole model. Marked ``distributed``: every schedule,
-2 processes under torchrun, trains 3 AdamW steps of a tiny FP32 Llama with document masks and matches
+2 processes under torchrun, trains 3 AdamW steps of a tiny float64 Llama with document masks and matches
 the single-process ``train_step`` (losses, an evaluation in between, every parameter); also with the
 step's batch over two ``Pipeline.step`` calls, and with a device mesh for the group.
 """
@@ -27,6 +27,12 @@ from lmforge.parallel.pipeline import (
     stage_owners,
 )
 from tests.torchrun import torchrun, worker
+
+RTOL = 1e-10  # the equivalence runs' bound: see _check_schedules
+
+# Tolerances: bubble_fraction is float64 arithmetic on Python numbers, compared with pytest.approx's default
+# (1e-6 relative) for rounding only. The equivalence bounds of the worker's runs say where they come from
+# where they are asserted.
 
 
 def test_stage_layers_contiguous_and_even():
@@ -148,12 +154,23 @@ def test_stage_init_is_the_whole_models_slice(arch, tied):
 
 def _check_schedules(results: dict, variants: list[str]) -> None:
     assert sorted(results) == sorted(variants)
+    worst = {k: max(r[k] for r in results.values()) for k in ("loss_err", "eval_err", "param_err")}
+    print(
+        "pipeline against one process, largest relative differences",
+        {k: f"{v:.2g}" for k, v in worst.items()},
+    )
+    # float64 runs (pp_worker.py: the FP32 initial draws widened), so a pipeline differs from one process only
+    # by summation order (micro-batch accumulation, the tied copies' sum) at float64's unit roundoff,
+    # 1.1e-16, which three AdamW steps magnify where gradients are near zero. Measured on a 2-core AMD EPYC
+    # with AVX-512-BF16 (no AMX), every schedule and variant (``-s`` prints it): losses 1.8e-16, eval loss 0,
+    # parameters 1.6e-14 (norm of the difference over the norm). 1e-10 leaves ~6,000x. The FP32 runs this
+    # replaced measured parameters 4.6e-6 apart against a 1e-5 bound: half of it, by one CPU's order.
     for name, r in results.items():
         assert r["tied_equal"] in ((True,) if "+tied" in name else (None,)), name  # copies stay equal
         assert r["covers_all_params"], name
-        assert 0 <= r["loss_err"] < 1e-5, (name, r)
-        assert 0 <= r["eval_err"] < 1e-5, (name, r)
-        assert 0 <= r["param_err"] < 1e-5, (name, r)
+        assert 0 <= r["loss_err"] < RTOL, (name, r)
+        assert 0 <= r["eval_err"] < RTOL, (name, r)
+        assert 0 <= r["param_err"] < RTOL, (name, r)
         for bubbles in r["bubbles"].values():
             assert len(bubbles) == 3 and all(0 <= measured < 1 for measured, _ in bubbles), (name, r)
 

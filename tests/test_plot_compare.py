@@ -33,6 +33,10 @@ GUARD = {
 }
 
 
+# Tolerances: the one pytest.approx (rel=1e-12) compares a mean of logged floats with the same mean taken
+# here, float64 arithmetic in another order (~1e-16 relative): the CPU does not enter.
+
+
 @pytest.fixture(autouse=True)
 def _cli_logging(cli_logging):
     """Tests here run the CLI in this process."""

@@ -52,7 +52,9 @@ def test_sft_then_dpo_on_the_default_run(default_run, tmp_path):
     assert report["pairs"]["splits"]["train"] and report["pairs"]["splits"]["val"]
     assert report["sft_heldout_loss_after"] < report["sft_heldout_loss_before"]
     before, after = report["dpo_heldout_before"], report["dpo_heldout_after"]
-    assert abs(before["val_rewards/margins"]) < 1e-4  # step 0 is the reference: no margin yet
+    # step 0 is the reference: no margin yet; the margin is beta times differences of equal FP32 log-
+    # probabilities (~30 in size: ulp 1.9e-6), so 1e-4 is FP32 room, not a measured figure
+    assert abs(before["val_rewards/margins"]) < 1e-4
     # the full chain measured about 0.6 on this 2-core CPU (the target of 0.9 is not reached)
     assert after["val_rewards/accuracies"] > 0.5 and after["val_rewards/margins"] > 0
     assert len(report["samples"]["after_dpo"]) == 5

@@ -36,6 +36,10 @@ def test_layout_trains_like_one_process(kind, layout, pretrained, tmp_path):  # 
     done = torchrun(2, ["-m", "lmforge", kind, "--resume", "--run-dir", str(two)])
     assert done.returncode == 0, done.stderr[-4000:]
     got, want = _losses(two), _losses(one)
+    # FP32 runs (post-training starts from an FP32 checkpoint): two ranks sum the gradients in another
+    # order, ~1e-7 relative a step (u = 2^-24 times sums of a few hundred terms, random walk), which six
+    # Adam steps at lr 1e-3 magnify; 1e-4 is that room, not a figure measured here. Not yet moved to
+    # float64 (train.precision = fp64) as the pretraining layout tests were: see the report of issue 33
     assert sorted(got) == sorted(want) and all(got[s] == pytest.approx(want[s], rel=1e-4) for s in want)
     summary = json.loads((two / "summary.json").read_text())
     assert summary["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4)

@@ -483,12 +483,15 @@ def test_fp8_fsdp_float8_all_gather_on_cuda(tmp_path):
                         torch.finfo(torch.float8_e4m3fn).max / layer.weight.full_tensor().abs().max().double()
                     )
                     got = layer.weight._local_tensor._precomputed_scale
+                    # FP32 division against float64 rounded once: a few FP32 ulps (1.2e-7); 1e-6 is 8 of them
                     assert float((got - want.float()).abs() / want) < 1e-6
             runs[name] = losses
         error = max(abs(a - b) / b for a, b in zip(runs["fsdp"], runs["plain"], strict=True))
         print(
             f"fp8 FSDP2 (NCCL, float8 all-gather) against no FSDP2 on {torch.cuda.get_device_name()}: {error:.2e}"
         )
+        # tests/test_precision_distributed.py's FP8_LAYOUT_RTOL (float8 roundings of other micro-batch amaxes,
+        # measured on CPU); not measured on a GPU yet
         assert error < 2e-3, runs
         assert runs["fsdp"][-1] < runs["fsdp"][0]
     finally:

@@ -88,6 +88,8 @@ def test_score_is_sklearn_logistic_regression():
     clf.fit(featurize(pos + neg, spec), [1] * len(pos) + [0] * len(neg))
     new = make_texts("prose", 3, 9) + make_texts("spam", 3, 10) + ["", "café ünïcode"]
     want = clf.predict_proba(featurize(new, spec))[:, 1]
+    # the same float64 logistic model scored by lmforge's code and scikit-learn's: measured 1.7e-16 relative
+    # (float64 rounding of a dot product); 1e-9 is room for another summation order, far below a wrong feature
     np.testing.assert_allclose(model.score(new), want, rtol=1e-9, atol=1e-12)
 
 

@@ -65,8 +65,10 @@ def test_step_record_run_keys(corpus_dir, tmp_path):
         assert r["data_wait_share"] > 0  # reading batches takes some time
         assert 0 < r["mem_rss_gib"] < 64
         assert "mem_peak_allocated_gib" not in r  # CUDA only
-        assert r["peak_tflops"] * 1e12 == pytest.approx(cpu_peak_flops())  # measured once per process
+        # measured once per process; the record holds it in TFLOP/s: float64 rounding (1.1e-16 measured)
+        assert r["peak_tflops"] * 1e12 == pytest.approx(cpu_peak_flops())
         assert 0 < r["mfu"] < 1
+        # the formula on the logged figures, float64 both sides: 1.4e-16 measured
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / (r["peak_tflops"] * 1e12), rel=1e-9)
         _check_noise_scale(r)
 
@@ -76,7 +78,7 @@ def _check_noise_scale(r: dict) -> None:
     out negative this early, and then the ratio is NaN (``null`` in the file)."""
     assert r["gns_noise_trace"] > 0 and math.isfinite(r["gns_grad_sq"])
     if r["gns_grad_sq"] > 0:
-        assert r["gns_critical_batch"] == pytest.approx(r["gns_noise_trace"] / r["gns_grad_sq"])
+        assert r["gns_critical_batch"] == pytest.approx(r["gns_noise_trace"] / r["gns_grad_sq"])  # float64
     else:
         assert r["gns_critical_batch"] is None
 
@@ -125,6 +127,9 @@ def test_noise_scale_reads_the_first_micro_batch_gradient(corpus_dir, tmp_path):
     w = 1 - gns.beta  # one update: each average is w times the step's estimate
     sq_small = (float(gns.grad_sq) + float(gns.trace) / n_small) / w  # E|G_B|^2 = |G|^2 + S / B
     sq_big = (float(gns.grad_sq) + float(gns.trace) / n_big) / w
+    # FP32 squared gradient norms, the step's and a recomputation's (other accumulation order, the averages'
+    # FP32 arithmetic): measured 6e-8 and 3.9e-7 relative; 1e-4 is room for the averages' cancellation
+    # (|G|^2 + S / B from two estimates of different size)
     assert sq_small == pytest.approx(_grad_sq(run, recorder.initial, recorder.batches[:1]), rel=1e-4)
     assert sq_big == pytest.approx(_grad_sq(run, recorder.initial, recorder.batches), rel=1e-4)
     assert sq_small > sq_big  # a third of the batch is noisier
@@ -154,4 +159,4 @@ def test_gpu_peak_from_device_name(name, memory, expected):
     hw = hardware.from_device_name(name, memory)
     assert (hw.name if hw is not None else None) == expected
     if expected == "h200":
-        assert hw.peak("bf16") == pytest.approx(989.4e12)
+        assert hw.peak("bf16") == pytest.approx(989.4e12)  # a table's float64 figure: rounding only

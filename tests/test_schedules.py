@@ -11,6 +11,10 @@ from lmforge.errors import ConfigError
 from lmforge.optim.schedules import SCHEDULE_NAMES, Schedule, lr_multiplier, warmup_steps
 from lmforge.recipe import load_config
 
+# Tolerances: every pytest.approx here keeps its default (1e-6 relative, 1e-12 absolute). The schedules are
+# float64 formulas on Python numbers, the same on every CPU: the default only absorbs the rounding of one
+# formula written in another order (~1e-16 relative).
+
 
 def S(name: str, **kw) -> ScheduleConfig:
     return ScheduleConfig(name=name, **kw)

@@ -326,6 +326,8 @@ def test_loss_equals_hand_computation_over_response_tokens(template):
                 count += 1
     assert int(n) == count == sum(int(toks[row[0]].mask[1:].sum()) for row in loader.epoch_rows(0)[:3])
     assert loss.dtype == torch.float32
+    # an FP32 sum of the response tokens' losses against a float64 sum of the same FP32 values: rounding of
+    # a sum of a few dozen terms (n u with u = 2^-24 = 6e-8: ~2e-6 worst case, ~5e-7 for a random walk)
     assert abs(float(loss) - want) <= 1e-6 * abs(want)
 
 
@@ -353,6 +355,8 @@ def test_packed_rows_hold_distinct_documents_and_equal_their_examples_alone(temp
         assert (docs[at:] == len(row)).all() and (targets[at:] == -100).all()
         with torch.no_grad():
             packed, _ = NextTokenLoss(model)(inputs[None], targets[None], docs[None])
+        # packed (one row, document-masked) against each example alone: FP32 sums of <= 128 losses and
+        # softmaxes over <= 128 keys in other orders (128 u = 7.6e-6 worst case)
         assert abs(float(packed) - float(alone)) <= 1e-5 * float(alone)
 
 

@@ -48,6 +48,7 @@ def _plan_and_apply(run: Path, workdir: Path, scores: list[float], **params) -> 
 def test_percentile_range_keeps_exactly_the_documents_inside_it(run, tmp_path):
     # bounds by hand: ranks 0.2 * 9 = 1.8 and 0.8 * 9 = 7.2 of the sorted scores 1..10: 2.8 and 8.2
     figures, out = _plan_and_apply(run, tmp_path, [*SCORES, math.nan], min_percentile=20, max_percentile=80)
+    # percentiles of given float64 perplexities: rounding only (measured equal)
     assert figures["bounds"] == pytest.approx([2.8, 8.2])
     kept = {d.id: d.meta["perplexity"] for d in out if isinstance(d, Doc)}
     assert kept == {f"d{i}": s for i, s in enumerate(SCORES) if 3 <= s <= 8}
@@ -159,10 +160,13 @@ def test_lmforge_data_keeps_the_text_like_the_training_text_with_its_score(run, 
     assert sorted(r["id"][:4] for r in kept) == ["good"] * len(good)
     assert {r["reason"] for r in removed} == {"perplexity.above_percentile"} and len(removed) == len(bad)
     want = LMScorer(run).score([r["text"] for r in kept])
+    # perplexity = exp(mean FP32 loss) from worker processes and from this one, batched otherwise: the loss's
+    # FP32 sum order (<= 5e-6) times exp's sensitivity (the loss, ~3.4): measured 9.3e-6, 1e-4 is 10x
     np.testing.assert_allclose([r["meta"]["perplexity"] for r in kept], want, rtol=1e-4)
     bound = max(r["threshold"] for r in removed)
     assert all(r["value"] > bound for r in removed) and all(r["meta"]["perplexity"] <= bound for r in kept)
     report = json.loads((out / "report.json").read_text())
     row = next(s for s in report["stages"] if s["stage"] == "perplexity")
+    # the report's bound is the drops' threshold, float64 through JSON: measured equal
     assert row["plan"]["documents"] == len(docs) and row["plan"]["bounds"][1] == pytest.approx(bound)
     assert report["shards"] > 1

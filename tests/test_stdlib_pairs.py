@@ -220,7 +220,9 @@ def test_command_writes_complete_records_from_the_pretraining_files(real_run, cl
     assert train and val and not train & val
     assert all(held_out(m, 3, stats["val_fraction"]) for m in val)
     read = sum(s["modules_read"] for s in splits.values())
-    assert read == stats["files"] and 0.05 < splits["val"]["modules_read"] / read < 0.15  # about 0.1
+    # about 0.1: a hash per module; with a few hundred modules (the local Python's standard library) the
+    # share's standard error is ~0.017, so +-0.05 is ~3 of them (the count depends on the Python, not the CPU)
+    assert read == stats["files"] and 0.05 < splits["val"]["modules_read"] / read < 0.15
     questions = {s: {r["instruction"] for r in _lines(out / f"sft_{s}.jsonl")} for s in ("train", "val")}
     assert not questions["train"] & questions["val"]
     answers = {s: {r["output"] for r in _lines(out / f"sft_{s}.jsonl")} for s in ("train", "val")}

@@ -16,6 +16,11 @@ from lmforge.errors import ConfigError
 NEEDS = {"classifier": "model", "perplexity": "run"}  # stages whose Params need a path
 
 
+# Tolerances: every pytest.approx here keeps its default (1e-6 relative). Levels, knob values and entropies
+# are float64 arithmetic on Python numbers, the same on every CPU: the default only absorbs the rounding of a
+# formula written in another order (~1e-16 relative).
+
+
 def _recipe(*stages: dict) -> object:
     return build_pipeline_config({"sources": [{"path": "builtin:pystdlib"}], "stages": list(stages)})
 

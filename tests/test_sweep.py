@@ -19,6 +19,11 @@ STORY = (
 WORDS = STORY.split()
 
 
+# Tolerances: every pytest.approx here keeps its default (1e-6 relative): both sides are float64 arithmetic on
+# Python numbers (shares of counted documents, mean scores), the same on every CPU; the default only absorbs
+# the rounding of another order of operations (~1e-16 relative).
+
+
 def _prose(rng: random.Random, sentences: int) -> str:
     """Sentences of random words from one small vocabulary, with stop words and full stops."""
     out = []

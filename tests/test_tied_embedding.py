@@ -98,6 +98,7 @@ def test_the_norm_counts_a_copy_once_and_clips_it():
     norm = clipper.measure([[a, b, c]])
     assert norm.item() == pytest.approx(5.0)  # sqrt(3^2 + 4^2): b left out
     clipper.clip([[a, b, c]], norm)
+    # 3 x 2.5 / (5 + 1e-6) in FP32: the clip's 1e-6 and one rounding, 2.4e-7 relative measured
     assert torch.allclose(b.grad, a.grad) and a.grad[0].item() == pytest.approx(1.5, rel=1e-5)
 
 

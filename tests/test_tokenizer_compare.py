@@ -31,6 +31,11 @@ from lmforge.errors import UserError
 MODULES = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py", "colorsys.py"]
 
 
+# Tolerances: every pytest.approx here keeps its default (1e-6 relative). Both sides are float64 arithmetic on
+# Python numbers (counts, logs, the figures a run reported), the same on every CPU: the default only absorbs
+# the rounding of a formula written in another order (~1e-16 relative).
+
+
 @pytest.fixture(autouse=True)
 def _cli_logging(cli_logging):
     """Tests here run the CLI in this process."""

@@ -92,7 +92,10 @@ def test_checkpointing_page_shows_estimate_and_benchmark(
             cfg, s["vocab"], s["seq"], s["batch"], p, 4, "flash", 1024, device_type="cpu", loss="fused"
         )
         assert figure(page, f"formula.0.{p}.saved_bytes") == formula.total
-        assert formula.total == pytest.approx(r["saved_bytes"], rel=0.02), p  # docs/activation_memory.md
+        # bytes, not rounding (the same on every CPU): the formula against the saved bytes the benchmark
+        # measured above; tests/test_activation_estimate.py holds the formula to the exact byte, so 2% is
+        # room for what the benchmark's own step adds, not a machine's figure
+        assert formula.total == pytest.approx(r["saved_bytes"], rel=0.02), p
         assert figure(page, f"formula.0.{p}.compute_ratio") == recompute_factor(p)
     assert page.locator("#checkpointing-measured h3").inner_text() == "bench/activation_checkpointing.json"
     screenshot(page, "checkpointing", tmp_path=runs_with_benchmark.parent)

@@ -29,6 +29,11 @@ ROWS = {  # the page's row key -> the field of estimate --json behind it
 }
 
 
+# Tolerances: the page's figures are float64 arithmetic (JSON numbers) of the planner's formulas, the same on
+# every CPU; pytest.approx (default 1e-6, or 1e-12) only absorbs the rounding of a sum taken in another order
+# (~1e-16 relative).
+
+
 def assert_breakdown(page, e: dict) -> None:
     for key, field in ROWS.items():
         assert figure(page, key) == field(e), key

@@ -50,7 +50,7 @@ def test_ring_schedule_sums_every_chunk_on_every_gpu(n: int):
     # every GPU sends one chunk (X / n) per step: 2 (n - 1) / n * X, comm.all_reduce
     assert len(steps) == 2 * (n - 1)
     assert all(sorted(s["src"] for s in step["sends"]) == list(range(n)) for step in steps)
-    assert len(steps) * (1.0 / n) == pytest.approx(comm.all_reduce(1.0, n))
+    assert len(steps) * (1.0 / n) == pytest.approx(comm.all_reduce(1.0, n))  # float64 formula: rounding only
 
 
 def test_data_parallel_api_is_plan_comm_and_estimate(client):
@@ -80,7 +80,8 @@ def test_model_parallel_api_is_stage_layers_pp_volume_and_bubble(client, layers:
     assert d["activation_bytes"] == 8 * 512 * 768 * 2
     assert d["boundary_bytes"] == comm.pp_volume(gpus, 8 * 512, 768, 2)
     assert d["bubble"] == bubble_fraction(gpus, 1)
-    assert d["idle_mean"] == pytest.approx(bubble_fraction(gpus, 1), abs=1e-12)  # the drawn timeline's
+    # the drawn timeline's mean idle share: a float64 mean of a few exact fractions, so 1e-12 is rounding
+    assert d["idle_mean"] == pytest.approx(bubble_fraction(gpus, 1), abs=1e-12)
     busy = {g: sum(t["duration"] for t in d["timeline"] if t["gpu"] == g) for g in range(gpus)}
     assert busy == {g: 3.0 * len(r) for g, r in enumerate(stage_layers(layers, gpus))}
 
@@ -97,6 +98,10 @@ def test_tensor_parallel_api_is_plan_comm_and_shards_multiply_back(client):
     assert 2 * d["mlp"]["forward_bytes"] == comm.tp_volume(2, 1, 4096, 4096, 0, 2, head=False) / 2
     check = d["check"]
     assert check["dims"] == [512, 512, 512]
+    # FP32 products of 512-term sums in another order: the largest difference, over this call, the small
+    # one below and gpus = 4, measured 4.4e-7 of the scale (2-core AVX-512-BF16 EPYC; the same with ATen's
+    # AVX2 and scalar kernels, 1 and 2 threads); FP32's unit roundoff 6e-8 times sqrt(512) ~ 23 gives
+    # 1.4e-6 for a random-walk sum. 1e-5 leaves 20x the measurement; a wrong shard is off by O(1)
     for key in ("column_max_diff", "row_max_diff", "mlp_max_diff"):
         assert check[key] < 1e-5 * check["scale"], key
     small = client.get("/api/tensor-parallel?m=64&k=96&n=48&gpus=3&dtype_bytes=4").get_json()
@@ -221,6 +226,7 @@ def test_tensor_parallel_page(serve, page, tmp_path: Path):
     assert figure(page, "row_forward_bytes") == comm.all_reduce(mn, 2)
     assert figure(page, "mlp_forward_all_reduces") == 1 and figure(page, "mlp_backward_all_reduces") == 1
     assert figure(page, "block_tp_volume") == comm.tp_volume(2, 1, 4096, 4096, 0, 2, head=False)
+    # the bound is measured and explained in test_tensor_parallel_api_is_plan_comm_and_shards_multiply_back
     for key in ("check_column", "check_row", "check_mlp"):
         assert figure(page, key) < 1e-5 * figure(page, "check_scale")
     assert_animates(page, "tp-anim")

@@ -17,6 +17,10 @@ from lmforge.web.app import create_app
 from lmforge.web.figures_pipeline import pipeline_figures, runtime_order
 from tests.conftest import figure, renders, screenshot, wait_render
 
+# Tolerances: every pytest.approx here keeps its default (1e-6 relative): the page's figures are float64
+# arithmetic (JSON numbers) of the same formulas lmforge's Python computes, so the default only absorbs
+# rounding in another order; the CPU does not enter.
+
 
 def _torch_ops(schedule: str, pp: int, m: int, v: int) -> list[list[str | None]]:
     """torch's spaced grid; for the single-stage schedules, their pipeline_order without REDUCE_GRAD (torch

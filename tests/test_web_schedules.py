@@ -13,6 +13,10 @@ from lmforge.web.app import create_app
 from lmforge.web.figures_schedules import SERIES, sample_steps
 from tests.conftest import figure, renders, screenshot, wait_render
 
+# Tolerances: the pytest.approx here keeps its default (1e-6 relative): the page's learning rates are float64
+# arithmetic (JSON numbers) of the formulas of lmforge/optim/schedules.py, the same on every CPU; the default
+# only absorbs rounding in another order.
+
 
 def test_every_lmforge_schedule_is_offered():
     assert {s.name for s in SERIES} == set(SCHEDULE_NAMES)

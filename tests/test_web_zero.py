@@ -25,6 +25,12 @@ KINDS = {
 PARTS = ("params", "grads", "master", "optim")
 
 
+# Tolerances: the page's figures are float64 arithmetic (JSON numbers) of the planner's formulas, the same on
+# every CPU: rel=1e-12 and 1e-6 only absorb the rounding of a formula written in another order (~1e-16
+# relative). The ZeRO-1 bound (0.5%) is not rounding: it is how far whole tensors per rank put the most loaded
+# rank above 1/N (llama-13b, the page's model: +0.13% at N = 8).
+
+
 def planner_cli(capsys, kind: str, n: int, *flags: str) -> dict:
     layout = [f.format(n=n) for f in KINDS[kind]]
     return estimate_cli(capsys, "--model", "llama-13b", "--gpus", str(n), *flags, *layout)

@@ -1,6 +1,7 @@
 """Worker of ``tests/test_pipeline_parallel.py`` (run under torchrun, gloo on CPU).
 
-For each schedule named on the command line: a tiny FP32 Llama trained 3 AdamW steps through
+For each schedule named on the command line: a tiny Llama in float64 (the FP32 initial draws widened, as
+``train.precision = "fp64"`` makes them, so that only summation order separates the runs) trained 3 AdamW steps through
 :class:`lmforge.parallel.pipeline.Pipeline` (each rank's optimizer over its own stages), and the same 3 steps
 of the whole model through the single-process ``train_step`` on every rank. Variants: ``NAME+accum`` splits
 each step's batch over two ``Pipeline.step`` calls (gradients accumulate across calls), ``NAME+mesh`` gives
@@ -42,7 +43,7 @@ SETTINGS = {
     "model.n_heads": 4,
     "model.tie_embeddings": False,
     "data.seq_len": SEQ,
-    "train.precision": "fp32",
+    "train.precision": "fp64",
     "train.grad_clip": 0.0,
     "train.seed": 1234,
 }
@@ -76,10 +77,10 @@ def reference(tied: bool) -> tuple[list[float], float, dict[str, torch.Tensor]]:
     """Step losses, the eval loss after step 2 and the final parameters (a tied matrix under both its
     names) of the single-process run."""
     cfg = CFGS[tied]
-    model = build_model(cfg, VOCAB, torch.device("cpu"))
+    model = build_model(cfg, VOCAB, torch.device("cpu")).to(torch.float64)  # the FP32 draws, widened
     objective = NextTokenLoss(model, cfg.train.loss_chunk)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    clipper, precision = Clipper.from_config(cfg.train), PrecisionPolicy.resolve("fp32", torch.device("cpu"))
+    clipper, precision = Clipper.from_config(cfg.train), PrecisionPolicy.resolve("fp64", torch.device("cpu"))
     losses, eval_loss = [], float("nan")
     for step in range(STEPS):
         if step == 2:
@@ -105,8 +106,8 @@ def pipelined(variant: str) -> tuple[list[float], float, dict[str, torch.Tensor]
         else None
     )
 
-    def build() -> Transformer:
-        return Transformer(cfg.model, VOCAB, SEQ, attention=cfg.train.attention)
+    def build() -> Transformer:  # float64 on the meta device: the stages' init widens the FP32 draws
+        return Transformer(cfg.model, VOCAB, SEQ, attention=cfg.train.attention).to(torch.float64)
 
     pipe = Pipeline(build, group, schedule, MICRO, STAGES_PER_RANK[schedule], seed=cfg.train.seed)
     opt = torch.optim.AdamW(list({id(p): p for m in pipe.models for p in m.parameters()}.values()), lr=LR)

@@ -393,7 +393,8 @@ class Pipeline:
         ]
         local: dict[int, torch.Tensor] = {}
         sends: list = []
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        wide = next(self.models[0].parameters()).dtype == torch.float64  # train.precision = "fp64"
+        total = torch.zeros((), dtype=torch.float64 if wide else torch.float32, device=self.device)
         for s, model in zip(self.stage_ids, self.models, strict=True):
             dtype = next(model.parameters()).dtype
             for i, (x, y, d) in enumerate(zip(*parts, strict=True)):
