@@ -148,4 +148,5 @@ def test_the_cuda_doc_reports_both_peaks():
         "| `c` | bf16 | adamw | 1,040.0 | 1,000.0 | 1,024.0 | +4.0% | +1.6% | forward: head and loss |" in doc
     )
     assert "of the tracker's: 1, of the allocator's: 1" in doc
+    assert "|error| against the allocator's peak: median 1.6%, max 1.6%" in doc
     assert "Not run (more processes than this machine's GPUs): `ddp-fp32-adamw`." in doc
