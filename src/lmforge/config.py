@@ -462,6 +462,13 @@ class ParallelConfig(_Section):
         1, ge=1, description="data-parallel ranks that shard the model states among them (see parallel.zero)"
     )
     tp: int = Field(1, ge=1, description="tensor-parallel degree (heads, MLP width and vocabulary split)")
+    ep: int = Field(
+        1,
+        ge=1,
+        description="expert-parallel degree (model.moe): each MoE layer's routed experts split among ep of "
+        "the data-parallel ranks, tokens sent to their experts' rank by all-to-all; divides dp_replicate x "
+        "dp_shard and model.moe.experts",
+    )
     pp: int = Field(1, ge=1, description="pipeline stages (ranks), the model cut by layers")
     zero: Literal[1, 2, 3] = Field(
         3,

@@ -56,11 +56,26 @@ def min_capacity_factor(tokens: int, k: int, experts: int) -> float:
 
 def check_moe(cfg: Config) -> None:
     """An MoE recipe against what the layer supports, before any work (one line naming the key):
-    capacity for at least one token per expert, and no layout or mode it does not handle yet (tensor or
-    pipeline parallelism, FP8, DPO)."""
-    m = cfg.model.moe
+    ``parallel.ep`` dividing the experts, capacity for at least one token per expert, and no layout or
+    mode it does not handle yet (tensor or pipeline parallelism, FP8, DPO)."""
+    m, ep = cfg.model.moe, cfg.parallel.ep
+    if ep > 1 and not m.experts:
+        raise ConfigError(
+            f"parallel.ep: {ep} splits the experts of MoE layers, and this model has none; set "
+            "model.moe.experts or parallel.ep = 1"
+        )
     if not m.experts:
         return
+    if m.experts % ep:
+        raise ConfigError(
+            f"parallel.ep: {ep} does not divide model.moe.experts ({m.experts}); choose an ep that divides the "
+            "number of experts"
+        )
+    if ep > 1 and cfg.parallel.pp > 1:
+        raise ConfigError(
+            f"parallel.ep: the expert groups of {ep} ranks would be split by parallel.pp = {cfg.parallel.pp} "
+            "pipeline stages, which do not run MoE layers yet; use parallel.pp = 1 with expert parallelism"
+        )
     mbs = cfg.train.micro_batch_size
     if m.capacity_factor and mbs != "auto":
         tokens = mbs * cfg.data.seq_len

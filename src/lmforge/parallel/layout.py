@@ -82,6 +82,18 @@ def check_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -> 
             f"set {hint}"
         )
     kind = data_parallel_kind(cfg)
+    if p.ep > 1 and (p.dp_replicate * p.dp_shard) % p.ep:
+        raise ConfigError(
+            f"parallel.ep: {p.ep} expert-parallel ranks are drawn from the data-parallel ranks, and "
+            f"dp_replicate x dp_shard = {p.dp_replicate * p.dp_shard} is not a multiple of it; set "
+            f"--parallel.dp_shard (or dp_replicate) to a multiple of {p.ep}"
+        )
+    if p.ep > 1 and (kind == "zero1" or p.offload):
+        key = "parallel.zero" if kind == "zero1" else "parallel.offload"
+        raise ConfigError(
+            f"{key}: expert parallelism composes with DDP (dp_replicate) and FSDP2 (dp_shard, zero 2 or 3) "
+            "without offload; use --parallel.zero=2 or 3 and no offload with parallel.ep"
+        )
     if kind in ("ddp", "zero1") and p.tp > 1:
         raise ConfigError(
             "parallel.tp: tensor parallelism composes with FSDP2 only; use --parallel.dp_shard for the data-"
