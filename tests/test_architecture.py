@@ -83,6 +83,7 @@ def test_transformations_have_one_fixed_order_and_compile_wraps_without_replacin
     assert [name for name, _ in STAGES] == [
         "convert",
         "tensor_parallel",
+        "expert_parallel",
         "activation_checkpointing",
         "compile",
         "data_parallel",

@@ -11,7 +11,9 @@ The experts' weights are 3-D parameters ``[experts, d_in, d_out]`` (``gate_proj`
 ``down_proj``), so expert parallelism can shard dim 0. The assignments are sorted by expert and each
 projection is one grouped matrix product over the groups (``torch._grouped_mm``: CPU in FP32, BF16,
 FP16 with rows of a multiple of 16 bytes; torch 2.13), or a loop of one matmul per expert where that
-kernel is missing (``train.moe_kernel``); both give the same numbers (``tests/test_moe.py``).
+kernel is missing (``train.moe_kernel``); both give the same numbers (``tests/test_moe.py``). Under
+expert parallelism (``parallel.ep``) the rows go to the experts' ranks and back through the layer's
+``exchange`` (``parallel/expert.py::ExpertExchange``, set from outside); routing stays here.
 
 Capacity (``capacity_factor > 0``, training only: evaluation and generation are dropless): each expert
 takes at most ``C = floor(factor * T * k / E)`` assignments of a micro-batch, in priority order: every
@@ -40,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.config import Config, ModelConfig
 from lmforge.errors import ConfigError
@@ -264,7 +267,9 @@ class GroupedExperts(nn.Module):
             d, h = self.down_proj.shape[2], self.down_proj.shape[1]
             kernel = "grouped_mm" if grouped_mm_fits(x.device, dtype, d, h) else "loop"
         x = x.to(dtype)
-        gate, up, down = (p.to(dtype) for p in (self.gate_proj, self.up_proj, self.down_proj))
+        # under expert parallelism the weights are DTensors: this rank's experts are their local shard
+        weights = (self.gate_proj, self.up_proj, self.down_proj)
+        gate, up, down = ((p.to_local() if isinstance(p, DTensor) else p).to(dtype) for p in weights)
         with torch.autocast(x.device.type, enabled=False):
             h = F.silu(grouped_matmul(x, gate, counts, kernel)) * grouped_matmul(x, up, counts, kernel)
             return grouped_matmul(h, down, counts, kernel)
@@ -291,6 +296,8 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.d_model, m.experts, bias=False)
         self.experts = GroupedExperts(m.experts, cfg.d_model, m.d_expert or hidden)
         self.shared = shared  # the shared experts: one SwiGLU every token goes through (or None)
+        # how the experts run under expert parallelism (parallel/expert.py::ExpertExchange); None: here
+        self.exchange = None
         self.register_buffer("expert_bias", torch.zeros(m.experts))  # persistent: checkpoints keep it
         # this step's counters: load per expert; [aux, seq_aux, z, entropy, dropped, forwards]
         self.register_buffer("load", torch.zeros(m.experts), persistent=False)
@@ -317,7 +324,10 @@ class MoE(nn.Module):
         counts = torch.zeros(e + 1, dtype=torch.long, device=x.device).index_add_(
             0, key, torch.ones_like(key)
         )
-        ys = self.experts(flat[token], counts[:e], self.kernel).float()
+        if self.exchange is None:
+            ys = self.experts(flat[token], counts[:e], self.kernel).float()
+        else:
+            ys = self.exchange(self.experts, flat[token], counts, self.kernel).float()
         w = weights.reshape(-1)[order]
         if keep is not None:  # dropped assignments ran with the last expert: weight 0
             w = torch.where(keep.reshape(-1)[order], w, 0.0)
@@ -363,6 +373,12 @@ def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoE]]:
         if isinstance(module, MoE):
             found = re.search(r"blocks\.(\d+)", name)
             yield found.group(1) if found else "0", module
+
+
+def expert_params(model: nn.Module) -> Iterator[nn.Parameter]:
+    """The routed experts' weights of every MoE layer of ``model`` (what expert parallelism shards)."""
+    for _, layer in moe_layers(model):
+        yield from layer.experts.parameters()
 
 
 def start_step(model: nn.Module) -> None:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from lmforge.config import OptimConfig
 from lmforge.optim.adafactor import Adafactor
@@ -76,6 +77,12 @@ def muon_peak_lr(cfg: OptimConfig) -> float:
     return cfg.lr if cfg.muon.scale == "moonlight" else 0.02
 
 
+def expert_parallel_tag(p: torch.Tensor) -> str:
+    """``ep`` for an expert-parallel expert (a DTensor on the ``ep`` mesh dimension), else empty: such
+    parameters get groups of their own, as a fused optimizer step takes DTensors of one mesh only."""
+    return "ep" if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",) else ""
+
+
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     """Optimizer groups with ``weight_decay``, ``lr``, ``lr_mult`` and a ``name`` (see the module docstring);
     with ``optim.name = "muon"`` also ``optimizer`` (``muon`` or ``adamw``)."""
@@ -86,7 +93,7 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     embeddings |= {id(p) for n, p in model.named_parameters() if n in copies}
     norms = {id(m.weight) for m in model.modules() if isinstance(m, nn.LayerNorm | nn.RMSNorm)}
     scales = model.param_lr_scales() if hasattr(model, "param_lr_scales") else {}
-    buckets: dict[tuple[str, int, str, float], list[torch.Tensor]] = defaultdict(list)
+    buckets: dict[tuple[str, int, str, float, str], list[torch.Tensor]] = defaultdict(list)
     routed: dict[str, list[tuple[str, torch.Tensor]]] = defaultdict(list)
     seen: set[int] = set()
     for name, p in model.named_parameters():
@@ -99,12 +106,12 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
         if cfg.name == "muon":
             route = "muon" if muon_routed(name, p, kind) else "adamw"
             routed[route].append((name, p))
-        buckets[(kind, depth, route, scales.get(name, 1.0))].append(p)
+        buckets[(kind, depth, route, scales.get(name, 1.0), expert_parallel_tag(p))].append(p)
     for route, named in routed.items():
         log.info("optim: %s", describe_route(route, named))
     groups = []
-    for (kind, depth, route, scale), params in sorted(
-        buckets.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2], kv[0][3])
+    for (kind, depth, route, scale, ep), params in sorted(
+        buckets.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2], kv[0][3], kv[0][4])
     ):
         default_wd = (
             cfg.weight_decay if kind == "matrix" or (kind == "embedding" and cfg.decay_embeddings) else 0.0
@@ -116,6 +123,7 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
             mult *= muon_peak_lr(cfg) / cfg.lr
         name = kind if cfg.layer_lr_decay == 1.0 else f"{kind}@{depth}"
         name = name if scale == 1.0 else f"{name}/mup"
+        name = f"{name}/{ep}" if ep else name
         group = {
             "params": params,
             "weight_decay": cfg.group_weight_decay.get(kind, default_wd),

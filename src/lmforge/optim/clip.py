@@ -54,6 +54,21 @@ def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
+def by_mesh(tensors: Iterable[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    """``tensors`` by the device mesh of a DTensor (None: plain tensors): one fused ``foreach`` op takes
+    DTensors of one mesh only (expert-parallel experts live on another mesh than FSDP2's shards)."""
+    out: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        out[t.device_mesh if isinstance(t, DTensor) else None].append(t)
+    return out if out else {None: []}
+
+
+def _mesh_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """``||g||_2`` of tensors on one mesh, their shards counted once over it (``full_tensor``)."""
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
 def total_norm(grads: list[torch.Tensor], across: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``sqrt(sum_i g_i^2)`` over all tensors (0 when there are none), over every process that holds a part.
 
@@ -61,9 +76,8 @@ def total_norm(grads: list[torch.Tensor], across: dist.ProcessGroup | None = Non
     mesh once (``full_tensor`` of the norm); ``across`` adds the squares of other processes holding
     *different* tensors (the pipeline stages): ``n = sqrt(sum_r n_r^2)``.
     """
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    norms = [_mesh_norm(same) for same in by_mesh(grads).values()]
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if across is not None:
         squared = norm.to(torch.promote_types(norm.dtype, torch.float32)) ** 2
         dist.all_reduce(squared, group=across)
@@ -77,15 +91,15 @@ def norm_coefficient(norm: torch.Tensor, max_norm: float | torch.Tensor) -> torc
 
 
 def scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
-    """``g <- coef * g`` in place, one fused multiply per device.
+    """``g <- coef * g`` in place, one fused multiply per device (and DTensor mesh).
 
     ``torch.nn.utils.clip_grads_with_norm_`` does the same but turns its threshold into a Python float
     (a host sync for the adaptive threshold, which is a tensor) and does not return the coefficient.
     """
-    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    by_device: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
-        by_device[g.device].append(g)
-    for device, same in by_device.items():
+        by_device[g.device, g.device_mesh if isinstance(g, DTensor) else None].append(g)
+    for (device, _), same in by_device.items():
         torch._foreach_mul_(same, coef.to(device))
 
 
@@ -159,7 +173,8 @@ class Clipper:
         self, groups: list[list[torch.Tensor]], norm: torch.Tensor, one: torch.Tensor
     ) -> ClipStats:
         params = [p for group in groups for p in group]
-        torch.nn.utils.clip_grad_value_(params, self.value, foreach=True)
+        for same in by_mesh(params).values():
+            torch.nn.utils.clip_grad_value_(same, self.value, foreach=True)
         after = total_norm(self._counted(params), self.across)
         return ClipStats(torch.where(norm > 0, after / norm, one), None)
 

@@ -1,6 +1,7 @@
 """The model transformations of a run, applied from outside the model in one fixed order.
 
-    convert -> tensor parallel -> activation checkpointing -> compile -> data-parallel sharding -> materialize
+    convert -> tensor parallel -> expert parallel -> activation checkpointing -> compile
+            -> data-parallel sharding -> materialize
 
 Each stage is a function ``(module, model, ctx) -> module`` (``module``: what the training step will call,
 transformed so far; ``model``: the plain network inside it) and :data:`STAGES` lists them in that order;
@@ -10,7 +11,9 @@ values. The order is forced by what each stage needs to see:
 
 1. ``convert`` swaps module types (FP8 linear layers, lmforge/precision): every later stage must see the
    final modules, and tensor parallelism must shard the converted weights.
-2. ``tensor_parallel`` (``parallelize_module``) shards the weights of each block across the TP mesh.
+2. ``tensor_parallel`` (``parallelize_module``) shards the weights of each block across the TP mesh;
+   ``expert_parallel`` shards the MoE layers' experts across the ``ep`` ranks (DTensors, which the data-
+   parallel stage then leaves out of DDP and FSDP2).
 3. ``activation_checkpointing`` (``train.activation_checkpointing``: ``none``, ``full``, ``every:K``,
    ``selective``) makes whole blocks recompute in backward, which must already be sharded. It sets each
    block's ``runner`` attribute (no wrapper module: parameter names stay); see
@@ -55,6 +58,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lmforge.config import TrainConfig, check_activation_checkpointing
+from lmforge.model.moe import expert_params
 from lmforge.parallel.data_parallel import apply_ddp, apply_fsdp
 from lmforge.parallel.layout import SINGLE, Layout
 from lmforge.parallel.materialize import Init, is_meta
@@ -106,6 +110,17 @@ def tensor_parallel(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> n
     from lmforge.parallel.tensor import apply_tensor_parallel
 
     apply_tensor_parallel(model, ctx.layout.submesh("tp"))
+    return module
+
+
+def expert_parallel(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
+    """Expert parallelism over the ``ep`` ranks (``lmforge/parallel/expert.py``): the MoE layers' experts
+    sharded on dim 0, their rows exchanged all-to-all; else unchanged."""
+    if ctx.layout.ep == 1:
+        return module
+    from lmforge.parallel.expert import apply_expert_parallel
+
+    apply_expert_parallel(model, ctx.layout.ep_mesh)
     return module
 
 
@@ -240,11 +255,14 @@ def data_parallel(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.
     (``lmforge/parallel/data_parallel.py``); one process: unchanged. DDP broadcasts rank 0's values when it
     wraps, so a meta model is materialised first (:func:`materialize`)."""
     kind = ctx.layout.kind
+    # expert-parallel experts keep their own data parallelism (parallel/expert.py::ExpertGradSync)
+    experts = set(expert_params(model)) if ctx.layout.ep > 1 else set()
     if kind == "fsdp":
         head = model.lm_head if model.lm_head is not None and not model.cfg.tie_embeddings else None
-        return apply_fsdp(module, list(model.blocks.values()), ctx.layout, ctx.compute_dtype, head)
+        blocks = list(model.blocks.values())
+        return apply_fsdp(module, blocks, ctx.layout, ctx.compute_dtype, head, ignored=experts)
     if kind in ("ddp", "zero1"):
-        return apply_ddp(materialize(module, model, ctx), ctx.layout, ctx.device)
+        return apply_ddp(materialize(module, model, ctx), ctx.layout, ctx.device, ignored=experts)
     return module
 
 
@@ -269,6 +287,7 @@ def materialize(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Mo
 STAGES: tuple[tuple[str, Callable[[nn.Module, ApplyContext], nn.Module]], ...] = (
     ("convert", convert),
     ("tensor_parallel", tensor_parallel),
+    ("expert_parallel", expert_parallel),
     ("activation_checkpointing", activation_checkpointing),
     ("compile", compile_module),
     ("data_parallel", data_parallel),

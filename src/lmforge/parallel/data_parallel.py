@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from lmforge.parallel.expert import ExpertGradSync
 from lmforge.parallel.layout import Layout
 
 
@@ -55,11 +56,15 @@ def apply_fsdp(
     layout: Layout,
     compute_dtype: torch.dtype,
     head: nn.Module | None = None,
+    ignored: set[nn.Parameter] | frozenset = frozenset(),
 ) -> nn.Module:
     """``fully_shard`` each of ``blocks`` and an untied output ``head``, then ``objective`` (the root);
     returns ``objective``. The head is a unit of its own because a pipeline's last stage calls it from
-    the loss, outside the stage's forward, where it must still gather its weight."""
+    the loss, outside the stage's forward, where it must still gather its weight. ``ignored``: parameters
+    FSDP2 leaves as they are (expert-parallel experts)."""
     kw: dict = {"mesh": fsdp_mesh(layout), "reshard_after_forward": layout.zero == 3}
+    if ignored:
+        kw["ignored_params"] = set(ignored)
     if compute_dtype not in (torch.float32, torch.float64):  # autocast: gathered low, reduced in FP32
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if layout.offload:
@@ -72,8 +77,14 @@ def apply_fsdp(
     return objective
 
 
-def apply_ddp(objective: nn.Module, layout: Layout, device: torch.device) -> nn.Module:
-    """``DistributedDataParallel`` over all data-parallel ranks (also under ZeRO-1).
+def apply_ddp(
+    objective: nn.Module,
+    layout: Layout,
+    device: torch.device,
+    ignored: set[nn.Parameter] | frozenset = frozenset(),
+) -> nn.Module:
+    """``DistributedDataParallel`` over all data-parallel ranks (also under ZeRO-1); ``ignored``: parameters
+    DDP neither broadcasts nor reduces (expert-parallel experts).
 
     ``init_sync=False``: DDP does not broadcast rank 0's parameters and buffers when it wraps the model.
     Every rank already holds the same values (the build draws them from ``train.seed`` on every rank,
@@ -82,6 +93,9 @@ def apply_ddp(objective: nn.Module, layout: Layout, device: torch.device) -> nn.
     gloo's thread at no fixed moment: a third of the builds measured it still alive beside DDP's
     gradient buckets (12 instead of 8 bytes per parameter at the build's peak)."""
     ids = [device.index] if device.type == "cuda" else None
+    if ignored:
+        names = [n for n, p in objective.named_parameters() if p in ignored]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(objective, names)
     return DistributedDataParallel(
         objective, device_ids=ids, process_group=layout.group("dp"), init_sync=False
     )
@@ -104,11 +118,26 @@ class GradientSync:
       Without it each micro-batch reduce-scatters and accumulates into the sharded gradients.
 
     ``tests/distributed/accumulation_worker.py`` counts the collectives of each case.
+
+
+    Expert-parallel experts (outside DDP and FSDP2) are reduced once, after the step's last backward
+    (:meth:`finish`, ``parallel/expert.py::ExpertGradSync``).
     """
 
-    def __init__(self, module: nn.Module | None = None, layout: Layout | None = None, defer: bool = False):
-        self.module, self.defer = module, defer
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        layout: Layout | None = None,
+        defer: bool = False,
+        experts: ExpertGradSync | None = None,
+    ):
+        self.module, self.defer, self.experts = module, defer, experts
         self.zero = layout.zero if layout is not None else 3
+
+    def finish(self) -> None:
+        """After the step's last backward: what is not reduced during backward (expert-parallel experts)."""
+        if self.experts is not None:
+            self.experts.finish()
 
     def micro_batch(self, index: int, count: int) -> contextlib.AbstractContextManager:
         """The context of micro-batch ``index`` (from 0) of a step of ``count``."""

@@ -131,6 +131,8 @@ class Layout:
     mesh: DeviceMesh | None = None
     dp_mesh: DeviceMesh | None = None  # (dp_replicate, dp_shard) flattened into one dimension
     checkpoint_group: dist.ProcessGroup | None = None  # gloo, all ranks: background checkpoint writes
+    ep: int = 1  # parallel.ep: ranks among which each MoE layer's experts are split
+    ep_mesh: DeviceMesh | None = None  # (pp, edp, ep, tp): the data-parallel ranks as edp x ep (ep > 1)
 
     @property
     def distributed(self) -> bool:
@@ -161,7 +163,8 @@ class Layout:
         return self.mesh[dims if len(dims) > 1 else dims[0]]
 
     def describe(self) -> str:
-        used = ", ".join(f"{k}={v}" for k, v in self.degrees.items() if v > 1) or "one process"
+        used = ", ".join(f"{k}={v}" for k, v in {**self.degrees, "ep": self.ep}.items() if v > 1)
+        used = used or "one process"
         dp = {"none": "", "ddp": " (DDP)", "zero1": " (ZeRO-1)", "fsdp": f" (FSDP2, ZeRO-{self.zero})"}
         return f"{self.world} processes: {used}{dp[self.kind]}"
 
@@ -187,9 +190,15 @@ def init_layout(cfg: Config, device_type: str) -> Layout:
     # A background checkpoint write gathers its plan over a group of its own: collectives of the
     # training steps on the default group must never interleave with those of the writer thread.
     ckpt_group = dist.new_group(backend="gloo") if cfg.train.async_checkpoint else None
+    ep, ep_mesh = cfg.parallel.ep, None
+    if ep > 1:  # the same ranks, the data-parallel dimensions re-cut as (edp, ep) in row-major order
+        dp = sizes["dp_replicate"] * sizes["dp_shard"]
+        shape = (sizes["pp"], dp // ep, ep, sizes["tp"])
+        ep_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))
     return Layout(
-        dict(sizes), kind, cfg.parallel.zero, cfg.parallel.offload, rank, world, mesh, dp_mesh, ckpt_group
-    )
+        dict(sizes), kind, cfg.parallel.zero, cfg.parallel.offload, rank, world, mesh, dp_mesh, ckpt_group,
+        ep, ep_mesh,
+    )  # fmt: skip
 
 
 def start_process_group(backend: str, rank: int, world: int) -> None:

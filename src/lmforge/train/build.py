@@ -145,7 +145,12 @@ def training_module(
     # evaluation eager where training is compiled (too rare to pay for a second graph); FSDP2's root
     # must be called for its parameters to be gathered
     eval_fn = train_fn if layout.kind == "fsdp" else loss(model, t.loss_chunk)
-    sync = GradientSync(train_fn, layout, cfg.parallel.defer_grad_sync)
+    experts = None
+    if layout.ep > 1:
+        from lmforge.parallel.expert import ExpertGradSync
+
+        experts = ExpertGradSync(model, layout.ep_mesh, layout.dp)
+    sync = GradientSync(train_fn, layout, cfg.parallel.defer_grad_sync, experts)
     whole = layout.degrees["tp"] == 1
     if t.objective != "dpo":
         return LanguageModelModule(model, train_fn, eval_fn, sync, whole)

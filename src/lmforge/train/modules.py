@@ -159,7 +159,7 @@ class LanguageModelModule(ModelState):
         return loss.detach()
 
     def finish_backward(self) -> None:
-        return None
+        self.sync.finish()
 
     def evaluate(self, batches: Iterable[Batch], precision: PrecisionPolicy) -> dict[str, float]:
         with eval_mode(self.eval_fn):

@@ -70,13 +70,15 @@ def noise_scale_blocker(run: Run) -> str | None:
     (at least two micro-batches a step) and the first micro-batch's gradient whole on this rank: true for
     one process and for DDP / ZeRO-1 (no synchronisation before the last micro-batch); FSDP2
     reduce-scatters every micro-batch and shards it, a pipeline stage or a tensor-parallel shard holds
-    only part of it."""
+    only part of it, and expert-parallel experts hold the rows of all ranks."""
     if run.accum < 2:
         return "one micro-batch per step (raise train.tokens_per_step for two batch sizes)"
     if run.layout.kind == "fsdp":
         return "FSDP2 reduces and shards the gradient of every micro-batch"
     if run.layout.degrees["pp"] > 1 or run.layout.degrees["tp"] > 1:
         return "pipeline stages and tensor-parallel shards hold only part of the gradient"
+    if run.layout.ep > 1:
+        return "expert-parallel experts receive every rank's rows, so their gradient is not this rank's"
     return None
 
 
