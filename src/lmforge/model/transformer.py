@@ -39,6 +39,7 @@ from lmforge.model.init import (
     mup_lr_scales,
     width_mult,
 )
+from lmforge.model.kv_cache import KVCache, LayerCache
 from lmforge.model.moe import MoE
 
 
@@ -82,6 +83,21 @@ class Attention(nn.Module):
         if self.probe is not None:
             self.probe(q, k)
         y = attend(q, k, v, mask=mask, block_mask=block_mask, scale=self.scale)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def forward_cached(self, x: torch.Tensor, rope, cache: LayerCache, mask: torch.Tensor) -> torch.Tensor:
+        """Inference over new positions only: their keys and values are appended to ``cache`` and the
+        queries attend to every cached position that ``mask`` (B, 1, T, cached + T) allows; ``rope``: the
+        tables at each row's positions (B, 1, T, D)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = cache.append(k, v)
+        y = attend(q, k, v, mask=mask, scale=self.scale)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -154,6 +170,11 @@ class Block(nn.Module):
     def layers(self, x: torch.Tensor, rope, mask, block_mask) -> torch.Tensor:
         """The block's computation (what a checkpoint recomputes)."""
         x = x + self.attn(self.attn_norm(x), rope, mask, block_mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward_cached(self, x: torch.Tensor, rope, cache: LayerCache, mask: torch.Tensor) -> torch.Tensor:
+        """:meth:`layers` over new positions against the block's key/value cache (generation)."""
+        x = x + self.attn.forward_cached(self.attn_norm(x), rope, cache, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -280,6 +301,21 @@ class Transformer(nn.Module):
         for block in self.blocks.values():
             x = block(x, rope, mask, block_mask)
         return self.norm(x) if self.norm is not None else x
+
+    def forward_cached(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor):
+        """Token ids (B, T) at ``positions`` (B, T) -> hidden states (B, T, d_model), computing only these
+        positions: each block's keys and values of earlier ones come from ``cache`` (``model/kv_cache.py``),
+        which receives theirs. ``mask`` (B, 1, T, cached + T): which cached and new positions each query
+        sees. Generation only (no document mask, no pipeline stage)."""
+        x = self.embed(ids)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        rope = None
+        if self.cfg.arch == "llama":
+            rope = (self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])
+        for block, layer in zip(self.blocks.values(), cache.layers, strict=True):
+            x = block.forward_cached(x, rope, layer, mask)
+        return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(hidden)``, times ``1 / width_mult`` under muP: the whole vocabulary's logits (under
