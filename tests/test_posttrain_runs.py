@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lmforge.cli import main
+from lmforge.config import Config
 from lmforge.posttrain.finetune import start
 from lmforge.posttrain.records import Turn
 from lmforge.posttrain.template import SPECIAL_TOKENS, read_template
@@ -105,6 +106,8 @@ def test_sft_starts_from_the_run_with_the_chat_tokens_and_mean_rows(pretrained, 
     assert read_template(tmp_path / "sft") is not None
     source = load_saved_config(pretrained / "config.toml")
     assert cfg.model == source.model and cfg.data.seq_len == source.data.seq_len
+    saved = load_saved_config(tmp_path / "sft" / "config.toml")
+    assert saved.data.sources == source.data.sources != Config().data.sources  # the base run's, recorded
     assert cfg.train.objective == "sft" and cfg.train.steps == 12  # the flag over sft's own default (300)
     bad = [json.loads(x) for x in (tmp_path / "sft" / "bad_records.jsonl").read_text().splitlines()]
     assert [b["source"].rsplit(":", 1)[1] for b in bad] == ["2", "4"]  # file:line of each bad record
