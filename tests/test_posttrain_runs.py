@@ -226,3 +226,46 @@ def test_dpo_frozen_reference_model(pretrained, tmp_path):
         first["step"] == 1 and abs(first["rewards/margins"]) < 1e-5 and abs(first["loss"] - 0.693147) < 1e-4
     )
     assert "val_rewards/margins" in summary
+
+
+def test_dpo_step_figures_count_the_positions_computed(pretrained, corpus_dir, tmp_path):
+    """Pairs far shorter than ``data.seq_len`` (160) run as rows padded to 64 positions (the longest pair
+    rounded up to a multiple of 64): ``batch_tokens``, ``tokens_per_s`` and ``mfu`` count those positions,
+    not ``2 x pairs x seq_len``."""
+    from lmforge.plan.flops import model_flops_per_token
+    from lmforge.recipe import load_config
+
+    base = load_config(
+        None,
+        {
+            **tiny_overrides(corpus_dir, pretrained.parent / "data"),
+            "data.seq_len": 160,
+            "train.steps": 2,
+            "train.sample_tokens": 0,
+        },
+    )
+    train(base, tmp_path / "long", progress_bar=False)
+    over = {
+        **{k: v for k, v in _sft_overrides(tmp_path, steps=3).items() if not k.startswith("posttrain.")},
+        "posttrain.train_files": [str(_pairs(tmp_path / "p.jsonl", 16))],
+        "posttrain.val_files": [str(_pairs(tmp_path / "pv.jsonl", 4, offset=2))],
+        "train.tokens_per_step": 2 * 4 * 160,  # 2 micro-batches of 4 pairs a step
+        "train.log_interval": 1,
+    }
+    cfg, _ = start("dpo", tmp_path / "long", tmp_path / "dpo", overrides=over)
+    template = read_template(tmp_path / "dpo")
+    longest = max(
+        len(template.render([Turn("user", f"What does `{f}` do?"), Turn("assistant", f"It will {f} it.")])[0])
+        for f in FUNCS
+    )
+    assert longest - 1 <= 64 < cfg.data.seq_len  # every row's inputs fit 64 positions
+    train(cfg, tmp_path / "dpo", resume=True, progress_bar=False)
+    steps = [json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in steps if "tokens_per_s" in x]
+    assert [x["step"] for x in steps] == [1, 2, 3]
+    per_token = model_flops_per_token(cfg.model, cfg.data.vocab_size, 64)  # attention over 64 positions
+    for x in steps:
+        assert x["batch_tokens"] == 2 * (2 * 4) * 64  # 2 micro-batches of 8 rows of 64 positions
+        if "mfu" in x:
+            want = x["tokens_per_s"] * per_token / (x["peak_tflops"] * 1e12)
+            assert x["mfu"] == pytest.approx(want, rel=1e-4)  # the record's 6 significant digits
