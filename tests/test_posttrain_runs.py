@@ -22,12 +22,13 @@ from lmforge.train.launch import train
 from tests.conftest import cli_args, tiny_overrides
 
 FUNCS = ["read", "write", "open", "close", "seek", "tell", "flush", "parse", "join", "split", "copy", "sort"]
+TRAIN_FUNCS, HELD_OUT_FUNCS = FUNCS[:9], FUNCS[9:]  # held-out records ask about names training never saw
 
 
-def _records(path: Path, n: int, offset: int = 0, bad: bool = False) -> Path:
+def _records(path: Path, n: int, names: list[str] = TRAIN_FUNCS, bad: bool = False) -> Path:
     lines = []
     for i in range(n):
-        name = FUNCS[(i + offset) % len(FUNCS)]
+        name = names[i % len(names)]
         lines.append(
             json.dumps(
                 {"instruction": f"What does `{name}` do?", "input": "", "output": f"It will {name} it."}
@@ -40,10 +41,10 @@ def _records(path: Path, n: int, offset: int = 0, bad: bool = False) -> Path:
     return path
 
 
-def _pairs(path: Path, n: int, offset: int = 0) -> Path:
+def _pairs(path: Path, n: int, names: list[str] = TRAIN_FUNCS) -> Path:
     lines = []
     for i in range(n):
-        name, other = FUNCS[(i + offset) % len(FUNCS)], FUNCS[(i + offset + 5) % len(FUNCS)]
+        name, other = names[i % len(names)], names[(i + 1 + len(names) // 2) % len(names)]
         lines.append(
             json.dumps(
                 {
@@ -55,6 +56,18 @@ def _pairs(path: Path, n: int, offset: int = 0) -> Path:
         )
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _held_out(train_file: Path, val_file: Path) -> Path:
+    """``val_file``, checked to share no question with ``train_file``: held-out records are unseen."""
+
+    def questions(path: Path) -> set[str]:
+        records = [json.loads(x) for x in path.read_text().splitlines() if x.startswith('{"')]
+        return {r.get("instruction", r.get("prompt")) for r in records}
+
+    seen, held = questions(train_file), questions(val_file)
+    assert held and not held & seen
+    return val_file
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +86,9 @@ def pretrained(corpus_dir, tmp_path_factory) -> Path:
 def _sft_overrides(tmp_path: Path, steps: int = 12, **more) -> dict:
     return {
         "posttrain.train_files": [str(_records(tmp_path / "train.jsonl", 24, bad=True))],
-        "posttrain.val_files": [str(_records(tmp_path / "val.jsonl", 6, offset=3))],
+        "posttrain.val_files": [
+            str(_held_out(tmp_path / "train.jsonl", _records(tmp_path / "val.jsonl", 6, HELD_OUT_FUNCS)))
+        ],
         "train.steps": steps,
         "train.micro_batch_size": 4,
         "train.precision": "fp32",
@@ -138,7 +153,9 @@ def test_dpo_cached_reference_and_trl_metrics(pretrained, tmp_path):
     over = {
         **{k: v for k, v in sft_over.items() if not k.startswith("posttrain.")},
         "posttrain.train_files": [str(_pairs(tmp_path / "p.jsonl", 16))],
-        "posttrain.val_files": [str(_pairs(tmp_path / "pv.jsonl", 4, offset=2))],
+        "posttrain.val_files": [
+            str(_held_out(tmp_path / "p.jsonl", _pairs(tmp_path / "pv.jsonl", 4, HELD_OUT_FUNCS)))
+        ],
         "train.steps": 8,
         "optim.lr": 1e-3,
     }
@@ -211,7 +228,9 @@ def test_dpo_frozen_reference_model(pretrained, tmp_path):
     over = {
         **{k: v for k, v in _sft_overrides(tmp_path, steps=3).items() if not k.startswith("posttrain.")},
         "posttrain.train_files": [str(_pairs(tmp_path / "p.jsonl", 8))],
-        "posttrain.val_files": [str(_pairs(tmp_path / "pv.jsonl", 4, offset=2))],
+        "posttrain.val_files": [
+            str(_held_out(tmp_path / "p.jsonl", _pairs(tmp_path / "pv.jsonl", 4, HELD_OUT_FUNCS)))
+        ],
         "dpo.reference": "model",
         "train.log_interval": 1,
     }
@@ -248,7 +267,9 @@ def test_dpo_step_figures_count_the_positions_computed(pretrained, corpus_dir, t
     over = {
         **{k: v for k, v in _sft_overrides(tmp_path, steps=3).items() if not k.startswith("posttrain.")},
         "posttrain.train_files": [str(_pairs(tmp_path / "p.jsonl", 16))],
-        "posttrain.val_files": [str(_pairs(tmp_path / "pv.jsonl", 4, offset=2))],
+        "posttrain.val_files": [
+            str(_held_out(tmp_path / "p.jsonl", _pairs(tmp_path / "pv.jsonl", 4, HELD_OUT_FUNCS)))
+        ],
         "train.tokens_per_step": 2 * 4 * 160,  # 2 micro-batches of 4 pairs a step
         "train.log_interval": 1,
     }
