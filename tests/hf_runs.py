@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lmforge.corpus.pystdlib import stdlib_root
+from lmforge.evaluate.generation import prompt_of
 from lmforge.evaluate.run_loading import load_run
 from lmforge.hf.import_ import FROM_FOLDER
 from lmforge.model.sampling import generate
@@ -74,6 +75,13 @@ def lmforge_logits(run: Path, ids: list[int]) -> torch.Tensor:
 def lmforge_greedy(run: Path, prompt: list[int], n: int) -> list[int]:
     _, tok, model, _ = load_run(run, torch.device("cpu"))
     return generate(model, prompt, n, temperature=0.0, stop_token=tok.eot_id)
+
+
+def lmforge_generate_ids(run: Path, prompt: str, n: int) -> list[int]:
+    """The ids ``lmforge generate RUN --prompt PROMPT --temperature 0`` samples (its prompt, its stop)."""
+    _, tok, model, _ = load_run(run, torch.device("cpu"))
+    ids, stop, _ = prompt_of(tok, None, prompt)
+    return generate(model, ids, n, temperature=0.0, stop_token=stop)
 
 
 def hf_model(folder: Path):

@@ -232,9 +232,30 @@ def test_identical_responses_give_zero_margin_and_log2():
     assert obj.take_metrics() == {}  # reset
 
 
+def rule_pairs(n: int, seed: int) -> list:
+    """``n`` pairs that follow one rule a model can learn and carry to unseen pairs: random prompts,
+    chosen responses of tokens 5..17, rejected ones of tokens 18..31."""
+    rng = np.random.default_rng(seed)
+    return [
+        pair(
+            rng.integers(5, VOCAB, 3), rng.integers(5, 18, 4), rng.integers(18, VOCAB, 3), f"f.jsonl:{i + 1}"
+        )
+        for i in range(n)
+    ]
+
+
 def test_training_raises_the_margin():
-    model, _, pairs, ref, obj = _setup(beta=0.5)
-    held = list(pair_eval_batches(pairs, SEQ, 3, ref))
+    """Trained on 8 pairs, the margin rises on 6 held-out pairs it never saw (other prompts and responses,
+    the same rule). Measured on them after 6 steps: margin 1.42, accuracy 1.0, loss 0.24."""
+    model = tiny_model(0)
+    policy = SequenceLogps(model, chunk=16)
+    pairs, _ = tokenize_pairs(rule_pairs(8, seed=0), render, SEQ, "skip")
+    unseen, _ = tokenize_pairs(rule_pairs(6, seed=1), render, SEQ, "skip")
+    seen = {p.chosen_ids.tobytes() for p in pairs} | {p.rejected_ids.tobytes() for p in pairs}
+    assert not seen & ({p.chosen_ids.tobytes() for p in unseen} | {p.rejected_ids.tobytes() for p in unseen})
+    ref = reference_logps(policy, pairs, SEQ, 3, FP32)
+    obj = DPOObjective(policy, beta=0.5)
+    held = list(pair_eval_batches(unseen, SEQ, 3, reference_logps(policy, unseen, SEQ, 3, FP32)))
     before = obj.evaluate(held, FP32)
     # policy = reference at step 0: h is the difference of equal FP32 values, the loss log 2 up to FP32
     # rounding of the mean (measured 1.9e-9 from it); 1e-6 is 16 FP32 ulps of log 2

@@ -14,6 +14,7 @@ from lmforge.cli import main
 from lmforge.config import ModelConfig
 from lmforge.data.tokenizer import EOT, Tokenizer
 from lmforge.errors import UserError
+from lmforge.evaluate.generation import prompt_of
 from lmforge.hf import gpt2, llama
 from lmforge.hf.export import export_run, write_folder
 from lmforge.model.sampling import generate
@@ -27,6 +28,7 @@ from tests.hf_runs import (
     hf_greedy,
     hf_logits,
     hf_model,
+    lmforge_generate_ids,
     lmforge_greedy,
     lmforge_logits,
     sample_text,
@@ -124,9 +126,47 @@ def test_auto_tokenizer_encodes_the_same_ids(name, runs, exported):
     hf = AutoTokenizer.from_pretrained(exported[name], local_files_only=True)
     ours = Tokenizer(runs[name] / "tokenizer.json")
     text = sample_text()[:3000] + EOT + "def f(x):\n    return x\n"
-    assert hf(text)["input_ids"] == ours.encode(text)
+    assert hf(text)["input_ids"] == [ours.eot_id, *ours.encode(text)]  # the document start, as lmforge's
+    assert hf(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
     assert hf.eos_token == hf.bos_token == EOT and hf.eos_token_id == ours.eot_id
     assert hf.decode(ours.encode(text)) == text
+
+
+GENERATED = 40
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_auto_tokenizer_and_generate_give_what_lmforge_generate_does(
+    name, runs, exported, tmp_path, capsys, cli_logging
+):
+    """A user's first lines with an exported folder (``AutoTokenizer`` + greedy ``generate``, eos from
+    generation_config.json) continue a prompt with the ids of ``lmforge generate --temperature 0``: its
+    prompt ids and stop token (``prompt_of``) on a fresh model of the run's config, whose continuation
+    varies (the tiny trained runs repeat one token), and its printed text on the trained run."""
+    from transformers import AutoTokenizer
+
+    prompt = sample_text()[:60]  # 35 ids: with the 40 generated within SEQ_LEN (lmforge slides past it)
+
+    def hf_generate(folder: Path) -> tuple[list[int], str]:
+        hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        inputs = hf(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = hf_model(folder).generate(**inputs, max_new_tokens=GENERATED, do_sample=False)
+        new = out[0, inputs["input_ids"].shape[1] :].tolist()
+        return new, hf.decode(new, skip_special_tokens=True)
+
+    model, fresh = _fresh(runs[name], tmp_path / "hf")
+    ids, stop, _ = prompt_of(Tokenizer(runs[name] / "tokenizer.json"), None, prompt)
+    ours = generate(model, ids, GENERATED, temperature=0.0, stop_token=stop)
+    assert len(set(ours)) >= 10
+    assert hf_generate(fresh)[0] == ours
+    theirs, text = hf_generate(exported[name])
+    assert theirs == lmforge_generate_ids(runs[name], prompt, GENERATED)
+    with pytest.raises(SystemExit) as done:
+        main(["generate", str(runs[name]), "--prompt", prompt, "--temperature", "0",
+              "--max-new-tokens", str(GENERATED), "--device", "cpu"])  # fmt: skip
+    assert done.value.code == 0
+    assert capsys.readouterr().out.rstrip("\n") == prompt + text
 
 
 def _meta_permute(w: torch.Tensor, heads: int) -> torch.Tensor:

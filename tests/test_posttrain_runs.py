@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lmforge.cli import main
+from lmforge.config import Config
 from lmforge.posttrain.finetune import start
 from lmforge.posttrain.records import Turn
 from lmforge.posttrain.template import SPECIAL_TOKENS, read_template
@@ -21,12 +22,13 @@ from lmforge.train.launch import train
 from tests.conftest import cli_args, tiny_overrides
 
 FUNCS = ["read", "write", "open", "close", "seek", "tell", "flush", "parse", "join", "split", "copy", "sort"]
+TRAIN_FUNCS, HELD_OUT_FUNCS = FUNCS[:9], FUNCS[9:]  # held-out records ask about names training never saw
 
 
-def _records(path: Path, n: int, offset: int = 0, bad: bool = False) -> Path:
+def _records(path: Path, n: int, names: list[str] = TRAIN_FUNCS, bad: bool = False) -> Path:
     lines = []
     for i in range(n):
-        name = FUNCS[(i + offset) % len(FUNCS)]
+        name = names[i % len(names)]
         lines.append(
             json.dumps(
                 {"instruction": f"What does `{name}` do?", "input": "", "output": f"It will {name} it."}
@@ -39,10 +41,10 @@ def _records(path: Path, n: int, offset: int = 0, bad: bool = False) -> Path:
     return path
 
 
-def _pairs(path: Path, n: int, offset: int = 0) -> Path:
+def _pairs(path: Path, n: int, names: list[str] = TRAIN_FUNCS) -> Path:
     lines = []
     for i in range(n):
-        name, other = FUNCS[(i + offset) % len(FUNCS)], FUNCS[(i + offset + 5) % len(FUNCS)]
+        name, other = names[i % len(names)], names[(i + 1 + len(names) // 2) % len(names)]
         lines.append(
             json.dumps(
                 {
@@ -54,6 +56,18 @@ def _pairs(path: Path, n: int, offset: int = 0) -> Path:
         )
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _held_out(train_file: Path, val_file: Path) -> Path:
+    """``val_file``, checked to share no question with ``train_file``: held-out records are unseen."""
+
+    def questions(path: Path) -> set[str]:
+        records = [json.loads(x) for x in path.read_text().splitlines() if x.startswith('{"')]
+        return {r.get("instruction", r.get("prompt")) for r in records}
+
+    seen, held = questions(train_file), questions(val_file)
+    assert held and not held & seen
+    return val_file
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +86,9 @@ def pretrained(corpus_dir, tmp_path_factory) -> Path:
 def _sft_overrides(tmp_path: Path, steps: int = 12, **more) -> dict:
     return {
         "posttrain.train_files": [str(_records(tmp_path / "train.jsonl", 24, bad=True))],
-        "posttrain.val_files": [str(_records(tmp_path / "val.jsonl", 6, offset=3))],
+        "posttrain.val_files": [
+            str(_held_out(tmp_path / "train.jsonl", _records(tmp_path / "val.jsonl", 6, HELD_OUT_FUNCS)))
+        ],
         "train.steps": steps,
         "train.micro_batch_size": 4,
         "train.precision": "fp32",
@@ -105,6 +121,8 @@ def test_sft_starts_from_the_run_with_the_chat_tokens_and_mean_rows(pretrained, 
     assert read_template(tmp_path / "sft") is not None
     source = load_saved_config(pretrained / "config.toml")
     assert cfg.model == source.model and cfg.data.seq_len == source.data.seq_len
+    saved = load_saved_config(tmp_path / "sft" / "config.toml")
+    assert saved.data.sources == source.data.sources != Config().data.sources  # the base run's, recorded
     assert cfg.train.objective == "sft" and cfg.train.steps == 12  # the flag over sft's own default (300)
     bad = [json.loads(x) for x in (tmp_path / "sft" / "bad_records.jsonl").read_text().splitlines()]
     assert [b["source"].rsplit(":", 1)[1] for b in bad] == ["2", "4"]  # file:line of each bad record
@@ -135,7 +153,9 @@ def test_dpo_cached_reference_and_trl_metrics(pretrained, tmp_path):
     over = {
         **{k: v for k, v in sft_over.items() if not k.startswith("posttrain.")},
         "posttrain.train_files": [str(_pairs(tmp_path / "p.jsonl", 16))],
-        "posttrain.val_files": [str(_pairs(tmp_path / "pv.jsonl", 4, offset=2))],
+        "posttrain.val_files": [
+            str(_held_out(tmp_path / "p.jsonl", _pairs(tmp_path / "pv.jsonl", 4, HELD_OUT_FUNCS)))
+        ],
         "train.steps": 8,
         "optim.lr": 1e-3,
     }
@@ -208,7 +228,9 @@ def test_dpo_frozen_reference_model(pretrained, tmp_path):
     over = {
         **{k: v for k, v in _sft_overrides(tmp_path, steps=3).items() if not k.startswith("posttrain.")},
         "posttrain.train_files": [str(_pairs(tmp_path / "p.jsonl", 8))],
-        "posttrain.val_files": [str(_pairs(tmp_path / "pv.jsonl", 4, offset=2))],
+        "posttrain.val_files": [
+            str(_held_out(tmp_path / "p.jsonl", _pairs(tmp_path / "pv.jsonl", 4, HELD_OUT_FUNCS)))
+        ],
         "dpo.reference": "model",
         "train.log_interval": 1,
     }
@@ -223,3 +245,48 @@ def test_dpo_frozen_reference_model(pretrained, tmp_path):
         first["step"] == 1 and abs(first["rewards/margins"]) < 1e-5 and abs(first["loss"] - 0.693147) < 1e-4
     )
     assert "val_rewards/margins" in summary
+
+
+def test_dpo_step_figures_count_the_positions_computed(pretrained, corpus_dir, tmp_path):
+    """Pairs far shorter than ``data.seq_len`` (160) run as rows padded to 64 positions (the longest pair
+    rounded up to a multiple of 64): ``batch_tokens``, ``tokens_per_s`` and ``mfu`` count those positions,
+    not ``2 x pairs x seq_len``."""
+    from lmforge.plan.flops import model_flops_per_token
+    from lmforge.recipe import load_config
+
+    base = load_config(
+        None,
+        {
+            **tiny_overrides(corpus_dir, pretrained.parent / "data"),
+            "data.seq_len": 160,
+            "train.steps": 2,
+            "train.sample_tokens": 0,
+        },
+    )
+    train(base, tmp_path / "long", progress_bar=False)
+    over = {
+        **{k: v for k, v in _sft_overrides(tmp_path, steps=3).items() if not k.startswith("posttrain.")},
+        "posttrain.train_files": [str(_pairs(tmp_path / "p.jsonl", 16))],
+        "posttrain.val_files": [
+            str(_held_out(tmp_path / "p.jsonl", _pairs(tmp_path / "pv.jsonl", 4, HELD_OUT_FUNCS)))
+        ],
+        "train.tokens_per_step": 2 * 4 * 160,  # 2 micro-batches of 4 pairs a step
+        "train.log_interval": 1,
+    }
+    cfg, _ = start("dpo", tmp_path / "long", tmp_path / "dpo", overrides=over)
+    template = read_template(tmp_path / "dpo")
+    longest = max(
+        len(template.render([Turn("user", f"What does `{f}` do?"), Turn("assistant", f"It will {f} it.")])[0])
+        for f in FUNCS
+    )
+    assert longest - 1 <= 64 < cfg.data.seq_len  # every row's inputs fit 64 positions
+    train(cfg, tmp_path / "dpo", resume=True, progress_bar=False)
+    steps = [json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in steps if "tokens_per_s" in x]
+    assert [x["step"] for x in steps] == [1, 2, 3]
+    per_token = model_flops_per_token(cfg.model, cfg.data.vocab_size, 64)  # attention over 64 positions
+    for x in steps:
+        assert x["batch_tokens"] == 2 * (2 * 4) * 64  # 2 micro-batches of 8 rows of 64 positions
+        if "mfu" in x:
+            want = x["tokens_per_s"] * per_token / (x["peak_tflops"] * 1e12)
+            assert x["mfu"] == pytest.approx(want, rel=1e-4)  # the record's 6 significant digits

@@ -214,9 +214,37 @@ def test_render_masks_exactly_the_responses(template):
     assert template.decode_response(ids[len(prompt) :]) == "it writes code"
 
 
-def test_marker_text_inside_a_record_stays_text(template):
-    ids, _ = template.render((Turn("user", "say <|end|><|assistant|>"), Turn("assistant", "no")))
-    assert ids.count(template.end_id) == 2 and ids.count(template.role_ids["assistant"]) == 1
+MARKED = (
+    Turn("system", "answer after <|assistant|> only"),
+    Turn("user", "say <|end|><|assistant|> then <|endoftext|>, and <|end|>x"),
+    Turn("assistant", "no <|end|> here"),
+)
+
+
+def test_marker_text_inside_a_record_is_the_marker(template):
+    """A marker's text inside a content is the marker's id (as apply_chat_template reads it), and inside an
+    assistant's content it is learned like the rest of the content."""
+    ids, mask = template.render(MARKED)
+    assert ids.count(template.end_id) == 3 + 3 and ids.count(template.role_ids["assistant"]) == 2 + 1
+    assert ids.count(template.bos_id) == 2
+    learned = [i for i, m in zip(ids, mask, strict=True) if m]
+    assert template.tokenizer.decode(learned) == "no <|end|> here<|end|>"
+
+
+def test_exported_template_tokenizes_marker_text_as_lmforge_does(template, tmp_path):
+    """``AutoTokenizer`` over the exported tokenizer files (``hf/files.py``) and ``apply_chat_template``
+    give lmforge's ids for a chat whose contents hold every marker's text."""
+    transformers = pytest.importorskip("transformers")
+    from lmforge.hf.files import write_tokenizer
+
+    write_tokenizer(tmp_path, template.tokenizer.path, 256, template.jinja())
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    messages = [{"role": t.role, "content": t.content} for t in MARKED]
+    kw = {"tokenize": True, "return_dict": False}
+    assert hf.apply_chat_template(messages, **kw) == template.render(MARKED)[0]
+    assert hf.apply_chat_template(messages[:2], add_generation_prompt=True, **kw) == template.prompt_ids(
+        MARKED[:2]
+    )
 
 
 def test_template_file_marks_a_chat_run(chat_dir, tmp_path):

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
+from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
 from lmforge.evaluate.run_loading import load_run
 from lmforge.model.sampling import generate
 from lmforge.posttrain.records import Turn
-from lmforge.posttrain.template import read_template
+from lmforge.posttrain.template import ChatTemplate, read_template
 
 
 def check_sampling(
@@ -35,6 +36,15 @@ def check_sampling(
             raise UserError(f"{flag}: {value} is out of range; give {want}")
 
 
+def prompt_of(tok: Tokenizer, template: ChatTemplate | None, prompt: str) -> tuple[list[int], int, str]:
+    """``(ids, stop token, text shown before the sample)`` of ``prompt``: a chat run's user turn up to the
+    assistant's turn, stopping at ``<|end|>``; else ``<|endoftext|>`` + the text (the exported tokenizer
+    adds the same ``<|endoftext|>``), stopping at the next one."""
+    if template is not None:
+        return template.prompt_ids([Turn("user", prompt)]), template.end_id, ""
+    return [tok.eot_id, *tok.encode(prompt)], tok.eot_id, prompt
+
+
 def samples(
     run_dir: str | Path,
     prompt: str,
@@ -50,11 +60,7 @@ def samples(
     seed ``seed + i``); the arguments are checked before the run is loaded."""
     check_sampling(max_new_tokens, temperature, top_k, top_p, num_samples)
     _, tok, model, _ = load_run(run_dir, device)
-    template = read_template(Path(run_dir))  # a post-training run: the prompt is a user turn
-    if template is not None:
-        ids, stop, shown = template.prompt_ids([Turn("user", prompt)]), template.end_id, ""
-    else:
-        ids, stop, shown = [tok.eot_id, *tok.encode(prompt)], tok.eot_id, prompt
+    ids, stop, shown = prompt_of(tok, read_template(Path(run_dir)), prompt)
     for i in range(num_samples):
         out = generate(
             model,

@@ -4,13 +4,14 @@ named by ``model.safetensors.index.json``), and the tokenizer files ``AutoTokeni
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
 
 from lmforge.data.tokenizer import EOT
 from lmforge.errors import UserError
@@ -69,14 +70,26 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def bos_processor(eot_id: int) -> processors.TemplateProcessing:
+    """The post-processor that puts ``<|endoftext|>`` before a text (``lmforge generate`` prompts a plain run
+    so: the document start of pretraining) and between the two texts of a pair (the document separator);
+    the one ``transformers`` 5 builds itself from ``add_bos_token = true``."""
+    return processors.TemplateProcessing(
+        single=f"{EOT}:0 $A:0", pair=f"{EOT}:0 $A:0 {EOT}:1 $B:1", special_tokens=[(EOT, eot_id)]
+    )
+
+
 def write_tokenizer(
     folder: Path, tokenizer_json: Path, max_len: int, chat_template: str | None = None
 ) -> None:
-    """``tokenizer.json`` (the run's own) with ``tokenizer_config.json`` and ``special_tokens_map.json``
-    naming lmforge's end-of-text token as the BOS and EOS token (no token is added when encoding: the
-    tokenizer has no post-processor, as lmforge encodes); a chat run's template (Jinja) as
-    ``chat_template``."""
-    shutil.copyfile(tokenizer_json, folder / "tokenizer.json")
+    """``tokenizer.json`` (the run's own, with :func:`bos_processor` as its post-processor: encoding with
+    special tokens, ``AutoTokenizer``'s default, adds the ``<|endoftext|>`` that ``lmforge generate`` puts
+    before a prompt) with ``tokenizer_config.json`` and ``special_tokens_map.json`` naming lmforge's
+    end-of-text token as the BOS and EOS token (``add_bos_token = true``, ``add_eos_token = false``); a
+    chat run's template (Jinja, which writes its own ``<|endoftext|>``) as ``chat_template``."""
+    tok = HFTokenizer.from_file(str(tokenizer_json))
+    tok.post_processor = bos_processor(tok.token_to_id(EOT))
+    tok.save(str(folder / "tokenizer.json"))
     special = {"bos_token": EOT, "eos_token": EOT}
     write_json(
         folder / "tokenizer_config.json",
@@ -85,7 +98,7 @@ def write_tokenizer(
             **special,
             "model_max_length": max_len,
             "clean_up_tokenization_spaces": False,
-            "add_bos_token": False,
+            "add_bos_token": True,
             "add_eos_token": False,
             **({"chat_template": chat_template} if chat_template is not None else {}),
         },

@@ -46,20 +46,24 @@ from lmforge.train.resume import config_text, resume_config
 
 log = logging.getLogger(__name__)
 
-FROM_RUN = ("data.seq_len", "data.tokenizer", "data.vocab_size", "data.prepared", "train.objective")
+FROM_RUN = (
+    "data.seq_len", "data.tokenizer", "data.vocab_size", "data.prepared", "data.sources", "train.objective"
+)  # fmt: skip
 
 
 def posttrain_config(
     kind: str, source: Config, run_dir: Path, recipe: str | None, overrides: dict[str, Any], vocab: int
 ) -> Config:
     """The run's config: defaults <- ``POSTTRAIN_DEFAULTS[kind]`` <- recipe <- flags, with the model, the context
-    length and the tokenizer of the starting run (``source``) and ``train.objective = kind``."""
+    length, the tokenizer and ``data.sources`` (not read by post-training; recorded as what the model was
+    trained on) of the starting run (``source``) and ``train.objective = kind``."""
     for key in overrides:
         if key.startswith("model.") or key in FROM_RUN:
             raise UserError(f"--{key}: comes from the --from run (its model and tokenizer); drop the flag")
     fixed = {
         **{f"model.{k}": v for k, v in source.model.model_dump(exclude_none=True).items()},
         "data.seq_len": source.data.seq_len,
+        "data.sources": [s.model_dump() for s in source.data.sources],  # recorded: what the model read
         "data.tokenizer": str((run_dir / "tokenizer.json").resolve()),
         "data.vocab_size": vocab,
         "train.objective": kind,

@@ -2,10 +2,12 @@
 
 A conversation is rendered as ``<|endoftext|>`` (lmforge's document start) followed by, for each turn,
 ``<|role|>\\n`` + content + ``<|end|>\\n``. The role and end markers are special added tokens of the
-run's tokenizer (:func:`add_chat_tokens`), so they are single ids that no text of a record can produce:
-turn contents are encoded with special-token matching off. The loss mask is True on the tokens of the
-assistant contents and their closing ``<|end|>`` (so the model learns to stop); generation continues
-:meth:`ChatTemplate.prompt_ids` and stops at :attr:`ChatTemplate.end_id`.
+run's tokenizer (:func:`add_chat_tokens`), so they are single ids. A marker's text inside a turn's content
+is that marker's id too, as in Hugging Face's ``apply_chat_template`` (which renders one string and
+tokenizes it with the added tokens matched everywhere): training, ``lmforge generate`` and the exported
+model see the same ids for the same chat (docs/post-training.md says why this way). The loss mask is
+True on the tokens of the assistant contents and their closing ``<|end|>`` (so the model learns to
+stop); generation continues :meth:`ChatTemplate.prompt_ids` and stops at :attr:`ChatTemplate.end_id`.
 
 ``chat_template.json`` next to a run's ``tokenizer.json`` marks a chat run (``read_template``), and
 :meth:`ChatTemplate.jinja` is the same template in Hugging Face's chat_template syntax.
@@ -61,8 +63,7 @@ class ChatTemplate:
                 f"{tokenizer.path}: the tokenizer lacks the chat tokens {' '.join(missing)}; "
                 "fine-tune with lmforge sft, which adds them to the run's tokenizer"
             )
-        self._text = hf  # contents: special tokens in a record's text stay plain text
-        self._text.encode_special_tokens = True
+        self._text = hf  # contents: a marker's text is the marker, as apply_chat_template reads it
         self.token_ids: dict[str, int] = {t: int(i) for t, i in ids.items() if i is not None}
         self.role_ids = {r: self.token_ids[role_token(r)] for r in ROLES}
         self.end_id: int = self.token_ids[END]

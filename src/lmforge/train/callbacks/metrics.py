@@ -25,7 +25,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from lmforge.config import ModelConfig
+from lmforge.data.loader import Batch
 from lmforge.plan.flops import mfu, model_flops_per_token
 from lmforge.probes.peak_flops import Peak, device_peak
 from lmforge.train.build import Run
@@ -82,6 +85,18 @@ def noise_scale_blocker(run: Run) -> str | None:
     return None
 
 
+def computed_work(batches: list[Batch], model: ModelConfig, vocab_size: int) -> tuple[int, float]:
+    """``(positions, model FLOPs)`` of ``batches`` as they run through the model: every position of every
+    row, padding included, at ``flops_per_token`` of the rows' own width (its attention term ``12 L d T``
+    with ``T`` = the width)."""
+    positions, flops = 0, 0.0
+    for batch in batches:
+        n = batch.inputs.numel()
+        positions += n
+        flops += n * model_flops_per_token(model, vocab_size, batch.inputs.shape[-1])
+    return positions, flops
+
+
 class StepMetrics(Callback):
     """Every ``train.log_interval`` steps (and the last): loss, lr, gradient norm before clipping, clip
     ratio and threshold, clipped steps since the previous line, skipped steps so far, the loss scale
@@ -127,6 +142,12 @@ class StepMetrics(Callback):
         self._world = 1
         self._gns: NoiseScale | None = None
         self._small: tuple[int, int, torch.Tensor] | None = None  # this step's B_small, B_big, |G_small|^2
+        # DPO (rows padded to each batch's longest pair): this rank's (positions, FLOPs) of the attempt's
+        # batches, of the first step and of the window; other objectives' rows are all data.seq_len long
+        self._padded = False
+        self._batches_work: tuple[int, float] = (0, 0.0)
+        self._first_work: tuple[int, float] = (0, 0.0)
+        self._window_work: tuple[int, float] = (0, 0.0)
 
     def on_train_start(self, trainer: Trainer) -> None:
         self._reset()
@@ -135,6 +156,7 @@ class StepMetrics(Callback):
             run.cfg.model, run.data.tokenizer.vocab_size, run.cfg.data.seq_len
         )
         self._world = run.layout.world
+        self._padded = run.cfg.train.objective == "dpo"
         self._peak = device_peak(run.device, run.precision.name)
         main = run.layout.is_main
         if run.cfg.model.moe.experts and self._peak is not None:
@@ -165,6 +187,26 @@ class StepMetrics(Callback):
         if run.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(run.device)
         self._start = time.perf_counter()
+
+    def on_batches(self, trainer: Trainer, batches: list[Batch]) -> list[Batch]:
+        if self._padded:
+            run = trainer.run
+            self._batches_work = computed_work(batches, run.cfg.model, run.data.tokenizer.vocab_size)
+        return batches
+
+    def _work(self, run: Run) -> tuple[float, float]:
+        """``(positions, FLOPs)`` of every data-parallel rank over the timed steps (the window's, else the
+        first step's): DPO's as computed (summed over the data-parallel group: each rank pads its own
+        pairs), the others' ``tokens_per_step`` positions a step."""
+        steps = self._window_steps or 1
+        if not self._padded:
+            return steps * run.tokens_per_step, steps * run.tokens_per_step * self._flops_per_token
+        local = self._window_work if self._window_steps else self._first_work
+        if run.layout.dp == 1:
+            return local
+        total = torch.tensor(local, dtype=torch.float64, device=run.device)
+        dist.all_reduce(total, group=run.layout.group("dp"))
+        return float(total[0]), float(total[1])
 
     def after_micro_batch(self, trainer: Trainer, index: int, n_targets: int, step_targets: int) -> None:
         if self._gns is None or index != 0:
@@ -199,6 +241,12 @@ class StepMetrics(Callback):
             self._gns.update(b_small, sq_small, b_big, result.grad_norm.float().square())
         self._steps += 1
         self._window_steps += self._steps > 1
+        if self._steps == 1:
+            self._first_work = self._batches_work
+        else:
+            self._window_work = tuple(
+                a + b for a, b in zip(self._window_work, self._batches_work, strict=True)
+            )
         self._clipped = self._clipped + (result.clip.ratio < 1)  # stays on the device until logged
         step = trainer.progress.step
         if step % run.cfg.train.log_interval and step != trainer.total_steps:
@@ -210,7 +258,9 @@ class StepMetrics(Callback):
         a = self.SMOOTHING
         self._step_s = per_step if self._step_s is None else a * per_step + (1 - a) * self._step_s
         overhead = time.perf_counter() - self._start - self._train_s - self._first_s
-        tokens_per_s = run.tokens_per_step / per_step if per_step > 0 else 0.0
+        positions, flops = self._work(run)
+        steps = self._window_steps or 1
+        tokens_per_s = positions / (per_step * steps) if per_step > 0 else 0.0
         record = {
             "step": step,
             "loss": float(result.loss),
@@ -221,7 +271,7 @@ class StepMetrics(Callback):
             "skipped_steps": self.skipped,
             "tokens_per_s": tokens_per_s,
             "data_wait_share": data_s / per_step if per_step > 0 else 0.0,
-            "batch_tokens": run.tokens_per_step,
+            "batch_tokens": round(positions / steps),
             "eta_s": eta_seconds(trainer.total_steps - step, self._step_s, max(overhead, 0.0), self._steps),
             "tokens_seen": trainer.progress.tokens_seen,
             "epoch": run.loader.epoch,
@@ -229,7 +279,8 @@ class StepMetrics(Callback):
             **run.module.take_metrics(),
         }
         if self._peak is not None:
-            record["mfu"] = mfu(tokens_per_s, self._flops_per_token, self._peak.flops * self._world)
+            per_token = flops / positions if positions else self._flops_per_token
+            record["mfu"] = mfu(tokens_per_s, per_token, self._peak.flops * self._world)
             record["peak_tflops"] = self._peak.flops / 1e12
         if self._gns is not None and self._gns.count:
             trace, grad_sq = self._gns.smoothed()
@@ -242,6 +293,7 @@ class StepMetrics(Callback):
             record["loss_scale"] = run.precision.loss_scale
         trainer.log(record)
         self._window_s, self._window_data_s, self._window_steps, self._clipped = 0.0, 0.0, 0, 0
+        self._window_work = (0, 0.0)
 
     def state_dict(self) -> dict:
         return {"skipped_steps": self.skipped}
