@@ -87,6 +87,7 @@ BASE = {
 GQA = {"model.arch": "llama", "model.n_heads": 4, "model.n_kv_heads": 2}
 GPT2 = {"model.arch": "gpt2"}
 UNTIED = {"model.tie_embeddings": False}
+MOE = {"model.moe.experts": 4, "model.moe.top_k": 2}
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,11 @@ CASES = [
           parallel__pp_schedule="zero_bubble", train__micro_batch_size=4),
     _case("pp2-zbv-fp32-sgd", 2, use=[GQA, UNTIED], model__n_layers=4, parallel__pp=2,
           parallel__pp_schedule="zbv", train__micro_batch_size=4, optim__name="sgd"),
+    # mixture of experts (4 experts, top-2): one process, and expert parallelism over 2 DDP ranks
+    _case("one-moe-fp32-adamw", 1, use=[GQA, MOE]),
+    _case("one-moe-bf16-full-shared", 1, use=[GQA, MOE], train__precision="bf16", model__moe__shared_experts=1,
+          train__activation_checkpointing="full"),
+    _case("ddp-ep2-moe-fp32-adamw", 2, use=[GQA, MOE], parallel__dp_replicate=2, parallel__ep=2),
 ]  # fmt: skip
 BY_NAME = {c.name: c for c in CASES}
 QUICK = ["one-fp32-adamw-llama", "one-bf16-gpt2-adamw", "zero3-fp32-adamw-gqa", "ddp-fp32-adamw"]
@@ -176,6 +182,8 @@ TEST_CASES = [
     "tp2-fp32-adamw",
     "pp2-1f1b-fp32-adamw",
     "pp2-interleaved-fp32-lion",
+    "one-moe-bf16-full-shared",
+    "ddp-ep2-moe-fp32-adamw",
 ]
 # what the planner does not model: lmforge estimate refuses these flags in one line (plan/request.py)
 NOT_MODELLED = [
@@ -183,7 +191,7 @@ NOT_MODELLED = [
     _case("one-fp32-activation-offload", 1, use=[GQA], train__activation_offload=True),
     _case("one-fp32-dpo", 1, use=[GQA], train__objective="dpo"),
     _case("one-fp64-adamw", 1, use=[GQA], train__precision="fp64"),
-    _case("one-moe-adamw", 1, use=[GQA], model__moe__experts=4),
+    _case("one-moe-selective", 1, use=[GQA, MOE], train__activation_checkpointing="selective"),
 ]
 
 

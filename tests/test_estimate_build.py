@@ -358,11 +358,21 @@ def test_limit_is_not_checked_for_offloaded_runs_and_says_so_when_asked():
     assert check_memory(_cfg(**fp64), 1, "cuda", "fp32", device_memory=1) is None
     with pytest.raises(ConfigError, match=r"^parallel\.max_memory_gb: .*not model train\.precision=fp64"):
         check_memory(_cfg(**fp64, **{"parallel.max_memory_gb": 1.0}), 1, "cuda", "fp32")
-    # Mixture of Experts: the plan would count a dense MLP where the experts' weights and buffers are
-    moe = {"model.moe.experts": 4}
+    # selective checkpointing of Mixture-of-Experts blocks: which of their ops it keeps is not modelled
+    moe = {"model.moe.experts": 4, "train.activation_checkpointing": "selective"}
     assert check_memory(_cfg(**moe), 1, "cuda", "fp32", device_memory=1) is None
-    with pytest.raises(ConfigError, match=r"^parallel\.max_memory_gb: .*not model model\.moe\.experts"):
+    with pytest.raises(ConfigError, match=r"^parallel\.max_memory_gb: .*not model train\.activation_check"):
         check_memory(_cfg(**moe, **{"parallel.max_memory_gb": 1.0}), 1, "cuda", "fp32")
+
+
+def test_limit_is_checked_for_moe_runs():
+    """An MoE run is planned (its experts, routing and dispatch buffers) and checked like a dense one."""
+    cfg = _cfg(**{"model.moe.experts": 4})
+    peak = planned_peak(cfg, 1, "cuda", "bf16").peak
+    assert peak > planned_peak(_cfg(), 1, "cuda", "bf16").peak  # four experts hold more than one MLP
+    assert check_memory(cfg, 1, "cuda", "bf16", device_memory=int(peak) + 1).peak == peak
+    with pytest.raises(ConfigError, match=r"^parallel\.max_memory_gb: .*the device's memory; "):
+        check_memory(cfg, 1, "cuda", "bf16", device_memory=int(peak) - 1)
 
 
 def test_limit_plans_auto_micro_batch_at_its_smallest_candidate():

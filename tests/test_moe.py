@@ -327,7 +327,13 @@ def test_tiny_moe_run_learns_logs_routing_and_resumes_its_bias(corpus_dir, tmp_p
     last = steps[-1]
     assert len(last["moe/layer.0/load"]) == 4 and sum(last["moe/layer.0/load"]) == 4 * 32 * 2
     assert last["moe/imbalance"] >= 1 and "moe/aux_loss" in last and "moe/layer.1/dropped" in last
-    assert "mfu" not in last  # its FLOP count would be a dense model's (a dense run logs it on this CPU)
+    # MFU from the parameters a token uses: the FLOPs per token it implies, against a count by hand (2
+    # MoE blocks 32 wide, experts 128 wide, 4 of them, 2 per token, tied vocabulary: 6 N + 12 L d T)
+    vocab = load_checkpoint(latest_checkpoint(tmp_path / "straight"))["model"]["embed.weight"].shape[0]
+    d, f, t = 32, 128, cfg.data.seq_len
+    n = vocab * d + 2 * (4 * d * d + 2 * d + 4 * d + 2 * 3 * d * f) + d
+    flops = last["mfu"] * last["peak_tflops"] * 1e12 / last["tokens_per_s"]
+    assert flops == pytest.approx(6 * n + 12 * 2 * d * t, rel=1e-9)
     train(cfg, tmp_path / "resumed", progress_bar=False, callbacks=[StopAfter(10)])
     train(cfg, tmp_path / "resumed", resume=True, progress_bar=False)
     # the bias is in the model's state: the checkpoints of the straight and the resumed run hold the same

@@ -91,7 +91,13 @@ def _estimate_text(e, name: str, optimizer: str, hw) -> str:
     acts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in e.activation_parts.items() if v)
     limit = e.margin * e.memory_bytes
     lines = [
-        f"{name}: {e.n_params:,} parameters ({e.n_params / 1e9:.2f}B); {e.layout.world} x {hw.name} "
+        f"{name}: {e.n_params:,} parameters ({e.n_params / 1e9:.2f}B)"
+        + (
+            f", {e.active_params:,} active per token ({e.active_params / 1e9:.2f}B)"
+            if e.active_params != e.n_params
+            else ""
+        )
+        + f"; {e.layout.world} x {hw.name} "
         f"({e.memory_bytes / GIB:.1f} GiB each); {e.precision}, {optimizer}, {e.attention} attention; "
         f"{e.accounting} accounting",
         f"layout: {e.layout.describe()}; {e.tokens_per_step:,} tokens per step ({e.accum} micro-batch{'es' if e.accum > 1 else ''} per rank)",
@@ -153,12 +159,15 @@ def _estimate_text(e, name: str, optimizer: str, hw) -> str:
             + " GiB"
         )
     lines += [
-        f"compute: {e.flops_per_token / 1e9:.1f} GFLOP per token (6N + 12 L d T), {e.flops_per_step / 1e15:.2f} PFLOP "
+        f"compute: {e.flops_per_token / 1e9:.1f} GFLOP per token (6N + 12 L d T"
+        + (", N the active parameters" if e.active_params != e.n_params else "")
+        + f"), {e.flops_per_step / 1e15:.2f} PFLOP "
         f"per step; recompute x{e.recompute:.2f}, pipeline bubble {e.bubble:.1%} ((p-1)/(m+p-1))",
         f"time at MFU {e.mfu:.2f}: step {e.step_s:.3f} s (compute {e.compute_s:.3f} s, exposed communication "
         f"{e.exposed_comm_s:.3f} s), {e.tokens_per_s:,.0f} tokens/s, {e.tokens_per_day / 1e9:.2f}B tokens/day",
         f"communication per step and device: data parallel {c.dp / GIB:.2f} GiB, tensor parallel {c.tp / GIB:.2f} GiB, "
-        f"pipeline {c.pp / GIB:.2f} GiB",
+        f"pipeline {c.pp / GIB:.2f} GiB"
+        + (f", expert all-to-all {c.ep / GIB:.2f} GiB (balanced router)" if e.layout.ep > 1 else ""),
         f"Chinchilla (D = 20 N): {e.chinchilla_tokens / 1e9:.1f}B tokens in {e.chinchilla_days:.1f} days at this rate",
     ]
     lines += [f"warning: {w}" for w in e.warnings]

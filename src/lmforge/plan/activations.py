@@ -54,6 +54,34 @@ One block without checkpointing (policy ``none``), in bytes:
   ``c * (d h e + 2 d g e + h e d + k_mlp d f)`` with ``k_mlp`` 3 (SwiGLU) or 2 (GELU). They are counted as
   activations: they are created per forward and freed only by backward (``weight_casts``). FSDP2 mp: 0.
 
+Mixture-of-experts blocks (``model/moe.py::MoE``; ``E`` experts, ``E_l = E / ep`` of them on this rank,
+``k = top_k``, ``f_e`` an expert's width, ``s f_e`` the shared experts' width; ``R = N k`` routed rows,
+every assignment computed, dropped ones too, at weight 0) replace the MLP part (``mlp``) by:
+
+* ``mlp``: the router's input, the norm output in FP32, ``4 N d`` (FSDP2 mp: its ``.float()`` copy, and
+  the router weight's FP32 copy ``4 E d``); the gathered rows, ``c R d`` (``flat[token]`` cast to
+  ``c``; FP32: that copy itself); the experts' gate, silu(gate), up and product, ``4 c R f_e``; their
+  output in FP32 (``.float()`` of the ``c``-byte output, or that output under FP32) and the weighted rows
+  the scatter-add keeps as its source, ``2 * 4 R d``; the shared experts as a dense SwiGLU of width
+  ``s f_e`` on the norm output (autocast: ``2 c N d`` of input casts, FSDP2 mp: the ``c``-byte norm
+  output ``c N d``; all: ``4 c N s f_e``).
+* ``routing``: the FP32 scores ``4 N E``; the top-k indices, each row's token and the sort order, int64,
+  ``3 * 8 R``; the weights of the rows ``4 R`` (normalised: the chosen scores and their sum besides,
+  ``4 R + 4 N``); a capacity's keep mask ``R`` (bool); ``torch._grouped_mm``'s group offsets, int32,
+  ``3 * 4 E_l`` (the ``loop`` kernel has none); the balance losses that are on: Switch ``4 E``,
+  sequence-wise ``4 B E``, z-loss ``4 N E + 4 N``, with sigmoid scores and a Switch or sequence-wise loss
+  the scores' sum ``4 N``, and the layer's weighted loss ``4`` (a checkpointed block keeps that too). Under expert parallelism (derived, not
+  measured) the arrived rows' regrouping order and its inverse, ``2 * 8 R`` (a balanced router: ``R``
+  rows arrive), and the gathered rows are the arrived ones.
+* ``weight_casts``: the experts' weights cast to ``c`` by ``.to`` (not autocast's cache), kept by the
+  grouped products, ``c * 3 E_l d f_e`` (FSDP2 mp: none, gathered in ``c``, unless expert parallelism
+  keeps them out of FSDP2), and the shared experts' autocast copies ``c * 3 d s f_e``; the router is
+  never cast (FP32 logits). FSDP2 mp is derived, not measured; ``selective`` is not modelled for MoE
+  blocks (ValueError).
+
+Measured exact (``tests/test_moe_plan.py``) against ``saved_activation_bytes`` for one MoE layer and for
+whole models, FP32 and BF16 autocast, softmax and sigmoid, shared experts, capacity, every balance loss.
+
 Checkpointed blocks (``full``; ``every:K`` checkpoints block ``i`` when ``i % K == 0``) keep only their
 input ``4 n d`` (saved by checkpoint's input saver; FSDP2 mp ``c n d`` and the RoPE casts ``2 c T e``)
 and, once for all of them, the boolean document mask they take as an argument, ``B T^2`` (the RoPE
@@ -157,6 +185,7 @@ class ActivationBytes:
     attention_kernel: int
     attention_mask: int
     mlp: int
+    routing: int
     weight_casts: int
     embedding: int
     head: int
@@ -342,6 +371,50 @@ def _selective_block(D: _Dims, attention: str) -> dict[str, int]:
     }
 
 
+def _moe_block(D: _Dims, plain: dict[str, int], model: ModelConfig, ep: int) -> dict[str, int]:
+    """What one MoE block saves under policy ``none`` (module docstring): ``plain``'s attention parts and
+    the MoE layer's ``mlp``, ``routing`` and ``weight_casts``."""
+    m = model.moe
+    N, B, d, c = D.N, D.B, D.d, D.c
+    e, k, el = m.experts, m.top_k, m.experts // ep
+    fe = m.d_expert or ff_width(model)
+    fs = m.shared_experts * fe
+    R = N * k
+    mlp = 4 * N * d + (4 * e * d if D.mp else 0)  # the router's FP32 input (FSDP2 mp: and weight copies)
+    mlp += c * R * d + 4 * c * R * fe + 2 * 4 * R * d  # rows, the experts' SwiGLU, outputs, weighted rows
+    if fs:
+        mlp += (2 * c * N * d if D.casts else c * N * d if D.mp else 0) + 4 * c * N * fs
+    normalize = m.normalize if m.normalize is not None else m.score == "sigmoid"
+    routing = 4 * N * e + 3 * 8 * R + 4 * R + (4 * R + 4 * N if normalize else 0)
+    routing += (R if m.capacity_factor else 0) + 3 * 4 * el + (2 * 8 * R if ep > 1 else 0)
+    routing += _balance_losses(N, B, m)
+    attention_casts = D.d * D.h * D.e + 2 * D.d * D.g * D.e + D.h * D.e * D.d
+    casts = c * (attention_casts + 3 * d * fs) if D.casts else 0
+    if c < 4 and (not D.mp or ep > 1):  # the experts' ``.to(c)`` copies (FSDP2 mp gathers them in ``c``)
+        casts += c * 3 * el * d * fe
+    return {**plain, "mlp": mlp, "routing": routing, "weight_casts": casts}
+
+
+def _balance_losses(N: int, B: int, m) -> int:
+    """What the balance losses that are on save (module docstring)."""
+    e, out = m.experts, 0
+    if m.aux_loss or m.seq_aux_loss or m.z_loss:
+        out += 4  # the layer's weighted loss, kept until the training module adds it
+    out += 4 * e if m.aux_loss else 0
+    out += 4 * B * e if m.seq_aux_loss else 0
+    out += 4 * N * e + 4 * N if m.z_loss else 0
+    if m.score == "sigmoid" and (m.aux_loss or m.seq_aux_loss):
+        out += 4 * N  # the scores' sum, dividing them into a distribution
+    return out
+
+
+def _moe_forward_casts(D: _Dims, model: ModelConfig) -> int:
+    """Values autocast's cache holds of one checkpointed MoE block: its attention weights and the
+    shared experts' (the experts' own copies are ``.to`` casts, freed with the recomputed forward)."""
+    fs = model.moe.shared_experts * (model.moe.d_expert or ff_width(model))
+    return D.d * D.h * D.e + 2 * D.d * D.g * D.e + D.h * D.e * D.d + 3 * D.d * fs
+
+
 def _head_and_loss(D: _Dims, loss: str, loss_chunk: int) -> dict[str, int]:
     """What the final norm, the head and the loss save (the stage holding the last block)."""
     N, n, d, V, c = D.N, D.n, D.d, D.V, D.c
@@ -376,6 +449,7 @@ def activation_bytes(
     loss: str = "fused",
     fsdp_mixed_precision: bool = False,
     fp8: bool = False,
+    ep: int = 1,
 ) -> ActivationBytes:
     """Bytes kept alive between forward and backward of one micro-batch of ``micro_batch x seq_len``
     tokens on one device (formulas in the module docstring).
@@ -390,7 +464,8 @@ def activation_bytes(
     blocks run under FSDP2's ``MixedPrecisionPolicy`` (``parallel/data_parallel.py::apply_fsdp``: ZeRO-2/3
     with a 16-bit compute dtype) instead of plain autocast over FP32 parameters (one process, DDP,
     ZeRO-1); ignored at ``compute_bytes`` 4; ``fp8``: ``train.precision = fp8`` (the blocks' float8 layers
-    cast no weight copies). See the module docstring.
+    cast no weight copies); ``ep``: ``parallel.ep`` (an MoE block's experts on this rank). See the module
+    docstring.
     """
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention {attention!r}: use one of {', '.join(ATTENTION_KINDS)}")
@@ -403,18 +478,27 @@ def activation_bytes(
         )
     D = _dims(model, vocab_size, seq_len, micro_batch, compute_bytes, tp, device_type, fsdp_mixed_precision)
     D = replace(D, fp8=fp8)
-    plain = _plain_block(D, attention, model.doc_mask)
+    if model.moe.experts and policy == "selective":
+        raise ValueError("selective checkpointing of MoE blocks is not modelled")
+    dense = _plain_block(D, attention, model.doc_mask)
+    moe = _moe_block(D, dense, model, ep) if model.moe.experts else dense
     full = {"residual": D.r * D.n * D.d, "rotary": _rotary(D) if D.mp else 0}
     kept = _selective_block(D, attention) if policy == "selective" else full
 
     parts = {field.name: 0 for field in fields(ActivationBytes) if field.name not in TRANSIENT}
-    recompute, checkpointed = 0, 0
+    recompute, checkpointed, cached = 0, 0, 0
     for i in range(first_layer, first_layer + layers):
+        is_moe = model.moe.is_moe_block(i)
+        plain = moe if is_moe else dense
         if not _checkpointed(policy, i):
             _add(parts, **plain)
             continue
         checkpointed += 1
+        cached += _moe_forward_casts(D, model) if is_moe else _cast(D, bias=False)
         _add(parts, **kept)
+        m = model.moe
+        if is_moe and (m.aux_loss or m.seq_aux_loss or m.z_loss):
+            parts["routing"] += 4  # the layer's weighted balance loss
         recompute = max(recompute, sum(plain.values()) - sum(kept.values()))
     if checkpointed and model.doc_mask and attention != "flex":
         parts["attention_mask"] += (
@@ -427,5 +511,5 @@ def activation_bytes(
     forward_casts = 0
     if D.casts:  # autocast's cache: checkpointed blocks' weight casts, and every block's bias casts
         biases = _cast(D, bias=True) * layers if uses_bias(model) else 0
-        forward_casts = D.c * (_cast(D, bias=False) * checkpointed + biases)
+        forward_casts = D.c * (cached + biases)
     return ActivationBytes(**parts, recompute=recompute, forward_casts=forward_casts)

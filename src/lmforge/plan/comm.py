@@ -43,6 +43,16 @@ Pipeline parallelism: each micro-batch's ``b x T x d`` activation goes to the ne
 comes back, ``2 * b T d c`` bytes per pipeline micro-batch sent by an inner stage. A tied embedding held
 by the first and the last stage on two ranks (``parallel/tied_embedding.py``) adds, on those two ranks,
 one all-reduce of the copy's FP32 gradient (this rank's shard) per step: :func:`tied_volume`.
+
+Expert parallelism (``parallel.ep``, ``parallel/expert.py``): per MoE layer and micro-batch, forward sends
+the routed rows to their experts' ranks and their outputs back (two ``all_to_all_single``), backward the
+two gradients the other way (two more), the forward's after a small all-to-all of the ``E`` row counts (int64).
+A rank routes its ``n`` tokens to ``k`` experts each, ``n k`` rows of ``d``; with a balanced router a
+share ``(ep - 1) / ep`` of them leave the rank (the rest are its own experts'): :func:`ep_volume`. The
+dispatched rows are the MLP norm's output (FP32 under FP32 and plain autocast, the compute dtype under
+FSDP2's mixed precision: ``r`` bytes), the returned ones the experts' output in the compute dtype ``c``;
+backward sends the same sizes. The experts' FP32 gradients are all-reduced once per step over the
+``dp / ep`` ranks holding the same experts (``ExpertGradSync``): counted in the data-parallel volume.
 """
 
 from __future__ import annotations
@@ -208,8 +218,35 @@ class CommVolume:
     dp: float
     tp: float
     pp: float
+    ep: float = 0.0  # expert parallelism's all-to-all exchanges (ep_volume)
 
     @property
     def total(self) -> float:
-        """``dp + tp + pp``."""
-        return self.dp + self.tp + self.pp
+        """``dp + tp + pp + ep``."""
+        return self.dp + self.tp + self.pp + self.ep
+
+
+def ep_volume(
+    ep: int,
+    moe_layers: int,
+    tokens: int,
+    top_k: int,
+    d_model: int,
+    experts: int,
+    dispatch_bytes: int,
+    c: int,
+    forwards: float = 1.0,
+) -> float:
+    """Bytes one rank sends per optimizer step in expert parallelism's all-to-alls (module docstring):
+    ``tokens`` the rank routes in the step (its micro-batches' tokens), ``forwards`` the forwards of each
+    MoE layer per micro-batch (1, plus what activation checkpointing recomputes)::
+
+        (ep - 1) / ep * L_moe * (forwards * (n k d (r + c) + 8 E) + n k d (c + r))
+
+    (forward: the counts, rows out in ``r`` bytes, outputs back in ``c``; backward, with the forward's
+    splits: the outputs' gradient out in ``c``, the rows' gradient back in ``r``). A balanced router is assumed: an unbalanced
+    one sends more from some ranks (at most every row, ``(ep - 1) / ep`` -> 1). 0 at ``ep = 1``."""
+    if ep <= 1 or not moe_layers:
+        return 0.0
+    rows = tokens * top_k * d_model * (dispatch_bytes + c)
+    return (ep - 1) / ep * moe_layers * (forwards * (rows + 8 * experts) + rows)

@@ -35,7 +35,8 @@ typical well-tuned dense run reaches 0.35-0.5 on A100/H100)::
 
     flops/step   = flops_per_token * tokens_per_step          (6N + 12 L d T, plan/flops.py)
     compute      = flops/step / (world * peak * mfu) * recompute / (1 - bubble)
-    exposed comm = tp + pp volume / link  +  max(0, dp volume / link - compute)   (DP overlaps compute)
+    exposed comm = tp + pp + ep volume / link  +  max(0, dp volume / link - compute)   (DP overlaps compute;
+                   expert parallelism's all-to-alls, plan/comm.py::ep_volume, do not)
     step time    = compute + exposed comm
 
 ``recompute``: 1 (none), 1.03 (selective: Korthikanti et al. 2022 measured 2.7% extra), 1 + 1/(3K)
@@ -63,8 +64,17 @@ from lmforge.parallel.pipeline import (
     stage_layers,
 )
 from lmforge.plan.activations import TRANSIENT, activation_bytes
-from lmforge.plan.comm import CommVolume, dp_collectives, dp_volume, pp_volume, tied_volume, tp_volume
-from lmforge.plan.flops import flops_per_token, lookup_params
+from lmforge.plan.comm import (
+    CommVolume,
+    all_reduce,
+    dp_collectives,
+    dp_volume,
+    ep_volume,
+    pp_volume,
+    tied_volume,
+    tp_volume,
+)
+from lmforge.plan.flops import model_flops_per_token
 from lmforge.plan.hardware import Hardware
 from lmforge.plan.memory import (
     CPU_OVERHEAD,
@@ -74,11 +84,15 @@ from lmforge.plan.memory import (
     ParamTensor,
     StateBytes,
     Temporaries,
+    active_param_count,
     build_bytes,
     compute_bytes,
+    data_parallel,
+    expert_parallel,
     fsdp_shape,
     model_buffer_bytes,
     model_states,
+    moe_blocks,
     param_tensors,
     stage_tensors,
     temporaries,
@@ -111,6 +125,7 @@ class Layout:
     pp_microbatches: int = 0
     pp_stages_per_rank: int = 0
     defer_grad_sync: bool = False
+    ep: int = 1  # parallel.ep: each MoE layer's routed experts split over ep of the data-parallel ranks
 
     @property
     def world(self) -> int:
@@ -142,6 +157,8 @@ class Layout:
             parts.append(f"tp {self.tp}")
         if self.pp > 1:
             parts.append(f"pp {self.pp}")
+        if self.ep > 1:
+            parts.append(f"ep {self.ep}")
         parts.append(f"mb {self.micro_batch}")
         parts.append(f"ac {self.activation_checkpointing}")
         if self.defer_grad_sync:
@@ -186,6 +203,7 @@ class Estimate:
     margin: float
     mfu: float
     n_params: int
+    active_params: int  # parameters a token uses (all but the routed experts it is not sent to)
     device_params: int
     pp_rank: int
     states: StateBytes
@@ -366,6 +384,7 @@ def _activations(
             loss=workload.loss,
             fsdp_mixed_precision=fsdp_mp,
             fp8=workload.precision == "fp8",
+            ep=layout.ep,
         )
         per_stage.append(a)
     # a stage's output, kept by the pipeline stage for its backward (nothing in the stage saves it): the
@@ -774,6 +793,7 @@ def _rank_memory(
         tokens,
         workload.nesterov,
         workload.weight_decay,
+        layout.ep,
     )
     accumulating = accumulating_gradients(states, mine, layout, accounting)
     local = [math.prod(tp_shape(t, layout.tp)) for t in mine]
@@ -805,7 +825,7 @@ def _rank_memory(
     base = states.total - states.grads + buffers
     allocated = base + at_peak.total
     overhead = overhead_model.runtime_bytes + overhead_model.fragmentation * allocated
-    whole = _param_tensors(model_json, workload.vocab_size, workload.seq_len)
+    whole = expert_parallel(_param_tensors(model_json, workload.vocab_size, workload.seq_len), layout.ep)
     build = build_bytes(whole, mine, layout.kind, layout.dp_shard, layout.tp)
     build_overhead = overhead_model.runtime_bytes + overhead_model.fragmentation * build.total
     return _RankMemory(
@@ -837,7 +857,8 @@ def _communication(
     """Bytes per step of data, tensor and pipeline parallelism for the rank ``peak``, and the data-parallel
     collectives per step (``plan/comm.py``)."""
     kind, tp, c = layout.kind, layout.tp, compute_bytes(workload.precision)
-    device_params = sum(math.prod(tp_shape(t, tp)) for t in peak.mine)
+    device_params = sum(math.prod(tp_shape(t, tp)) for t in peak.mine if data_parallel(t))
+    experts_local = sum(math.prod(tp_shape(t, tp)) for t in peak.mine if not data_parallel(t))
     root = sum(math.prod(tp_shape(t, tp)) for t in peak.mine if t.unit == "root")
     sharded = kind.startswith("zero")
     pipeline_mb = pipe.m if layout.pp > 1 else 1
@@ -856,7 +877,8 @@ def _communication(
             layout.defer_grad_sync,
             pipeline_mb,
             layout.pp_schedule,
-        ),
+        )
+        + all_reduce(4.0 * experts_local, layout.dp // layout.ep),
         tp=tp_volume(
             tp,
             len({t.layer for t in peak.mine if t.layer is not None}),
@@ -870,9 +892,29 @@ def _communication(
         ),
         pp=pp_volume(layout.pp, device_tokens, workload.model.d_model, c)
         + tied_volume(_tied_grad_bytes(layout, peak.mine)),
+        ep=_ep_volume(workload, layout, device_tokens),
     )
     counts = dp_collectives(kind, accum, layout.defer_grad_sync, pipeline_mb, layout.pp_schedule)
     return comm, counts
+
+
+def _ep_volume(workload: Workload, layout: Layout, device_tokens: int) -> float:
+    """Expert parallelism's all-to-all bytes per step for this rank (``plan/comm.py::ep_volume``): the
+    rows dispatched in the residual stream's dtype (FP32, or the compute dtype under FSDP2's mixed
+    precision), returned in the compute dtype."""
+    m, c = workload.model, compute_bytes(workload.precision)
+    mp = layout.kind in ("zero2", "zero3") and c < 4
+    return ep_volume(
+        layout.ep,
+        len(moe_blocks(m)),
+        device_tokens,
+        m.moe.top_k,
+        m.d_model,
+        m.moe.experts,
+        c if mp else 4,
+        c,
+        1.0 + recomputed_forwards(layout.activation_checkpointing),
+    )
 
 
 def _tied_grad_bytes(layout: Layout, mine: list[ParamTensor]) -> float:
@@ -926,7 +968,7 @@ def estimate(
     peak = max(ranks, key=lambda r: r.total)  # the first of equal ranks
     build = max(ranks, key=lambda r: r.build_total)
 
-    fpt = flops_per_token(n_params - lookup_params(tensors), cfg.n_layers, cfg.d_model, workload.seq_len)
+    fpt = model_flops_per_token(cfg, workload.vocab_size, workload.seq_len)
     flops_step = fpt * tokens
     recompute = recompute_factor(layout.activation_checkpointing)
     compute_s = (
@@ -935,6 +977,7 @@ def estimate(
     comm, counts = _communication(workload, layout, pipe, peak, tokens, accum, accounting)
     dp_s = comm.dp / _link(hw, layout.tp * layout.dp)
     other_s = comm.tp / _link(hw, layout.tp) + comm.pp / _link(hw, layout.world)
+    other_s += comm.ep / _link(hw, layout.tp * layout.ep)  # the all-to-alls wait: on the critical path
     exposed = other_s + max(0.0, dp_s - compute_s)
     step_s = compute_s + exposed
     tps = tokens / step_s
@@ -949,6 +992,7 @@ def estimate(
         margin=margin,
         mfu=mfu,
         n_params=n_params,
+        active_params=active_param_count(cfg, workload.vocab_size, workload.seq_len),
         device_params=sum(math.prod(tp_shape(t, layout.tp)) for t in peak.mine),
         pp_rank=peak.rank,
         states=peak.states,
@@ -1009,11 +1053,13 @@ def _device_states(
     tokens: int = 0,
     nesterov: bool | None = None,
     weight_decay: bool = True,
+    ep: int = 1,
 ) -> tuple[list[ParamTensor], StateBytes, Temporaries]:
-    """The tensors of a pipeline rank owning the block ranges ``owned``, their model states and the
-    temporaries (the head's loss chunk on the rank owning the last block only); cached, since the layouts
-    of a search that differ only in checkpointing or micro-batch share them."""
-    tensors = _param_tensors(model_json, vocab_size, seq_len)
+    """The tensors of a pipeline rank owning the block ranges ``owned`` (the experts as ``ep`` splits
+    them, ``plan/memory.py::expert_parallel``), their model states and the temporaries (the head's loss
+    chunk on the rank owning the last block only); cached, since the layouts of a search that differ only
+    in checkpointing or micro-batch share them."""
+    tensors = expert_parallel(_param_tensors(model_json, vocab_size, seq_len), ep)
     n_layers = ModelConfig.model_validate_json(model_json).n_layers
     mine: list[ParamTensor] = []
     for start, stop in owned:
@@ -1038,6 +1084,7 @@ def _device_states(
         tokens,
         nesterov,
         weight_decay,
+        ModelConfig.model_validate_json(model_json).moe.top_k,
     )
     return mine, states, temps
 
@@ -1065,6 +1112,7 @@ def layout_from_config(cfg: Config, gpus: int | None = None) -> Layout:
         p.pp_microbatches,
         p.pp_stages_per_rank,
         p.defer_grad_sync,
+        p.ep,
     )
     if gpus is not None and gpus > 1 and layout.world == 1:
         layout = replace(layout, dp_shard=gpus)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lmforge.config import ModelConfig
-from lmforge.plan.memory import ParamTensor, param_tensors
+from lmforge.plan.memory import ParamTensor, active_param_count, param_tensors
 
 
 def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
@@ -24,11 +24,20 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:
 
 
 def model_flops_per_token(cfg: ModelConfig, vocab_size: int, seq_len: int) -> float:
-    """:func:`flops_per_token` of ``Transformer(cfg, vocab_size, seq_len)``: ``N`` is every parameter of
-    ``plan/memory.py::param_tensors`` but the input embeddings (token and position tables; a tied table is
-    the output head and counts)."""
+    """:func:`flops_per_token` of ``Transformer(cfg, vocab_size, seq_len)``: ``N`` is the parameters a
+    token uses, ``plan/memory.py::active_param_count``, less the input embeddings (token and position
+    tables; a tied table is the output head and counts).
+
+    Mixture of experts: in each MoE block a token runs ``k = top_k`` of the ``E`` routed experts, each a
+    SwiGLU of ``3 d f_e`` weights, plus the router ``d E`` (its FP32 logits, forward and backward) and the
+    shared experts ``3 d (s f_e)``; so ``N`` counts ``k``, not ``E``, routed experts:
+    ``N_active = N - (E - k) 3 d f_e`` per MoE block, and ``6 N_active + 12 L d T`` per token. Not
+    counted (as for dense blocks, which leave out norms and element-wise work): the routing's softmax,
+    top-k, sort and gathers, the weighting of the ``T k`` expert outputs and their scatter-add. A model
+    whose MoE blocks have ``E = k`` experts of width ``f_e`` costs what a dense model of MLP width
+    ``k f_e`` does, plus the router's ``6 d E``."""
     tensors = param_tensors(cfg, vocab_size, seq_len)
-    n = sum(t.numel for t in tensors) - lookup_params(tensors)
+    n = active_param_count(cfg, vocab_size, seq_len) - lookup_params(tensors)
     return flops_per_token(n, cfg.n_layers, cfg.d_model, seq_len)
 
 

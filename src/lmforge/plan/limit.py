@@ -40,7 +40,9 @@ NOT_PLANNED = {  # what the planner does not model (plan/request.py::NOT_MODELLE
     "parallel.offload": lambda cfg: cfg.parallel.offload,
     "train.activation_offload": lambda cfg: cfg.train.activation_offload,
     "train.precision=fp64": lambda cfg: cfg.train.precision == "fp64",
-    "model.moe.experts": lambda cfg: cfg.model.moe.experts > 0,
+    "train.activation_checkpointing=selective with model.moe": lambda cfg: (
+        cfg.model.moe.experts > 0 and cfg.train.activation_checkpointing == "selective"
+    ),
 }
 
 
@@ -95,7 +97,8 @@ def check_memory(
     """The planned peak of ``cfg`` (:func:`planned_peak`) checked against ``parallel.max_memory_gb`` (GB),
     or, unset, ``device_memory`` (bytes; a CUDA device's); ConfigError (:func:`refusal`) when it exceeds
     the limit. None when there is no limit (CPU without the key) or the run is one the planner does not
-    model (:data:`NOT_PLANNED`: offloading to host memory, float64, Mixture of Experts; with the key set, a
+    model (:data:`NOT_PLANNED`: offloading to host memory, float64, selective checkpointing of MoE blocks;
+    with the key set, a
     ConfigError): nothing is planned."""
     offload = [k for k, on in NOT_PLANNED.items() if on(cfg)]
     if offload and cfg.parallel.max_memory_gb is not None:

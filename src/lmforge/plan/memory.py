@@ -59,7 +59,7 @@ beside the step's parameters, not here) and a few scalars.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lmforge.config import ModelConfig
 from lmforge.model.fused_loss import chunk_bytes, precomputes
@@ -77,7 +77,8 @@ STEP_BYTES = 4  # a per-tensor FP32 step counter (torch's Adam/AdamW/Adafactor, 
 @dataclass(frozen=True)
 class ParamTensor:
     """One parameter: ``unit`` is the FSDP2 unit holding it (``root``: embedding, positions, final
-    norm, a tied head; ``block``; ``head``: an untied head), ``layer`` its block (None outside blocks),
+    norm, a tied head; ``block``; ``head``: an untied head; ``experts``: none, a routed expert weight
+    under expert parallelism, :func:`expert_parallel`), ``layer`` its block (None outside blocks),
     ``tp_dim`` the dimension tensor parallelism splits (None: replicated), ``linear`` whether it is an
     ``nn.Linear`` weight (autocast casts those), ``muon`` whether Muon moves it (2-D, inside a block)."""
 
@@ -87,6 +88,12 @@ class ParamTensor:
     layer: int | None = None
     tp_dim: int | None = None
     linear: bool = False
+    expert: bool = (
+        False  # a routed experts' 3-D weight ``[E, d_in, d_out]`` (expert parallelism splits dim 0)
+    )
+    ep: int = (
+        1  # expert parallelism: dim 0 split over ``ep`` ranks, held outside FSDP2 and DDP (unit ``experts``)
+    )
 
     @property
     def numel(self) -> int:
@@ -123,6 +130,8 @@ def _block(cfg: ModelConfig, i: int) -> list[ParamTensor]:
     linear("attn.v_proj", d, kv, True)
     linear("attn.o_proj", q, d, False)
     norm("mlp_norm")
+    if cfg.moe.is_moe_block(i):
+        return out + _moe_mlp(cfg, i)
     if cfg.arch == "llama":
         linear("mlp.gate_proj", d, f, True)
         linear("mlp.up_proj", d, f, True)
@@ -131,6 +140,44 @@ def _block(cfg: ModelConfig, i: int) -> list[ParamTensor]:
         linear("mlp.fc_in", d, f, True)
         linear("mlp.fc_out", f, d, False)
     return out
+
+
+def expert_width(cfg: ModelConfig) -> int:
+    """``f_e``: one expert's hidden width, ``model.moe.d_expert`` or the dense MLP's."""
+    return cfg.moe.d_expert or ff_width(cfg)
+
+
+def _moe_mlp(cfg: ModelConfig, i: int) -> list[ParamTensor]:
+    """An MoE block's feed-forward (``model/moe.py::MoE``), in ``named_parameters`` order: the router
+    ``E x d`` (FP32 logits, never cast by autocast), the routed experts' ``gate_proj`` and ``up_proj``
+    ``[E, d, f_e]`` and ``down_proj`` ``[E, f_e, d]``, and the shared experts' SwiGLU of ``s f_e`` hidden
+    units (``s = shared_experts``; three ``nn.Linear`` weights)."""
+    d, e, f = cfg.d_model, cfg.moe.experts, expert_width(cfg)
+    pre = f"blocks.{i}.mlp."
+    out = [ParamTensor(pre + "router.weight", (e, d), "block", i)]
+    for name, shape in (("gate_proj", (e, d, f)), ("up_proj", (e, d, f)), ("down_proj", (e, f, d))):
+        out.append(ParamTensor(pre + "experts." + name, shape, "block", i, expert=True))
+    if cfg.moe.shared_experts:
+        fs = cfg.moe.shared_experts * f
+        for name, shape in (("gate_proj", (fs, d)), ("up_proj", (fs, d)), ("down_proj", (d, fs))):
+            out.append(ParamTensor(pre + "shared." + name + ".weight", shape, "block", i, linear=True))
+    return out
+
+
+def moe_blocks(cfg: ModelConfig) -> list[int]:
+    """The indices of the MoE blocks (``MoEConfig.is_moe_block``: ``i >= first_dense`` and
+    ``(i - first_dense) % every == 0``); none without experts."""
+    return [i for i in range(cfg.n_layers) if cfg.moe.is_moe_block(i)]
+
+
+def active_param_count(cfg: ModelConfig, vocab_size: int, seq_len: int) -> int:
+    """Parameters one token uses: :func:`param_count` less, in each MoE block, the routed experts it is
+    not sent to, ``(E - k) * 3 d f_e`` (``E`` experts, ``k = top_k``; the router and the shared experts
+    are used by every token). Equal to :func:`param_count` for a dense model. Capacity drops are not
+    counted (a dropped assignment runs with weight 0 in lmforge, so it is computed all the same)."""
+    m = cfg.moe
+    idle = (m.experts - m.top_k) * 3 * cfg.d_model * expert_width(cfg) if m.experts else 0
+    return param_count(cfg, vocab_size, seq_len) - idle * len(moe_blocks(cfg))
 
 
 def param_tensors(cfg: ModelConfig, vocab_size: int, seq_len: int) -> list[ParamTensor]:
@@ -164,8 +211,15 @@ def param_count(cfg: ModelConfig, vocab_size: int, seq_len: int) -> int:
 def model_buffer_bytes(cfg: ModelConfig, seq_len: int) -> int:
     """The model's buffers, held whole by every rank (a pipeline stage too) beside its parameters: Llama's
     RoPE tables, cos and sin, FP32, ``2 * 4 * T * e`` (``T`` the sequence length, ``e`` the head
-    dimension; ``model/transformer.py::reset_buffers``); GPT-2 has none."""
-    return 2 * 4 * seq_len * (cfg.d_model // cfg.n_heads) if cfg.arch == "llama" else 0
+    dimension; ``model/transformer.py::reset_buffers``); GPT-2 has none; plus :func:`moe_buffer_bytes`."""
+    rope = 2 * 4 * seq_len * (cfg.d_model // cfg.n_heads) if cfg.arch == "llama" else 0
+    return rope + moe_buffer_bytes(cfg)
+
+
+def moe_buffer_bytes(cfg: ModelConfig) -> int:
+    """Each MoE layer's FP32 buffers (``model/moe.py::MoE``): the balancing bias and the step's load per
+    expert, and six counters, ``4 (2 E + 6)``; every rank holds them whole."""
+    return 4 * (2 * cfg.moe.experts + 6) * len(moe_blocks(cfg))
 
 
 def split(n: int, parts: int) -> int:
@@ -173,8 +227,27 @@ def split(n: int, parts: int) -> int:
     return -(-n // parts)
 
 
+def expert_parallel(tensors: list[ParamTensor], ep: int) -> list[ParamTensor]:
+    """``tensors`` as a rank holds them under ``parallel.ep = ep`` (``parallel/expert.py``): each routed
+    experts' weight split on dim 0 over ``ep`` ranks (``E / ep`` whole experts of every MoE layer, a
+    plain local tensor of a DTensor), kept out of FSDP2 and DDP (unit ``experts``), so replicated over the
+    ``dp / ep`` ranks holding the same experts, never sharded further; the dense parts (attention, norms,
+    embedding, head, the router, the shared experts) unchanged, following the layout's dense rules."""
+    if ep == 1:
+        return tensors
+    return [replace(t, unit="experts", ep=ep) if t.expert else t for t in tensors]
+
+
+def data_parallel(t: ParamTensor) -> bool:
+    """Whether FSDP2 or DDP holds ``t`` (every parameter but the experts under expert parallelism)."""
+    return t.unit != "experts"
+
+
 def tp_shape(t: ParamTensor, tp: int) -> tuple[int, ...]:
-    """Shape of ``t`` on the largest tensor-parallel rank."""
+    """Shape of ``t`` on the largest tensor-parallel rank (and expert-parallel rank: an expert weight
+    under ``parallel.ep`` is cut on dim 0, :func:`expert_parallel`)."""
+    if t.ep > 1:
+        return (split(t.shape[0], t.ep), *t.shape[1:])
     if tp == 1 or t.tp_dim is None:
         return t.shape
     return tuple(split(s, tp) if i == t.tp_dim else s for i, s in enumerate(t.shape))
@@ -350,7 +423,7 @@ def model_states(
     states = []
     for t in tensors:
         local = tp_shape(t, tp)
-        shard = fsdp_shape(local, shards if fsdp else 1)
+        shard = fsdp_shape(local, shards if fsdp and data_parallel(t) else 1)
         n_local, n_shard = math.prod(local), math.prod(shard)
         opt_shape = shard if fsdp else local
         states.append(optimizer_state_bytes(optimizer, opt_shape, t.shape, t.muon, counters))
@@ -389,12 +462,15 @@ class BuildBytes:
 def init_temporary(t: ParamTensor, tp: int, shards: int) -> int:
     """Values alive at once while a rank initialises ``t`` through a temporary: the whole parameter, plus
     the clones ``distribute_tensor(..., src_data_rank=None)`` makes of the rank's piece at each sharded
-    mesh dimension, FSDP2's first (``shards`` ranks, dim 0), then tensor parallelism's. Where both cut
+    mesh dimension, FSDP2's first (``shards`` ranks, dim 0), then tensor parallelism's; an expert weight
+    under expert parallelism, ``whole + whole / ep``. Where both cut
     dim 0 (column-parallel weights, embeddings, the head), FSDP2's placement is a ``_StridedShard``,
     which first assembles every rank's piece (a whole copy) and clones this rank's: ``2 whole + whole /
     shards``. Else ``whole + whole / shards + whole / (shards tp)`` (each cut that applies). ``t.numel``
     when ``t`` is not cut (a replicated norm weight, another pipeline stage's parameter)."""
     whole = t.numel
+    if t.ep > 1:
+        return whole + math.prod(tp_shape(t, tp))
     fsdp_cut = math.prod(fsdp_shape(t.shape, shards)) if shards > 1 else 0
     if fsdp_cut and tp > 1 and t.tp_dim == 0:
         return 2 * whole + fsdp_cut
@@ -412,15 +488,20 @@ def build_bytes(
     DTensors (FSDP2 or TP) and the drawn parameters it does not hold, and DDP's buckets (DDP and ZeRO-1).
     """
     fsdp = kind in ("zero2", "zero3")
-    held = {t.name for t in mine}
+    held = {t.name: t for t in mine}
     dtensor = fsdp or tp > 1
     n = shards if fsdp else 1
-    local = sum(math.prod(fsdp_shape(tp_shape(t, tp), n)) for t in mine)
-    via_temporary = [t for t in whole if (t.name in held and dtensor) or (t.name not in held and draws(t))]
+    local = sum(math.prod(fsdp_shape(tp_shape(t, tp), n if data_parallel(t) else 1)) for t in mine)
+    via_temporary = [
+        held.get(t.name, t)
+        for t in whole
+        if (t.name in held and (dtensor or held[t.name].ep > 1)) or (t.name not in held and draws(t))
+    ]
     temporary = max(
         (init_temporary(t, tp, n) if t.name in held else t.numel for t in via_temporary), default=0
     )
-    buckets = 4 * sum(math.prod(tp_shape(t, tp)) for t in mine) if kind in ("ddp", "zero1") else 0
+    ddp = kind in ("ddp", "zero1")
+    buckets = 4 * sum(math.prod(tp_shape(t, tp)) for t in mine if data_parallel(t)) if ddp else 0
     return BuildBytes(4.0 * local, 4.0 * temporary, float(buckets))
 
 
@@ -516,7 +597,7 @@ def loss_temporary(
     return max(loss_phases(loss, chunk_tokens, vocab_size, tp, c, tokens, d_model, fsdp))
 
 
-def block_backward_temporary(tensors: list[ParamTensor], tp: int, c: int, tokens: int) -> int:
+def block_backward_temporary(tensors: list[ParamTensor], tp: int, c: int, tokens: int, top_k: int = 0) -> int:
     """Bytes one block's backward holds beyond the saved activations still alive, at its largest: in the
     MLP's, whose buffers outgrow attention's at lmforge's shapes (``f`` its width on this rank, ``k`` its
     input projections: 2 for SwiGLU, 1 for GELU, ``N`` the micro-batch's tokens)::
@@ -529,7 +610,35 @@ def block_backward_temporary(tensors: list[ParamTensor], tp: int, c: int, tokens
     above and the output projection's FP32 weight gradient, less that projection's saved ``c``-byte input
     (freed by then: the figures above are net of it). Fitted to PyTorch's ``MemTracker`` on CPU (llama
     and gpt2, FP32 and BF16 autocast, one process and FSDP2: ``tests/test_estimate_phases.py``); 0
-    without a block."""
+    without a block.
+
+    An MoE block (``top_k = k``, ``R = N k`` routed rows, ``E_l`` experts of width ``f_e`` on this rank),
+    fitted, not derived, to ``MemTracker``'s peak in the first block's backward of four one-process runs
+    (4 and 8 experts, top-1 and top-2, FP32 and BF16, full checkpointing, 256 tokens 64 wide;
+    ``tests/test_moe_plan.py``), net of the saved tensors the experts' backward has freed by then, as the
+    dense figures are::
+
+        FP32            4 R (f_e + d) + 4 N d + 4 E_l f_e d   (the last: the experts' down_proj gradient)
+        16-bit compute  2 R (f_e + d) + 4 N d
+
+    The larger of the dense and the MoE blocks' is taken."""
+    return max(_dense_block_backward(tensors, tp, c, tokens), _moe_block_backward(tensors, c, tokens, top_k))
+
+
+def _moe_block_backward(tensors: list[ParamTensor], c: int, tokens: int, top_k: int) -> int:
+    """:func:`block_backward_temporary` of an MoE block (0 without one)."""
+    down = next((t for t in tensors if t.expert and t.name.endswith("experts.down_proj")), None)
+    if down is None or not tokens or not top_k:
+        return 0
+    e, f, d = tp_shape(down, 1)
+    rows = tokens * top_k
+    if c >= 4:
+        return 4 * rows * (f + d) + 4 * tokens * d + 4 * e * f * d
+    return 2 * rows * (f + d) + 4 * tokens * d
+
+
+def _dense_block_backward(tensors: list[ParamTensor], tp: int, c: int, tokens: int) -> int:
+    """:func:`block_backward_temporary` of a dense block (0 without one)."""
     down = next((t for t in tensors if t.name.endswith(("mlp.down_proj.weight", "mlp.fc_out.weight"))), None)
     if down is None or not tokens:
         return 0
@@ -554,6 +663,7 @@ def temporaries(
     tokens: int = 0,
     nesterov: bool | None = None,
     weight_decay: bool = True,
+    top_k: int = 0,
 ) -> Temporaries:
     """Temporary buffers of one device (``c`` compute bytes, ``g`` gradient bytes: 4, or 2 in zero-paper):
 
@@ -573,7 +683,7 @@ def temporaries(
     * FSDP2's gathered copies by unit (``c`` bytes): the root, an untied head, the largest block, which
       ``plan/estimate.py::step_phases`` counts phase by phase (the root and the head in the loss's
       forward; one block prefetched besides in the loss's backward; two blocks in the blocks' backward);
-    * one block's backward working set, :func:`block_backward_temporary`;
+    * one block's backward working set, :func:`block_backward_temporary` (``top_k``: an MoE block's);
     * a tied embedding (on the rank holding the head): at the end of backward the head's ``V d``
       gradient, the embedding's and their sum coexist, ``g V d`` twice beyond the gradient row's one
       (``V d / tp`` on this rank); under FSDP2 the three are unsharded, which replaces the root's
@@ -583,12 +693,14 @@ def temporaries(
       optimizer's settings it depends on, lmforge's defaults unless given).
     """
     c = compute_bytes(number_format)
-    local = [math.prod(tp_shape(t, tp)) for t in tensors]
+    local = [math.prod(tp_shape(t, tp)) if data_parallel(t) else 0 for t in tensors]
     fsdp = kind in ("zero2", "zero3")
     out: dict[str, float] = {}
     if fsdp:
         units: dict[str, int] = {}
         for t, n in zip(tensors, local, strict=True):
+            if not data_parallel(t):
+                continue
             key = "root" if t.unit == "root" else (f"block{t.layer}" if t.unit == "block" else "head")
             units[key] = units.get(key, 0) + n
         biggest = max((v for k, v in units.items() if k != "root"), default=0)
@@ -618,7 +730,7 @@ def temporaries(
     if emb is not None and has_head:  # tied: the head's gradient, the embedding's and their sum
         g, whole = (4 if accounting == "lmforge" else 2), math.prod(tp_shape(emb, tp))
         out["tied_grads"] = g * whole * (3 - 1 / shards if fsdp else 2)
-    out["block_backward"] = block_backward_temporary(tensors, tp, c, tokens)
+    out["block_backward"] = block_backward_temporary(tensors, tp, c, tokens, top_k)
     out["optimizer_step"] = step_scratch(tensors, kind, shards, tp, optimizer, nesterov, weight_decay)
     return Temporaries(**out)
 
@@ -639,7 +751,7 @@ def step_scratch(
     parameters are DTensors, which Adafactor and Muon gather whole."""
     sharded = kind in ("zero2", "zero3") or tp > 1
     n = shards if kind in ("zero2", "zero3") else 1
-    local = [math.prod(fsdp_shape(tp_shape(t, tp), n)) for t in tensors]
+    local = [math.prod(fsdp_shape(tp_shape(t, tp), n if data_parallel(t) else 1)) for t in tensors]
     ranks = zero1_partition(tensors, shards, optimizer, tp) if kind == "zero1" else [range(len(tensors))]
     return max(
         (

@@ -182,9 +182,9 @@ NOT_MODELLED = {
         lambda cfg: cfg.train.precision == "fp64",
         "float64 verification runs (8 bytes a value everywhere)",
     ),
-    "model.moe.experts": (
-        lambda cfg: cfg.model.moe.experts > 0,
-        "Mixture of Experts yet (the experts' weights and states, the routing and dispatch buffers)",
+    "train.activation_checkpointing": (
+        lambda cfg: cfg.model.moe.experts > 0 and cfg.train.activation_checkpointing == "selective",
+        "selective checkpointing of Mixture-of-Experts blocks (which of their ops it keeps)",
     ),
 }
 

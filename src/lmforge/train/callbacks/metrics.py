@@ -159,21 +159,15 @@ class StepMetrics(Callback):
         self._padded = run.cfg.train.objective == "dpo"
         self._peak = device_peak(run.device, run.precision.name)
         main = run.layout.is_main
-        if run.cfg.model.moe.experts and self._peak is not None:
-            # the FLOP count knows dense blocks only: a token runs top_k of the experts, not a dense MLP
-            self._peak = None
-            if main:
-                log.info(
-                    "mfu: not logged for a Mixture of Experts model (its FLOPs per token are not counted yet)"
-                )
-        elif self._peak is None:
+        if self._peak is None:
             if main:
                 log.info(
                     "mfu: no peak FLOP/s known for %s in %s; no mfu logged", run.device, run.precision.name
                 )
         elif main:
             log.info(
-                "mfu: against %s = %.1f TFLOP/s per device x %d; %.4g FLOP per token (6N + 12 L d T)",
+                "mfu: against %s = %.1f TFLOP/s per device x %d; %.4g FLOP per token (6N + 12 L d T, N the "
+                "parameters a token uses)",
                 self._peak.source,
                 self._peak.flops / 1e12,
                 self._world,
