@@ -240,3 +240,19 @@ def test_saved_run_configs_with_moved_keys_still_load(tmp_path):
     changes = config_changes(saved, cfg)  # the moved key is not a model difference
     assert [c.key for c in changes if c.key.startswith("model.")] == []
     assert migrate_moved(saved)["train"] == {"attention": "auto"} and "attention" in saved["model"]
+
+
+def test_list_of_tables_overrides_read_as_json_or_toml():
+    """``--data.sources`` in the JSON form that ``--help`` and docs/config.md print gives the config the
+    TOML inline form gives."""
+    forms = [
+        '[{"path": "x.txt", "domain": "web"}]',
+        "[{path='x.txt', domain='web'}]",
+        '[{path = "x.txt", domain = "web"}]',
+    ]
+    configs = [load_config(None, parse_overrides([f"--data.sources={v}"])) for v in forms]
+    assert [(s.path, s.domain) for s in configs[0].data.sources] == [("x.txt", "web")]
+    assert configs[0] == configs[1] == configs[2]
+    json_null = parse_overrides(['--data.sources=[{"path": "x.txt", "domain": null}]'])
+    assert json_null == {"data.sources": [{"path": "x.txt", "domain": None}]}  # null: the key's default
+    assert parse_overrides(["--data.cache_dir=[not a list"]) == {"data.cache_dir": "[not a list"}

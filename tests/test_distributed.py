@@ -303,6 +303,26 @@ def test_single_process_checkpoint_continues_under_fsdp(corpus_dir, cache, refer
     assert len([f for f in files if f.endswith(".distcp")]) == 2  # each rank wrote its shards
 
 
+def test_resume_in_one_process_keeps_the_global_batch(corpus_dir, cache, reference, tmp_path):
+    """2 FSDP ranks of 8 sequences a step each (train.tokens_per_step unset: one micro-batch per rank, 512
+    tokens), resumed by ``lmforge train --resume`` in one process with ``--parallel.dp_shard=1``: the
+    accumulation absorbs the lost rank (2 micro-batches of 8), every step keeps 512 tokens, and the run
+    is the one-process reference's (16 sequences of 32 tokens a step)."""
+    run = tmp_path / "run"
+    over = _overrides(corpus_dir, cache, **{"parallel.dp_shard": 2, "train.micro_batch_size": 8})
+    del over["train.tokens_per_step"]
+    launch(2, run, {**over, "train.steps": 5})
+    args = ["--resume", "--run-dir", str(run), "--parallel.dp_shard=1", f"--train.steps={STEPS}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run(
+        [sys.executable, "-m", "lmforge", "train", *args], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert losses(run, "batch_tokens") == {s: 16 * 32 for s in range(1, STEPS + 1)}
+    assert "the global batch stays 512 tokens per step: 2 micro-batch(es) of 8 x 32 a step" in done.stderr
+    assert_same_run(run, reference)
+
+
 @pytest.mark.distributed
 def test_export_of_a_tied_pipeline_run(corpus_dir, cache, reference, tmp_path):
     """``lmforge export`` of a tied run trained by two pipeline stages writes the Hugging Face folder of a

@@ -77,11 +77,19 @@ def _nearest(key: str, keys: list[str] | None = None) -> str:
 
 
 def parse_value(text: str) -> Any:
-    """A command-line value as TOML (numbers, booleans, arrays, quoted strings), else a bare string."""
+    """A command-line value as TOML (numbers, booleans, arrays, quoted strings, inline tables); a list or
+    table that TOML does not read as JSON (``[{"path": "x.txt"}]``, the form ``--help`` prints); else a
+    bare string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        return text
+        pass
+    if text.lstrip()[:1] in ("[", "{"):
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+    return text
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
@@ -321,7 +329,9 @@ def reference_markdown() -> str:
         "# Configuration reference",
         "",
         "Every key, its default and its meaning. Set keys in a TOML recipe (`[section]` then `key = value`)",
-        "or on the command line as `--section.key=value` (values are parsed as TOML: `--optim.betas=[0.9, 0.99]`).",
+        "or on the command line as `--section.key=value` (values are parsed as TOML: `--optim.betas=[0.9, 0.99]`;",
+        'a list or table also as JSON, as this page prints it: `--data.sources=\'[{"path": "x.txt"}]\'` reads as',
+        "`--data.sources=\"[{path='x.txt'}]\"`).",
         "Settings that belong to one choice sit in a sub-table named after it: `[schedule.wsd]` in a recipe,",
         "`--schedule.wsd.decay_fraction=0.3` on the command line.",
         "This file is generated from `lmforge/config.py` by `lmforge/recipe.py`:",

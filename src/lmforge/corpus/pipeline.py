@@ -594,6 +594,9 @@ def _pass_input(ctx: Context, k: int, shard: int, stats: ShardStats, removed: _T
                     continue
                 st["docs_out"] += 1
                 st["bytes_out"] += _nbytes(doc.text)
+                if "encoding" in doc.meta:  # decoded from another encoding than UTF-8 (readers.py)
+                    name = f"read.decoded_{doc.meta['encoding']}"
+                    stats.meta[name] = stats.meta.get(name, 0) + 1
                 yield doc
         return
     slot = ctx.stages.corpus[k - 1]

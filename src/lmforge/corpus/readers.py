@@ -13,11 +13,16 @@ pair per bad one, with the reason ``read.<rule>`` and the file and line in ``doc
 * ``read.malformed_json``: a JSONL line that does not parse;
 * ``read.missing_text``: a record that is not an object or whose text field is absent or not a string;
 * ``read.empty``: a document whose text is empty or only whitespace;
-* ``read.invalid_utf8``: bytes that do not decode as UTF-8 (HTML: as its declared charset);
+* ``read.invalid_utf8``: bytes that do not decode as UTF-8 (a JSONL line; a whole ``.txt`` or ``.html``
+  file also not as its declared charset (HTML) nor as the encoding :func:`detect_encoding` finds);
 * ``read.truncated`` / ``read.corrupt``: a compressed stream that ends early or does not decompress
   (the records before the damage are kept);
 * ``read.binary``: a file with NUL bytes where text is expected; ``read.not_pdf``: a ``.pdf`` without
   the PDF header; ``read.unknown_format``: a file whose format cannot be told from its name.
+
+A whole file decoded from another encoding than UTF-8 carries it in ``doc.meta["encoding"]`` (Python's
+codec name, e.g. ``cp1252``); ``lmforge data`` counts it as ``read.decoded_<encoding>`` in
+``report.json``'s ``meta``.
 
 Everything is read in blocks, so memory does not grow with the file. Compressed streams are decoded
 with ``zlib`` / ``zstandard`` decompressor objects rather than file wrappers because the zstandard
@@ -383,27 +388,69 @@ def _read_whole(piece: Piece, path: Path, opts: ReadOptions) -> Doc | tuple[Doc,
         return Doc(str(path), "", opts.domain, key, {"format": "pdf", "raw": raw})
     if b"\0" in raw[:SNIFF]:
         return _bad(piece, opts, 0, "binary")
-    text = _decode(raw, opts.strict_utf8)
-    if text is None and piece.fmt == "html":
-        text = _decode_declared(raw)
+    meta: dict[str, Any] = {"format": "html"} if piece.fmt == "html" or opts.content_format == "html" else {}
+    text = _decode(raw, True)
     if text is None:
-        return _bad(piece, opts, 0, "invalid_utf8")
+        decoded = (_decode_declared(raw) if piece.fmt == "html" else None) or detect_encoding(raw)
+        if decoded is not None:
+            text, meta["encoding"] = decoded
+        elif not opts.strict_utf8:
+            text = raw.decode("utf-8", errors="replace")
+        else:
+            return _bad(piece, opts, 0, "invalid_utf8")
     if not text.strip():
         return _bad(piece, opts, 0, "empty")
-    html = piece.fmt == "html" or opts.content_format == "html"
-    return Doc(str(path), text, opts.domain, key, {"format": "html"} if html else {})
+    return Doc(str(path), text, opts.domain, key, meta)
 
 
-def _decode_declared(raw: bytes) -> str | None:
-    """HTML in a legacy encoding: decode with the charset its ``<meta>`` declares, if Python knows it."""
+def _decode_declared(raw: bytes) -> tuple[str, str] | None:
+    """HTML in a legacy encoding: ``(text, codec)`` with the charset its ``<meta>`` declares, if Python
+    knows it."""
     match = _CHARSET.search(raw[:4096])
     if not match:
         return None
     try:
-        codecs.lookup(match.group(1).decode("ascii"))
-        return raw.decode(match.group(1).decode("ascii"))
+        codec = codecs.lookup(match.group(1).decode("ascii")).name
+        return raw.decode(codec), codec
     except (LookupError, UnicodeDecodeError):
         return None
+
+
+# the web's default for legacy pages that declare no encoding (WHATWG Encoding Standard, most locales)
+WESTERN = "cp1252"
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f]")
+
+
+def detect_encoding(raw: bytes) -> tuple[str, str] | None:
+    """``(text, codec)`` of bytes that are not UTF-8, else None (left to the caller: invalid UTF-8).
+
+    Bytes whose non-ASCII characters are mostly valid UTF-8 sequences are damaged UTF-8, not another
+    encoding: None.
+    Otherwise ``charset_normalizer`` proposes encodings with a "mess" ratio; among the least messy
+    (within 0.05 of the best) windows-1252 is taken when it is one of them, as browsers do for an
+    undeclared legacy page (the detector alone tells Latin-1 from Latin-4 poorly on short text: "garçon"
+    came back "garįon"); else the best, when it also recognises a language in the text. Text with
+    control characters is refused (binary data that happens to decode)."""
+    from charset_normalizer import from_bytes
+
+    lenient = raw.decode("utf-8", errors="replace")
+    if sum(ord(c) > 127 for c in lenient) > 2 * lenient.count("\ufffd"):  # mostly valid UTF-8
+        return None
+    matches = sorted(from_bytes(raw), key=lambda m: m.chaos)
+    if not matches:
+        return None
+    near = [m for m in matches if m.chaos <= matches[0].chaos + 0.05]
+    if any(WESTERN in m.could_be_from_charset for m in near):
+        codec = WESTERN
+    elif matches[0].coherence > 0:
+        codec = codecs.lookup(matches[0].encoding).name
+    else:
+        return None
+    try:
+        text = raw.decode(codec)
+    except UnicodeDecodeError:
+        return None
+    return None if _CONTROL.search(text) else (text, codec)
 
 
 def _read_parquet(piece: Piece, path: Path, opts: ReadOptions) -> Iterator[Doc | tuple[Doc, Drop]]:

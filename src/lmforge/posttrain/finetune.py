@@ -87,7 +87,7 @@ def start(
 ) -> tuple[Config, Path]:
     """Make ``run_dir`` a post-training run (``kind``: ``"sft"`` or ``"dpo"``) of ``from_run``'s checkpoint
     (``step``: default the newest); returns its config and checkpoint ``step_00000000``."""
-    from lmforge.posttrain.run import write_reference
+    from lmforge.posttrain.run import read_posttrain, write_reference
     from lmforge.train.build import build_run, validate  # the run's machinery: only once inputs are checked
     from lmforge.train.callbacks.checkpointing import config_state
     from lmforge.train.launch import default_callbacks
@@ -110,11 +110,13 @@ def start(
         )
     ckpt = pick_checkpoint(from_run, step)
     source = load_saved_config(ckpt / "config.toml")
-    with tempfile.TemporaryDirectory() as tmp:  # the run folder is written only once the config holds
+    with tempfile.TemporaryDirectory() as tmp:  # the run folder is written once the config and records hold
         tok = add_chat_tokens(from_run / "tokenizer.json", Path(tmp) / "tokenizer.json")
         cfg = posttrain_config(kind, source, run_dir, recipe, overrides or {}, tok.vocab_size)
         here = cfg.model_copy(update={"parallel": ParallelConfig()})  # step 0 is written by one process
         validate(here)
+        data = here.data.model_copy(update={"tokenizer": str(tok.path)})
+        read_posttrain(here.model_copy(update={"data": data}))  # bad records stop it before any write
         run_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(tok.path, run_dir / "tokenizer.json")
     write_template_file(run_dir)

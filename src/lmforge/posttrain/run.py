@@ -76,6 +76,14 @@ def check_posttrain(cfg: Config) -> None:
 
 def prepare_posttrain(cfg: Config, run_dir: Path | None = None) -> PostTrainData:
     """Read and tokenize ``[posttrain]``'s records; report the bad ones (log, ``RUN/bad_records.jsonl``)."""
+    data = read_posttrain(cfg)
+    report_bad(data.bad, run_dir)
+    return data
+
+
+def read_posttrain(cfg: Config) -> PostTrainData:
+    """``[posttrain]``'s records read and tokenized, the bad ones listed in ``bad``; a DataError naming the
+    file when the training files hold no usable record (or none at all)."""
     tok = Tokenizer(cfg.data.tokenizer)
     template = ChatTemplate(tok)
     pt, seq_len = cfg.posttrain, cfg.data.seq_len
@@ -96,14 +104,20 @@ def prepare_posttrain(cfg: Config, run_dir: Path | None = None) -> PostTrainData
             data.val_prompts = prompts
         data.bad += bad + too_long
         if split == "train" and not tokenized:
-            first = (bad + too_long)[0] if bad + too_long else None
-            raise DataError(
-                f"{key}: no usable record"
-                + (f" (first problem: {first.source}: {first.reason})" if first else "")
-                + "; fix the records"
-            )
-    report_bad(data.bad, run_dir)
+            raise DataError(no_record_message(key, files, bad + too_long))
     return data
+
+
+def no_record_message(key: str, files: list[str], problems: list[BadRecord]) -> str:
+    """Why ``files`` gave nothing to train on: empty, or the first problem of their records."""
+    if not problems:
+        names = ", ".join(str(f) for f in files)
+        return (
+            f"{key}: {names} {'is' if len(files) == 1 else 'are'} empty (no JSONL record); give a file "
+            "with one JSON record per line"
+        )
+    first = problems[0]
+    return f"{key}: no usable record (first problem: {first.source}: {first.reason}); fix the records"
 
 
 def prompt_turns(turns) -> tuple:

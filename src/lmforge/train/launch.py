@@ -37,6 +37,7 @@ from lmforge.train.resume import (
     check_changes,
     config_changes,
     config_text,
+    keep_global_batch,
     read_history,
     report_changes,
     resume_config,
@@ -158,6 +159,7 @@ def train(
     history: list[str] = []
     if state is not None:
         step = state["progress"]["step"]
+        cfg = keep_global_batch(cfg, state["config"])
         changes = config_changes(state["config"], cfg)
         check_changes(changes, step, cfg.train.steps)
         report_changes(changes, state["config"], cfg, state)

@@ -6,6 +6,11 @@
   cannot continue the run (:func:`fixed_reason`: the model, the data stream and tokenizer, the seed, the
   optimizer's kind) stops with one line naming the key; the others are logged, and the learning rate at
   the resume step is shown before and after when they move it.
+* The global batch (tokens per optimizer step over every data-parallel rank) is part of the run: a resume
+  that does not set ``train.tokens_per_step`` keeps the checkpoint's (:func:`keep_global_batch`), the
+  gradient accumulation absorbing another process count or micro-batch size, and is refused when it
+  cannot be kept exactly; changing it is an explicit ``--train.tokens_per_step``, logged with what it
+  means for the learning rate (lmforge leaves it as it is).
 * Extending a run is explicit: ``--train.steps`` larger than the checkpoint's step (a finished run
   resumed without it says so); a smaller one is refused.
 * ``config.toml`` keeps the history: one comment line ``# step N: KEY OLD -> NEW`` per change, above the
@@ -75,10 +80,47 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def global_batch(tree: dict[str, Any]) -> int:
+    """Tokens per optimizer step over all data-parallel ranks of a config tree (a checkpoint's
+    ``config_state``): its ``train.tokens_per_step``, by default one micro-batch per data-parallel rank."""
+    t, d, p = (tree.get(k, {}) for k in ("train", "data", "parallel"))
+    if t.get("tokens_per_step") is not None:
+        return int(t["tokens_per_step"])
+    default = Config()
+    dp = p.get("dp_replicate", 1) * p.get("dp_shard", 1)
+    micro = t.get("micro_batch_size", default.train.micro_batch_size)
+    return int(micro) * int(d.get("seq_len", default.data.seq_len)) * dp
+
+
+def _with_global_batch(tree: dict[str, Any]) -> dict[str, Any]:
+    return {**tree, "train": {**tree.get("train", {}), "tokens_per_step": global_batch(tree)}}
+
+
+def keep_global_batch(cfg: Config, saved: dict[str, Any]) -> Config:
+    """``cfg`` resuming a checkpoint trained with the config ``saved``: without ``train.tokens_per_step``
+    it keeps the checkpoint's global batch, the accumulation ``tokens / (micro_batch_size x seq_len x dp)``
+    absorbing another process count or micro-batch size; a ConfigError when that is not a whole number."""
+    t = cfg.train
+    if t.tokens_per_step is not None or t.micro_batch_size == "auto":  # given: the run's own check
+        return cfg
+    tokens = global_batch(migrate_moved(saved))
+    dp = cfg.parallel.dp_replicate * cfg.parallel.dp_shard
+    per = t.micro_batch_size * cfg.data.seq_len * dp
+    if tokens % per:
+        raise ConfigError(
+            f"train.tokens_per_step: the run was trained with {tokens:,} tokens per step, which {dp} data-"
+            f"parallel rank(s) of micro_batch_size x seq_len = {t.micro_batch_size} x {cfg.data.seq_len} "
+            f"cannot split into whole micro-batches; resume with a --train.micro_batch_size or process count "
+            f"that divides it, or change the global batch explicitly with --train.tokens_per_step=N"
+        )
+    return cfg.model_copy(update={"train": t.model_copy(update={"tokens_per_step": tokens})})
+
+
 def config_changes(saved: dict[str, Any], cfg: Config) -> list[Change]:
-    """Keys whose value in ``cfg`` differs from ``saved`` (a checkpoint's ``config_state``), sorted."""
-    old = flatten(migrate_moved(saved))
-    new = flatten(config_state(cfg))
+    """Keys whose value in ``cfg`` differs from ``saved`` (a checkpoint's ``config_state``), sorted; the
+    global batch compared as tokens per step (an unset ``train.tokens_per_step`` is its default)."""
+    old = flatten(_with_global_batch(migrate_moved(saved)))
+    new = flatten(_with_global_batch(config_state(cfg)))
     keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     return [Change(k, old.get(k), new.get(k)) for k in keys]
 
@@ -117,6 +159,11 @@ def report_changes(changes: list[Change], saved: dict[str, Any], cfg: Config, st
     step = state["progress"]["step"]
     for c in changes:
         log.info("resume at step %d: %s %s -> %s", step, c.key, json.dumps(c.old), json.dumps(c.new))
+        if c.key == "train.tokens_per_step":
+            log.warning(batch_change_note(step, c.old, c.new))
+    keys = {c.key for c in changes}
+    if keys & BATCH_SHAPE and "train.tokens_per_step" not in keys and cfg.train.micro_batch_size != "auto":
+        log.info(kept_batch_note(cfg, step))
     if not changes:
         return
     try:
@@ -135,6 +182,32 @@ def report_changes(changes: list[Change], saved: dict[str, Any], cfg: Config, st
             if rise
             else "",
         )
+
+
+BATCH_SHAPE = {"train.micro_batch_size", "parallel.dp_replicate", "parallel.dp_shard"}
+
+
+def kept_batch_note(cfg: Config, step: int) -> str:
+    """The global batch a resume keeps, and the accumulation that keeps it."""
+    dp = cfg.parallel.dp_replicate * cfg.parallel.dp_shard
+    tokens, micro, seq = global_batch(config_state(cfg)), cfg.train.micro_batch_size, cfg.data.seq_len
+    return (
+        f"resume at step {step}: the global batch stays {tokens:,} tokens per step: "
+        f"{tokens // (micro * seq * dp)} micro-batch(es) of {micro} x {seq} a step on each of {dp} "
+        "data-parallel rank(s)"
+    )
+
+
+def batch_change_note(step: int, old: int, new: int) -> str:
+    """What an explicit change of the global batch does to the learning rate (nothing) and the rules a
+    user may apply by hand."""
+    r = new / old
+    return (
+        f"resume at step {step}: the global batch goes from {old:,} to {new:,} tokens per step (x{r:.3g}); "
+        f"lmforge keeps optim.lr and its schedule as they are. To keep the update size, scale optim.lr "
+        f"yourself: x{r:.3g} by the linear rule (SGD, small batches), x{r**0.5:.3g} by the square-root rule "
+        f"(Adam-type optimizers)"
+    )
 
 
 # -- config.toml with its history -------------------------------------------------------------------
