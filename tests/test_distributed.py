@@ -303,6 +303,7 @@ def test_single_process_checkpoint_continues_under_fsdp(corpus_dir, cache, refer
     assert len([f for f in files if f.endswith(".distcp")]) == 2  # each rank wrote its shards
 
 
+@pytest.mark.distributed
 def test_resume_in_one_process_keeps_the_global_batch(corpus_dir, cache, reference, tmp_path):
     """2 FSDP ranks of 8 sequences a step each (train.tokens_per_step unset: one micro-batch per rank, 512
     tokens), resumed by ``lmforge train --resume`` in one process with ``--parallel.dp_shard=1``: the
