@@ -132,12 +132,16 @@ def _effective(model: ModelConfig) -> dict:
 
 
 @pytest.mark.parametrize("name", list(MOE_VARIANTS))
-def test_import_round_trips(name, runs, imported):
+def test_import_round_trips(name, runs, exported, imported, tmp_path):
     ids = _ids(runs[name])
     assert torch.equal(lmforge_logits(imported[name], ids), lmforge_logits(runs[name], ids))
     ours = load_saved_config(runs[name] / "config.toml").model
     back = load_saved_config(imported[name] / "config.toml").model
     assert _effective(back) == _effective(ours)
+    again = export_run(imported[name], tmp_path / "again")  # export -> import -> export: the same files
+    first, second = load_file(exported[name] / "model.safetensors"), load_file(again / "model.safetensors")
+    assert first.keys() == second.keys() and all(torch.equal(v, second[k]) for k, v in first.items())
+    assert (exported[name] / "config.json").read_text() == (again / "config.json").read_text()
 
 
 def test_a_glm_folder_saved_by_transformers_imports(runs, exported, corpus_dir, tmp_path):
