@@ -22,6 +22,29 @@ VARIANTS = {
     "llama_tied": {"model.arch": "llama", "model.tie_embeddings": True, "model.rope_theta": 500.0},
     "gpt2": {"model.arch": "gpt2", "model.tie_embeddings": True},
 }
+# mixtures of experts, one per Hugging Face class they export to (hf/moe.py::pick_class)
+MOE_VARIANTS = {
+    "mixtral": {"model.n_layers": 3, "model.moe.experts": 4, "model.moe.normalize": True},
+    "qwen2_moe": {  # softmax without renormalising, dense blocks 0 and 2, a capacity factor (training only)
+        "model.n_layers": 4,
+        "model.tie_embeddings": False,
+        "model.moe.experts": 4,
+        "model.moe.first_dense": 1,
+        "model.moe.every": 2,
+        "model.moe.d_expert": 24,
+        "model.moe.capacity_factor": 1.5,
+        "model.moe.aux_loss": 0.01,
+    },
+    "glm4_moe": {  # sigmoid with the balancing bias (moved fast enough to change choices), a shared expert
+        "model.n_layers": 3,
+        "model.moe.experts": 4,
+        "model.moe.score": "sigmoid",
+        "model.moe.shared_experts": 1,
+        "model.moe.first_dense": 1,
+        "model.moe.d_expert": 24,
+        "model.moe.bias_update_rate": 0.05,
+    },
+}
 
 
 def train_tiny(corpus_dir: Path, root: Path, name: str, steps: int = 8) -> Path:
@@ -34,7 +57,7 @@ def train_tiny(corpus_dir: Path, root: Path, name: str, steps: int = 8) -> Path:
         "train.eval_interval": steps,
         "train.eval_tokens": 512,
         "optim.lr": 1e-2,
-        **VARIANTS[name],
+        **{**VARIANTS, **MOE_VARIANTS}[name],
     }
     run = root / name
     train(load_config(None, over), run, progress_bar=False)

@@ -2,7 +2,8 @@
 
 The checkpoint is read whole into this process (``load_checkpoint``: DCP consolidates the shards of any
 layout, so a run trained under torchrun exports the same way), renamed by the architecture's map
-(``llama.py``, ``gpt2.py``) and written as ``config.json``, ``generation_config.json``,
+(``llama.py``, ``gpt2.py``; a mixture of experts: ``mixtral.py``, ``qwen2_moe.py`` or ``glm4_moe.py``, as
+``moe.py`` picks) and written as ``config.json``, ``generation_config.json``,
 ``model.safetensors`` and the tokenizer files. A setting the Hugging Face class cannot express is refused
 before anything is written.
 """
@@ -16,13 +17,23 @@ import torch
 from lmforge.config import ModelConfig
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.evaluate.run_loading import pick_checkpoint
-from lmforge.hf import gpt2, llama
+from lmforge.hf import glm4_moe, gpt2, llama, mixtral, qwen2_moe
 from lmforge.hf.files import write_json, write_tokenizer, write_weights
+from lmforge.hf.moe import pick_class
 from lmforge.posttrain.template import ChatTemplate, read_template
 from lmforge.recipe import load_saved_config
 from lmforge.train.checkpoint import load_checkpoint
 
 MAPS = {"llama": llama, "gpt2": gpt2}
+MOE_MAPS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "glm4_moe": glm4_moe}
+
+
+def arch_map(model: ModelConfig):
+    """The map of the Hugging Face class ``model`` exports to: Llama / GPT-2 for dense models, for a
+    mixture of experts the class whose routing is lmforge's (``hf/moe.py``; refused where none is)."""
+    if model.moe.experts and model.arch == "llama":
+        return MOE_MAPS[pick_class(model)]
+    return MAPS[model.arch]
 
 
 def write_folder(
@@ -36,7 +47,7 @@ def write_folder(
     """Write the Hugging Face folder of an lmforge model (``state``: its tensors by lmforge name). A chat
     run (``chat``: its template) also gets the template as ``chat_template`` and ``<|end|>`` as the token
     that ends generation."""
-    arch = MAPS[model.arch]
+    arch = arch_map(model)
     hf_config = arch.config_to_hf(model, tok.vocab_size, max_len, tok.eot_id)  # refusals before any write
     tensors = arch.state_to_hf(state, model)
     hf_config["dtype"] = str(tensors[next(iter(tensors))].dtype).removeprefix("torch.")
@@ -61,7 +72,7 @@ def export_run(run_dir: str | Path, out: str | Path | None = None, step: int | N
     ckpt = pick_checkpoint(run_dir, step)
     cfg = load_saved_config(ckpt / "config.toml")
     tok = Tokenizer(run_dir / "tokenizer.json")
-    MAPS[cfg.model.arch].config_to_hf(cfg.model, tok.vocab_size, cfg.data.seq_len, tok.eot_id)  # refuse early
+    arch_map(cfg.model).config_to_hf(cfg.model, tok.vocab_size, cfg.data.seq_len, tok.eot_id)  # refuse early
     state = load_checkpoint(ckpt)
     out = Path(out) if out is not None else run_dir / "hf"
     return write_folder(out, cfg.model, state["model"], tok, cfg.data.seq_len, read_template(run_dir))

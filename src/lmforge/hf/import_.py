@@ -1,5 +1,6 @@
 """``lmforge import HF_DIR --run-dir RUN``: a Hugging Face ``LlamaForCausalLM`` / ``GPT2LMHeadModel``
-folder as an lmforge run folder that ``eval``, ``generate``, ``export`` and ``train --resume`` accept.
+folder (or a mixture of experts: ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Glm4MoeForCausalLM``)
+as an lmforge run folder that ``eval``, ``generate``, ``export`` and ``train --resume`` accept.
 
 ``model.*`` and ``data.seq_len`` (the context length) come from ``config.json``, the tokenizer is the
 folder's ``tokenizer.json`` (it must hold lmforge's ``<|endoftext|>``, the document separator); the other
@@ -20,7 +21,7 @@ import torch
 from lmforge.config import Config
 from lmforge.data.tokenizer import EOT, Tokenizer
 from lmforge.errors import DataError, UserError
-from lmforge.hf import gpt2, llama
+from lmforge.hf import glm4_moe, gpt2, llama, mixtral, qwen2_moe
 from lmforge.hf.common import refuse_import
 from lmforge.hf.files import read_config, read_weights
 from lmforge.recipe import load_config
@@ -28,8 +29,9 @@ from lmforge.train.callbacks.checkpointing import config_state
 from lmforge.train.checkpoint import latest_checkpoint, save_checkpoint
 from lmforge.train.resume import config_text
 
-BY_ARCHITECTURE = {llama.ARCHITECTURE: llama, gpt2.ARCHITECTURE: gpt2}
-BY_MODEL_TYPE = {llama.MODEL_TYPE: llama, gpt2.MODEL_TYPE: gpt2}
+MAPS = (llama, gpt2, mixtral, qwen2_moe, glm4_moe)
+BY_ARCHITECTURE = {m.ARCHITECTURE: m for m in MAPS}
+BY_MODEL_TYPE = {m.MODEL_TYPE: m for m in MAPS}
 FROM_FOLDER = ("data.seq_len", "data.tokenizer", "data.vocab_size", "data.prepared")
 
 
@@ -71,6 +73,16 @@ def _check_shapes(state: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
             )
 
 
+def _dotted(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` as ``{"prefix.a.b": 1}`` (the overrides ``load_config`` takes)."""
+    out = {}
+    for key, value in values.items():
+        out.update(
+            _dotted(f"{prefix}.{key}", value) if isinstance(value, dict) else {f"{prefix}.{key}": value}
+        )
+    return out
+
+
 def import_config(hf_dir: Path, run_dir: Path, recipe: str | None, overrides: dict[str, Any]) -> Config:
     """The imported run's config: recipe and flags, with ``model.*`` and the context length from
     ``config.json`` and the run's copy of the tokenizer."""
@@ -82,7 +94,7 @@ def import_config(hf_dir: Path, run_dir: Path, recipe: str | None, overrides: di
             raise UserError(f"--{key}: comes from {path} and its tokenizer; drop the flag")
     tok = _tokenizer(hf_dir, int(hf["vocab_size"]), path)
     fixed = {
-        **{f"model.{k}": v for k, v in model.model_dump(exclude_none=True).items()},
+        **_dotted("model", model.model_dump(exclude_none=True)),
         "data.seq_len": max_len,
         "data.tokenizer": str((run_dir / "tokenizer.json").resolve()),
         "data.vocab_size": tok.vocab_size,

@@ -22,6 +22,7 @@ Per block ``i`` (``model.layers.i.`` on the Hugging Face side):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,26 +34,35 @@ from lmforge.model.transformer import ff_width, uses_bias
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
 _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def config_to_hf(model: ModelConfig, vocab_size: int, max_len: int, eot_id: int) -> dict[str, Any]:
-    """The ``config.json`` of ``model`` (every lmforge llama is expressible but muP off its base width and
-    mixtures of experts)."""
+    """The ``config.json`` of ``model`` (every dense lmforge llama is expressible but muP off its base
+    width; mixtures of experts export through ``hf/moe.py``)."""
     check_mup(model)
     if model.moe.experts:
         raise refuse_export(
             "model.moe.experts",
             model.moe.experts,
-            "the export of MoE models is not written yet (docs/moe.md)",
+            "a mixture of experts exports as an MoE class (hf/moe.py), not LlamaForCausalLM",
         )
     bias = uses_bias(model)
     return {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
+        **base_config(model, vocab_size, max_len, eot_id),
+        "intermediate_size": ff_width(model),
+        "attention_bias": bias,
+        "mlp_bias": bias,
+    }
+
+
+def base_config(model: ModelConfig, vocab_size: int, max_len: int, eot_id: int) -> dict[str, Any]:
+    """The ``config.json`` keys every Llama-like class shares (sizes, attention, RoPE, norms, tokens)."""
+    return {
         "vocab_size": vocab_size,
         "hidden_size": model.d_model,
-        "intermediate_size": ff_width(model),
         "num_hidden_layers": model.n_layers,
         "num_attention_heads": model.n_heads,
         "num_key_value_heads": model.n_kv_heads or model.n_heads,
@@ -64,8 +74,6 @@ def config_to_hf(model: ModelConfig, vocab_size: int, max_len: int, eot_id: int)
         "rope_theta": model.rope_theta,  # transformers 4.x reads this key
         "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},  # 5.x this one
         "tie_word_embeddings": model.tie_embeddings,
-        "attention_bias": bias,
-        "mlp_bias": bias,
         "attention_dropout": 0.0,
         "bos_token_id": eot_id,
         "eos_token_id": eot_id,
@@ -87,38 +95,49 @@ def _rope_theta(hf: dict, path: str) -> float:
 
 def config_from_hf(hf: dict, path: str) -> tuple[ModelConfig, int]:
     """(``model.*``, context length) of a ``LlamaForCausalLM`` ``config.json``."""
+    attn_bias, mlp_bias = bool(flag(hf, "attention_bias", False)), bool(flag(hf, "mlp_bias", False))
+    if attn_bias != mlp_bias:
+        raise refuse_import(path, "mlp_bias", mlp_bias, "lmforge's model.bias covers attention and MLP alike")
+    fields = {
+        **base_fields(hf, path),
+        "d_ff": int(hf["intermediate_size"]),
+        "bias": True if attn_bias else None,
+    }
+    return model_config(path, fields), int(hf["max_position_embeddings"])
+
+
+def base_fields(hf: dict, path: str) -> dict[str, Any]:
+    """The ``model.*`` fields of the keys every Llama-like ``config.json`` shares; what lmforge's
+    attention lacks (sliding windows, other activations, a head size of its own) is refused."""
     act = flag(hf, "hidden_act", "silu")
     if act != "silu":
         raise refuse_import(path, "hidden_act", act, "lmforge's llama MLP is SwiGLU (silu)")
     for key in ("sliding_window", "use_sliding_window", "layer_types", "no_rope_layers"):
-        if hf.get(key):
+        if hf.get(key) and not (key == "layer_types" and set(hf[key]) == {"full_attention"}):
             raise refuse_import(path, key, hf[key], "lmforge attends over the whole context in every layer")
     heads, d = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     head_dim = flag(hf, "head_dim", d // heads)
     if head_dim * heads != d:
         raise refuse_import(path, "head_dim", head_dim, "lmforge's head dimension is hidden_size / heads")
-    attn_bias, mlp_bias = bool(flag(hf, "attention_bias", False)), bool(flag(hf, "mlp_bias", False))
-    if attn_bias != mlp_bias:
-        raise refuse_import(path, "mlp_bias", mlp_bias, "lmforge's model.bias covers attention and MLP alike")
     kv = int(flag(hf, "num_key_value_heads", heads))
-    fields = {
+    return {
         "arch": "llama",
         "n_layers": int(hf["num_hidden_layers"]),
         "d_model": d,
         "n_heads": heads,
         "n_kv_heads": None if kv == heads else kv,
-        "d_ff": int(hf["intermediate_size"]),
         "tie_embeddings": bool(flag(hf, "tie_word_embeddings", False)),
-        "bias": True if attn_bias else None,
         "rope_theta": _rope_theta(hf, path),
         "norm_eps": float(flag(hf, "rms_norm_eps", 1e-6)),
         "init_std": float(flag(hf, "initializer_range", 0.02)),
     }
-    return model_config(path, fields), int(hf["max_position_embeddings"])
 
 
-def _pairs(n_layers: int, bias: bool, tied: bool) -> list[tuple[str, str]]:
-    """(lmforge name, Hugging Face name) of every tensor."""
+def base_pairs(
+    n_layers: int, bias: bool, tied: bool, mlp: Callable[[int], list[tuple[str, str]]]
+) -> list[tuple[str, str]]:
+    """(lmforge name, Hugging Face name) of every tensor: embedding, head, norms, attention, and block
+    ``i``'s feed-forward as ``mlp(i)`` gives them."""
     pairs = [("embed.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
     if not tied:
         pairs.append(("lm_head.weight", "lm_head.weight"))
@@ -127,10 +146,24 @@ def _pairs(n_layers: int, bias: bool, tied: bool) -> list[tuple[str, str]]:
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         pairs.append((ours + "attn_norm.weight", theirs + "input_layernorm.weight"))
         pairs.append((ours + "mlp_norm.weight", theirs + "post_attention_layernorm.weight"))
-        for name in (*_LINEARS, *_MLP):
+        for name in _LINEARS:
             mine = name.replace("self_attn.", "attn.")
             pairs += [(f"{ours}{mine}.{k}", f"{theirs}{name}.{k}") for k in kinds]
+        pairs += mlp(i)
     return pairs
+
+
+def mlp_pairs(ours: str, theirs: str, bias: bool = False) -> list[tuple[str, str]]:
+    """The SwiGLU MLP's three projections under the prefixes ``ours`` / ``theirs`` (same names)."""
+    kinds = ("weight", "bias") if bias else ("weight",)
+    return [(f"{ours}{name}.{k}", f"{theirs}{name}.{k}") for name in _MLP for k in kinds]
+
+
+def _pairs(n_layers: int, bias: bool, tied: bool) -> list[tuple[str, str]]:
+    """(lmforge name, Hugging Face name) of every tensor."""
+    return base_pairs(
+        n_layers, bias, tied, lambda i: mlp_pairs(f"blocks.{i}.mlp.", f"model.layers.{i}.mlp.", bias)
+    )
 
 
 def state_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
