@@ -9,6 +9,7 @@
                    "#bcbd22", "#17becf"];
   const DASHES = ["solid", "dot", "dash", "longdash", "dashdot", "longdashdot"];
   const MARK_DASH = { event: "solid", phase: "dash", warmup: "dot" };
+  const FEW_POINTS = 20;  // a series with fewer points gets a marker at each (one point draws no line)
   const MAX_LABELS = 24;  // text labels on the loss chart; every mark keeps its line and its table row
   const state = {};   // run -> {offset, file, phase, lines: {chart: {key: {label, x, y}}}, marks: []}
   const rows = {};    // run -> its <tr> in the runs table
@@ -116,7 +117,8 @@
       Object.entries(lines).forEach(([key, line], i) => {
         const isEval = key.startsWith("eval:");
         out.push({
-          x: line.x.slice(), y: line.y.slice(), type: "scatter", mode: isEval ? "lines+markers" : "lines",
+          x: line.x.slice(), y: line.y.slice(), type: "scatter",
+          mode: isEval || line.x.length < FEW_POINTS ? "lines+markers" : "lines",
           name: several ? `${run}: ${line.label}` : line.label,
           line: { color: several || Object.keys(lines).length === 1 ? colour(run) : PALETTE[i % PALETTE.length],
                   dash: several ? DASHES[i % DASHES.length] : "solid", width: 1.5 },
@@ -244,6 +246,8 @@
             if (!add.x.length) continue;
             const i = order.indexOf(`${run}\t${key}`);
             if (i < 0) { full = true; continue; }
+            const n = state[run].lines[c.name][key].x.length;  // points now, the new ones counted
+            if (n >= FEW_POINTS && n - add.x.length < FEW_POINTS) full = true;  // drop the markers
             idx.push(i); xs.push(add.x); ys.push(add.y);
           }
         });
