@@ -238,3 +238,26 @@ def test_tensor_parallel_page(serve, page, tmp_path: Path):
     change(page, "m", "64")
     assert figure(page, "flops_per_gpu") == 2 * 64 * 4096 * 4096 / 4
     assert time.monotonic() - start < 10
+
+
+def test_model_parallel_token_has_its_passes_colour(serve, page, tmp_path: Path):
+    """The moving token is the forward's blue while the activation travels and the backward's orange while
+    the gradient does, the colours of the timeline's bars (it was blue in the send-gradient phases)."""
+    page.goto(f"{serve(tmp_path)}/model-parallel")
+    wait_render(page)
+    bars = page.evaluate(
+        "Object.fromEntries(document.getElementById('mp-timeline').data.map(t => [t.name, t.marker.color]))"
+    )
+    want = {
+        "forward": bars["forward"],
+        "send-activation": bars["forward"],
+        "backward": bars["backward"],
+        "send-gradient": bars["backward"],
+    }
+    seen = {}
+    for _ in range(14):  # 4 GPUs: 4 forwards, 3 sends, 4 backwards, 3 sends
+        page.click("#step")
+        phase = page.get_attribute("#mp-anim", "data-phase")
+        kind = "-".join(phase.split("-")[:2]) if phase.startswith("send") else phase.split("-")[0]
+        seen.setdefault(kind, set()).add(page.get_attribute("#mp-anim .mover circle", "fill"))
+    assert seen == {k: {v} for k, v in want.items()}
