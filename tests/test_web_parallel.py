@@ -261,3 +261,30 @@ def test_model_parallel_token_has_its_passes_colour(serve, page, tmp_path: Path)
         kind = "-".join(phase.split("-")[:2]) if phase.startswith("send") else phase.split("-")[0]
         seen.setdefault(kind, set()).add(page.get_attribute("#mp-anim .mover circle", "fill"))
     assert seen == {k: {v} for k, v in want.items()}
+
+
+def test_tensor_parallel_texts_neither_overlap_nor_leave_the_picture(serve, page, tmp_path: Path):
+    """At 4 GPUs with M 2048, K 1024, N 4096 the row-parallel shard labels ("GPU 0: partial 2048×4096")
+    are wider than their matrices: every text of the picture keeps its own box, inside the picture."""
+    page.goto(f"{serve(tmp_path)}/tensor-parallel")
+    wait_render(page)
+    page.click("#pause")
+    for name, value in (("m", "2048"), ("k", "1024"), ("n", "4096"), ("gpus", "4")):
+        change(page, name, value)
+    while page.get_attribute("#tp-anim", "data-phase") != "result":  # every stage drawn
+        page.click("#step")
+    svg = page.locator("#tp-anim").bounding_box()
+    texts = page.eval_on_selector_all(
+        "#tp-anim text",
+        "els => els.map(e => { const r = e.getBoundingClientRect();"
+        " return {t: e.textContent, x0: r.left, x1: r.right, y0: r.top, y1: r.bottom}; })",
+    )
+    assert "Y 2048×4096 on every GPU" in [t["t"] for t in texts]
+    assert "GPU 3: partial 2048×4096" in [t["t"] for t in texts]
+    for t in texts:
+        assert svg["x"] <= t["x0"] and t["x1"] <= svg["x"] + svg["width"], t
+    for i, a in enumerate(texts):
+        for b in texts[i + 1 :]:
+            apart = a["x1"] <= b["x0"] or b["x1"] <= a["x0"] or a["y1"] <= b["y0"] or b["y1"] <= a["y0"]
+            assert apart, (a, b)
+    screenshot(page, "tensor-parallel-4", tmp_path)
