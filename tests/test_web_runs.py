@@ -313,6 +313,8 @@ def test_dashboard_shows_a_running_run_live(
         )
         loss_x = page.evaluate("document.getElementById('chart-loss').data[0].x")
         assert loss_x == list(range(1, steps + 1))  # every step once, in order
+        # it grew past 20 points by extensions: its markers went (a series of few points has them)
+        assert page.evaluate("document.getElementById('chart-loss').data[0].mode") == "lines"
         print(f"live: listed after {t_listed:.1f} s, finished {t_done:.1f} s, steps {seen}, points {points}")
     finally:
         if proc.poll() is None:

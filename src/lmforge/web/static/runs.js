@@ -240,6 +240,7 @@
         const idx = [];
         const xs = [];
         const ys = [];
+        const plain = [];  // traces that reach FEW_POINTS with these points: their markers go
         let full = changes.some((ch) => ch.full) || (c.name === "loss" && marks);
         runs.forEach((run, r) => {
           for (const [key, add] of Object.entries(changes[r].added[c.name] || {})) {
@@ -247,13 +248,14 @@
             const i = order.indexOf(`${run}\t${key}`);
             if (i < 0) { full = true; continue; }
             const n = state[run].lines[c.name][key].x.length;  // points now, the new ones counted
-            if (n >= FEW_POINTS && n - add.x.length < FEW_POINTS) full = true;  // drop the markers
+            if (!key.startsWith("eval:") && n >= FEW_POINTS && n - add.x.length < FEW_POINTS) plain.push(i);
             idx.push(i); xs.push(add.x); ys.push(add.y);
           }
         });
         if (full) drawChart(c, runs);
         else if (idx.length) {
           Plotly.extendTraces(`chart-${c.name}`, { x: xs, y: ys }, idx);
+          if (plain.length) Plotly.restyle(`chart-${c.name}`, { mode: "lines" }, plain);
           document.body.dataset.extended = String(Number(document.body.dataset.extended || 0) + 1);
         }
       }
