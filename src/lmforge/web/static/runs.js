@@ -9,7 +9,8 @@
                    "#bcbd22", "#17becf"];
   const DASHES = ["solid", "dot", "dash", "longdash", "dashdot", "longdashdot"];
   const MARK_DASH = { event: "solid", phase: "dash", warmup: "dot" };
-  const FEW_POINTS = 20;  // a series with fewer points gets a marker at each (one point draws no line)
+  // a series with fewer points gets a marker at each (one point draws no line): lmforge plot's FEW_POINTS
+  const FEW_POINTS = Number(document.getElementById("charts-def").dataset.fewPoints);
   const MAX_LABELS = 24;  // text labels on the loss chart; every mark keeps its line and its table row
   const state = {};   // run -> {offset, file, phase, lines: {chart: {key: {label, x, y}}}, marks: []}
   const rows = {};    // run -> its <tr> in the runs table
