@@ -16,7 +16,7 @@ from lmforge.cli import main
 from lmforge.recipe import load_config
 from lmforge.report.compare import compare, differences, table_text
 from lmforge.report.plots import PANELS, draw_panel, matching_keys, panel_keys, select_panels
-from lmforge.report.runs import open_run, read_metrics
+from lmforge.report.runs import RunRecords, open_run, read_metrics
 from lmforge.train.callbacks.control import StopAfter
 from lmforge.train.launch import train
 from tests.conftest import tiny_overrides
@@ -214,3 +214,18 @@ def test_compare_shows_stopped_and_unfinished_runs_from_their_records(runs):
         "l": [[1, 2], [1, 3]],
         "y": [None, 0],
     }
+
+
+def test_a_series_of_few_points_is_drawn_with_markers(tmp_path):
+    """A run under 100 steps logs its detail records once (``metrics.detail_interval=50``): a one-point
+    series drawn as a bare line is invisible, so it gets a marker; a long series stays a plain line."""
+    steps = [
+        {"step": s, "loss": 5.0 - s / 100, "tokens_per_s": 10.0, "grad_norm": 1.0 + s} for s in range(40)
+    ]
+    detail = {"step": 0, "detail": True, "param_norm": 30.0, "attn_entropy/layer.0": 1.5, "attn_entropy": 1.5}
+    run = RunRecords(tmp_path / "short", {"step": steps, "eval": [], "detail": [detail], "event": []})
+    for name, expected in (("norms", {"gradient": "None", "parameters": "o"}), ("attn_entropy", None)):
+        ax = Figure().add_subplot()
+        draw_panel(ax, next(p for p in PANELS if p.name == name), [run])
+        markers = {line.get_label(): line.get_marker() for line in ax.lines}
+        assert markers == (expected or {"layer 0": "o", "mean": "o"})

@@ -3,7 +3,10 @@ index in a real browser, and ``lmforge dashboard``'s one-line errors."""
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -143,3 +146,42 @@ def test_pages_load_nothing_from_the_internet_and_bind_locally_by_default():
         assert 'fetch("http' not in text and "fetch('http" not in text, path
     args = build_parser().parse_args(["dashboard"])
     assert (args.host, args.port, args.runs_dir) == ("127.0.0.1", 8765, "runs")
+
+
+class _Terminal:
+    """A stand-in for sys.stdout / sys.stderr that says it is a terminal (and drops what is written)."""
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _request_log(runs: Path, serve, caplog) -> list[str]:
+    """The request log's lines (werkzeug's logger) for one found and one missing file."""
+    url = serve(runs)
+    with caplog.at_level(logging.INFO, logger="werkzeug"):
+        caplog.clear()
+        assert _status(f"{url}/files/a/config.toml") == 200
+        assert _status(f"{url}/files/a/missing.txt") == 404
+        for _ in range(100):  # the server thread logs after it answered
+            if len(caplog.records) >= 2:
+                break
+            time.sleep(0.02)
+    return [r.getMessage() for r in caplog.records if r.name == "werkzeug"]
+
+
+def test_request_log_has_no_colour_codes_when_piped(runs_tree: Path, serve, caplog, monkeypatch):
+    """Piped (pytest captures stdout and stderr: not terminals), the request log's lines are plain; on a
+    terminal werkzeug colours them (a 404 in yellow)."""
+    piped = _request_log(runs_tree, serve, caplog)
+    assert len(piped) == 2 and not [line for line in piped if "\x1b[" in line], piped
+    assert '"GET /files/a/missing.txt HTTP/1.1" 404' in piped[1]
+    monkeypatch.setattr(sys, "stdout", _Terminal())
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    coloured = _request_log(runs_tree, serve, caplog)
+    assert "\x1b[33m" in coloured[1]

@@ -5,7 +5,9 @@ and, without a sweep, the command that makes one instead of any curve."""
 from __future__ import annotations
 
 import json
+import math
 import os
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -112,3 +114,33 @@ def test_page_shows_the_real_sweep_in_a_browser(runs: Path, serve, page, tmp_pat
     wait_render(page, after=n)
     page.wait_for_function("document.querySelector(\"[data-key='optimum.level']\").dataset.value === '0'")
     assert figure(page, "optimum.level") == 0  # size alone: level 0 keeps the most
+
+
+def test_page_states_the_sweeps_optimum_and_round_right_axis_ticks(runs: Path, serve, page):
+    """The sweep marks an optimum in sweep.json: the page says which (no note that it marks none), and the
+    diversity chart's right axis has round ticks of its own, clear of the optimum's star."""
+    sweep = _sweep(runs)
+    page.goto(f"{serve(runs)}/cleaning")
+    wait_render(page)
+    assert "marks none" not in page.inner_text("body")
+    assert figure(page, "recorded.level") == sweep["optimum"]["level"]
+    texts = page.locator("#chart-diversity .y2tick text").evaluate_all("els => els.map(e => e.textContent)")
+    ticks = [float(t) for t in texts]
+    steps = {round(b - a, 9) for a, b in pairwise(ticks)}
+    assert len(ticks) >= 2 and len(steps) == 1, ticks
+    step = steps.pop()
+    mantissa = step / 10 ** math.floor(math.log10(step))
+    assert round(mantissa, 6) in (1, 2, 2.5, 5), ticks  # 4.8, 4.85, 4.9 ... not 4.767, 4.839 ...
+    assert all(abs(t / step - round(t / step)) < 1e-6 for t in ticks), ticks
+    star = page.locator("#chart-diversity .scatterlayer .trace").nth(3).locator(".point").bounding_box()
+    for box in page.locator("#chart-diversity .y2tick text").evaluate_all(
+        "els => els.map(e => { const r = e.getBoundingClientRect(); return [r.left, r.right, r.top, r.bottom]; })"
+    ):
+        x0, x1, y0, y1 = box
+        apart = (
+            x1 <= star["x"]
+            or star["x"] + star["width"] <= x0
+            or y1 <= star["y"]
+            or star["y"] + star["height"] <= y0
+        )
+        assert apart, (box, star)

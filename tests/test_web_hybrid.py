@@ -4,6 +4,7 @@ grid is the device mesh parallel/layout.py builds ((pp, dp_replicate, dp_shard, 
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,64 @@ def test_search_lists_the_planners_layouts(tmp_path: Path, serve, page, capsys):
     for i, s in enumerate(want):
         assert figure(page, f"search_{i}_total") == s["total"]
         assert figure(page, f"search_{i}_tokens_per_s") == s["tokens_per_s"]
+
+
+def _grid_drawing(page) -> tuple[list[str], list[dict], list[list[tuple[float, float]]]]:
+    """The grid as drawn: each GPU's fill colour and box (rank order), and each group line's points."""
+    got = page.evaluate(
+        """(() => { const g = document.getElementById('hybrid-grid');
+        const rects = g.layout.shapes.filter(s => s.type === 'rect');
+        const lines = g.data.filter(t => t.mode === 'lines');
+        return [rects.map(s => s.fillcolor), rects.map(s => ({x0: s.x0, x1: s.x1, y0: s.y0, y1: s.y1})),
+                lines.map(t => t.x.map((x, i) => [x, t.y[i]]))]; })()"""
+    )
+    return got[0], got[1], [[tuple(p) for p in line] for line in got[2]]
+
+
+def _crossed(points: list[tuple], box: dict) -> bool:
+    """Whether the polyline ``points`` (None breaks it) passes inside ``box`` (sampled every 1/200th)."""
+    for (x0, y0), (x1, y1) in pairwise(points):
+        if None in (x0, y0, x1, y1):
+            continue
+        for k in range(201):
+            x, y = x0 + (x1 - x0) * k / 200, y0 + (y1 - y0) * k / 200
+            if box["x0"] + 1e-6 < x < box["x1"] - 1e-6 and box["y0"] + 1e-6 < y < box["y1"] - 1e-6:
+                return True
+    return False
+
+
+def test_grid_one_colour_per_group_and_lines_only_through_the_groups_gpus(tmp_path: Path, serve, page):
+    """At 4 x 8 GPUs there are 16 DP and 16 PP groups, more than a 10-colour palette: each group still gets
+    a colour of its own, and a group's line never passes over a GPU outside it (the PP line of ranks 0 and
+    16 went straight over rank 8; at TP 4 the DP line of ranks 0, 4, ... over ranks 1 to 3). The figures'
+    names are words, not the estimate's keys."""
+    page.goto(f"{serve(tmp_path)}/hybrid")
+    wait_render(page)
+    names = page.locator("#hybrid-figures tbody tr td:first-child").all_inner_texts()
+    assert names and not [n for n in names if "_" in n], names
+    for degrees in (
+        {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 8},
+        {"pp": 2, "dp_replicate": 1, "dp_shard": 4, "tp": 4},
+    ):
+        if degrees["tp"] == 4:
+            n = renders(page)
+            page.fill("[name=tp]", "4")
+            page.fill("[name=dp_shard]", "4")
+            page.dispatch_event("[name=dp_shard]", "change")
+            wait_render(page, after=n)
+            page.wait_for_function("document.getElementById('hybrid-command').textContent.includes('tp=4')")
+        groups = mesh_groups(degrees, 8)
+        for dim in ("tp", "pp", "dp"):
+            page.select_option("#hybrid-colour", dim)
+            page.wait_for_function(
+                f"document.getElementById('hybrid-grid').layout.title.text.endsWith('{dim.upper()} group')"
+            )
+            colours, boxes, lines = _grid_drawing(page)
+            by_group = [{colours[r] for r in g["ranks"]} for g in groups[dim]]
+            assert all(len(c) == 1 for c in by_group), (degrees, dim)
+            assert len({c.pop() for c in by_group}) == len(groups[dim]), (degrees, dim)
+            joined = [g["ranks"] for g in groups[dim] if len(g["ranks"]) > 1]
+            assert len(lines) == len(joined)
+            for ranks, line in zip(joined, lines, strict=True):
+                over = [r for r in range(32) if r not in ranks and _crossed(line, boxes[r])]
+                assert not over, f"{dim} group {ranks} passes over ranks {over} at {degrees}"

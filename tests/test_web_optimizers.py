@@ -105,3 +105,25 @@ def test_page_runs_the_seed_comparison_in_a_browser(tmp_path: Path, serve, page)
     wait_render(page, after=n)
     assert page.locator("[data-key='final_x.adafactor']").count() == 0
     assert page.locator("#chart-path .scatterlayer .trace").count() == 6
+
+
+def drawn_colours(page, chart: str) -> dict[str, str]:
+    """The line colour Plotly drew (``_fullData``, defaults resolved) of each line trace of ``chart``."""
+    return page.evaluate(
+        f"Object.fromEntries(document.getElementById('{chart}')._fullData"
+        ".filter(t => t.type === 'scatter' && t.mode.includes('lines')).map(t => [t.name, t.line.color]))"
+    )
+
+
+def test_an_optimizer_has_one_colour_in_both_charts(tmp_path: Path, serve, page):
+    page.goto(f"{serve(tmp_path)}/optimizers")
+    wait_render(page)
+    path, loss = drawn_colours(page, "chart-path"), drawn_colours(page, "chart-loss")
+    assert len(path) == len(OPTIMIZERS) and path == loss
+    assert len(set(path.values())) == len(OPTIMIZERS)
+    n = renders(page)
+    page.uncheck("input[name=sgd]")  # the others keep their colours
+    wait_render(page, after=n)
+    after = drawn_colours(page, "chart-loss")
+    assert after == drawn_colours(page, "chart-path") == {k: v for k, v in path.items() if k in after}
+    assert len(after) == len(OPTIMIZERS) - 1

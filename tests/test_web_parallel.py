@@ -238,3 +238,53 @@ def test_tensor_parallel_page(serve, page, tmp_path: Path):
     change(page, "m", "64")
     assert figure(page, "flops_per_gpu") == 2 * 64 * 4096 * 4096 / 4
     assert time.monotonic() - start < 10
+
+
+def test_model_parallel_token_has_its_passes_colour(serve, page, tmp_path: Path):
+    """The moving token is the forward's blue while the activation travels and the backward's orange while
+    the gradient does, the colours of the timeline's bars (it was blue in the send-gradient phases)."""
+    page.goto(f"{serve(tmp_path)}/model-parallel")
+    wait_render(page)
+    bars = page.evaluate(
+        "Object.fromEntries(document.getElementById('mp-timeline').data.map(t => [t.name, t.marker.color]))"
+    )
+    want = {
+        "forward": bars["forward"],
+        "send-activation": bars["forward"],
+        "backward": bars["backward"],
+        "send-gradient": bars["backward"],
+    }
+    seen = {}
+    for _ in range(14):  # 4 GPUs: 4 forwards, 3 sends, 4 backwards, 3 sends
+        page.click("#step")
+        phase = page.get_attribute("#mp-anim", "data-phase")
+        kind = "-".join(phase.split("-")[:2]) if phase.startswith("send") else phase.split("-")[0]
+        seen.setdefault(kind, set()).add(page.get_attribute("#mp-anim .mover circle", "fill"))
+    assert seen == {k: {v} for k, v in want.items()}
+
+
+def test_tensor_parallel_texts_neither_overlap_nor_leave_the_picture(serve, page, tmp_path: Path):
+    """At 4 GPUs with M 2048, K 1024, N 4096 the row-parallel shard labels ("GPU 0: partial 2048×4096")
+    are wider than their matrices: every text of the picture keeps its own box, inside the picture."""
+    page.goto(f"{serve(tmp_path)}/tensor-parallel")
+    wait_render(page)
+    page.click("#pause")
+    for name, value in (("m", "2048"), ("k", "1024"), ("n", "4096"), ("gpus", "4")):
+        change(page, name, value)
+    while page.get_attribute("#tp-anim", "data-phase") != "result":  # every stage drawn
+        page.click("#step")
+    svg = page.locator("#tp-anim").bounding_box()
+    texts = page.eval_on_selector_all(
+        "#tp-anim text",
+        "els => els.map(e => { const r = e.getBoundingClientRect();"
+        " return {t: e.textContent, x0: r.left, x1: r.right, y0: r.top, y1: r.bottom}; })",
+    )
+    assert "Y 2048×4096 on every GPU" in [t["t"] for t in texts]
+    assert "GPU 3: partial 2048×4096" in [t["t"] for t in texts]
+    for t in texts:
+        assert svg["x"] <= t["x0"] and t["x1"] <= svg["x"] + svg["width"], t
+    for i, a in enumerate(texts):
+        for b in texts[i + 1 :]:
+            apart = a["x1"] <= b["x0"] or b["x1"] <= a["x0"] or a["y1"] <= b["y0"] or b["y1"] <= a["y0"]
+            assert apart, (a, b)
+    screenshot(page, "tensor-parallel-4", tmp_path)

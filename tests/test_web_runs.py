@@ -313,6 +313,8 @@ def test_dashboard_shows_a_running_run_live(
         )
         loss_x = page.evaluate("document.getElementById('chart-loss').data[0].x")
         assert loss_x == list(range(1, steps + 1))  # every step once, in order
+        # it grew past 20 points by extensions: its markers went (a series of few points has them)
+        assert page.evaluate("document.getElementById('chart-loss').data[0].mode") == "lines"
         print(f"live: listed after {t_listed:.1f} s, finished {t_done:.1f} s, steps {seen}, points {points}")
     finally:
         if proc.poll() is None:
@@ -337,3 +339,34 @@ def test_dashboard_run_without_records_is_running_then_incomplete(runs: Path, se
     page.wait_for_function(
         f"document.querySelector(\"{status}\").dataset.value === 'incomplete'", timeout=5000
     )
+
+
+def test_a_series_of_few_points_is_drawn_with_markers(serve, page, tmp_path: Path):
+    """A run under 100 steps has one detail record (``metrics.detail_interval=50``): its attention entropy
+    and parameter norm are one point each, which a bare line does not show; they get markers, and a long
+    series (60 training losses) stays a plain line."""
+    run = tmp_path / "runs" / "short"
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text("[train]\nsteps = 60\n")
+    records = [
+        {"step": s, "loss": 5.0 - s / 100, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 9.0}
+        for s in range(1, 61)
+    ]
+    records.append(
+        {"step": 50, "detail": True, "param_norm": 30.0, "attn_entropy/layer.0": 1.5, "attn_entropy": 1.4}
+    )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    page.goto(f"{serve(tmp_path / 'runs')}/runs")
+    wait_render(page)
+    page.wait_for_function("(document.getElementById('chart-attn_entropy').data || []).length === 2")
+    modes = page.evaluate(
+        "Object.fromEntries(['loss', 'norms', 'attn_entropy'].flatMap(c =>"
+        " document.getElementById('chart-' + c).data.map(t => [c + ':' + t.name, [t.mode, t.x.length]])))"
+    )
+    assert modes == {
+        "loss:train": ["lines", 60],
+        "norms:gradient": ["lines", 60],
+        "norms:parameters": ["lines+markers", 1],
+        "attn_entropy:layer 0": ["lines+markers", 1],
+        "attn_entropy:mean": ["lines+markers", 1],
+    }

@@ -131,6 +131,7 @@ EVENT_MARKERS = {
     "early_stop": "*",
 }
 STYLES = ("-", "--", ":", "-.")
+FEW_POINTS = 20  # a series with fewer points is drawn with a marker at each (one point makes no line)
 
 
 def matching_keys(curve: Curve, keys: set[str]) -> list[tuple[str, str]]:
@@ -182,7 +183,7 @@ def draw_panel(ax: Axes, panel: Panel, runs: list[RunRecords]) -> None:
             if curve.right:
                 right = right or ax.twinx()
                 target = right
-            marker = "o" if "o" in style else None
+            marker = "o" if "o" in style or len(steps) < FEW_POINTS else None
             target.plot(
                 steps,
                 values,

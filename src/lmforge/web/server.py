@@ -3,14 +3,31 @@
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from flask import Flask
-from werkzeug.serving import BaseWSGIServer, make_server
+from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
 
 from lmforge.errors import UserError
+
+
+def on_terminal() -> bool:
+    """Whether both stdout and stderr (where the request log goes) are terminals: colour only then."""
+    return all(stream is not None and stream.isatty() for stream in (sys.stdout, sys.stderr))
+
+
+class RequestHandler(WSGIRequestHandler):
+    """werkzeug's handler, whose request log colours its lines by status code with ANSI escapes: those
+    only on a terminal, plain lines into a pipe or a file."""
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        if on_terminal():
+            super().log_request(code, size)
+        else:
+            self.log("info", '"%s" %s %s', self.requestline.translate(self._control_char_table), code, size)
 
 
 def bind(app: Flask, host: str, port: int) -> BaseWSGIServer:
@@ -25,7 +42,7 @@ def bind(app: Flask, host: str, port: int) -> BaseWSGIServer:
         raise UserError(
             f"--port/--host: cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port"
         ) from None
-    return make_server(host, port, app, threaded=True)
+    return make_server(host, port, app, threaded=True, request_handler=RequestHandler)
 
 
 def url_of(server: BaseWSGIServer) -> str:

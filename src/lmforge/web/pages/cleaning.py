@@ -60,6 +60,7 @@ def cleaning_api():
         "k_words": result.get("k_words"),
         "rows": rows,
         "optimum": best,
+        "recorded_optimum": result.get("optimum"),  # what sweep.json marks (weights 1, 1, 1), as written
         "weights": list(weights),
         "index": index,
         "knobs": level_knobs(result, index),

@@ -19,7 +19,7 @@ from flask import Blueprint, current_app, render_template, request
 
 from lmforge.recipe import load_saved_config
 from lmforge.report.compare import config_of, differences, run_row
-from lmforge.report.plots import PANELS, Panel, panel_keys
+from lmforge.report.plots import FEW_POINTS, PANELS, Panel, panel_keys
 from lmforge.report.runs import KINDS, RunRecords, finite, open_run, record_kind
 from lmforge.web.api import BadInput, arg_int, json_api
 from lmforge.web.paths import PathRefused
@@ -158,7 +158,10 @@ def runs_page():
         "runs.html",
         title="Training dashboard",
         defaults={
-            "charts": [{"name": p.name, "title": p.title, "ylabel": p.ylabel, "log": p.log} for p in charts()]
+            "charts": [
+                {"name": p.name, "title": p.title, "ylabel": p.ylabel, "log": p.log} for p in charts()
+            ],
+            "few_points": FEW_POINTS,  # a series with fewer points is drawn with markers, as lmforge plot does
         },
     )
 

@@ -39,7 +39,7 @@
     const docs0 = Math.max(...rows.map((r) => r.documents_input)) || 1;
     const tok0 = Math.max(...rows.map((r) => r.tokens)) || 1;
     const docs = rows.map((r) => 100 * r.documents / docs0), toks = rows.map((r) => 100 * r.tokens / tok0);
-    const layout = (title, y) => ({ title: { text: title }, margin: { l: 60, r: 60, t: 40, b: 60 }, legend: { orientation: "h", y: -0.3 }, xaxis: { title: { text: "strictness level" }, range: [-5, 105] }, yaxis: y, shapes: vline(data), height: 380 });
+    const layout = (title, y) => ({ title: { text: title }, margin: { l: 60, r: 60, t: 40, b: 60 }, legend: { orientation: "h", y: -0.3 }, xaxis: { title: { text: "strictness level" }, range: [-8, 108] }, yaxis: y, shapes: vline(data), height: 380 });
     await lmf.plot("chart-size", [
       { type: "scatter", mode: "lines+markers", x, y: docs, name: "documents (% of input)" },
       { type: "scatter", mode: "lines+markers", x, y: toks, name: "tokens (% of most kept)" },
@@ -59,19 +59,28 @@
       { type: "scatter", mode: "lines+markers", x, y: rows.map((r) => r.distinct_ngrams_per_token), name: `distinct ${data.ngram}-grams / token, all kept`, line: { dash: "dash" } },
       { type: "scatter", mode: "lines+markers", x, y: rows.map((r) => r.vocab_entropy_bits), name: "word entropy (bits)", yaxis: "y2", line: { dash: "dot" } },
       ...markers(data, dk),
-    ], Object.assign(layout("diversity", { title: { text: "per word / token" } }), { yaxis2: { title: { text: "bits" }, overlaying: "y", side: "right" } }));
+    ], Object.assign(layout("diversity", { title: { text: "per word / token" } }), {
+      // its own round ticks (an overlaid axis otherwise takes the left axis's grid: 4.767, 4.839...), no grid
+      yaxis2: { title: { text: "bits" }, overlaying: "y", side: "right", tickmode: "auto", nticks: 5, showgrid: false,
+                automargin: true } }));
     const b = data.optimum.index;
     const note = document.getElementById("optimum-note");
     note.replaceChildren();
+    const bold = (key, value) => {
+      const span = document.createElement("b");
+      span.dataset.key = key;
+      span.dataset.value = String(value);
+      span.textContent = String(value);
+      return span;
+    };
     if (b === null) note.textContent = "No level has every figure (or every weight is 0): no optimum marked.";
     else {
-      note.append("Optimum marked: level ");
-      const span = document.createElement("b");
-      span.dataset.key = "optimum.level";
-      span.dataset.value = String(data.levels[b]);
-      span.textContent = String(data.levels[b]);
-      note.append(span, ` (score ${fmt(data.optimum.score[b], 3)} with weights size ${data.weights[0]}, quality ${data.weights[1]}, diversity ${data.weights[2]}).`);
+      note.append("Optimum marked: level ", bold("optimum.level", data.levels[b]),
+        ` (score ${fmt(data.optimum.score[b], 3)} with weights size ${data.weights[0]}, quality ${data.weights[1]}, diversity ${data.weights[2]}).`);
     }
+    const recorded = data.recorded_optimum;
+    note.append(" ", recorded ? "The sweep itself marks level " : "The sweep marks no optimum (no level has every figure).");
+    if (recorded) note.append(bold("recorded.level", recorded.level), " (weights 1, 1, 1).");
     const r = rows[data.index];
     document.getElementById("level-heading").textContent = `At level ${r.level}`;
     const lt = document.getElementById("level-table");

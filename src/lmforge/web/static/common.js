@@ -47,9 +47,11 @@ window.lmf = {
     return Plotly.react(id, traces, Object.assign(base, layout || {}), { displaylogo: false, responsive: true });
   },
   gib(bytes) { return (bytes / 2 ** 30).toFixed(2); },
+  // A number for reading: digits grouped by thousands ("412,345", "4,080,513,024") up to 1e15, with at most
+  // `digits` decimals (3); exponent notation only for the very large and the very small (< 1e-3).
   num(x, digits) {
     if (x === null || x === undefined) return "–";
-    return Math.abs(x) >= 1e5 || (Math.abs(x) < 1e-3 && x !== 0) ? x.toExponential(digits ?? 3)
+    return Math.abs(x) >= 1e15 || (Math.abs(x) < 1e-3 && x !== 0) ? x.toExponential(digits ?? 3)
       : x.toLocaleString("en-US", { maximumFractionDigits: digits ?? 3 });
   },
   // An element <tag> holding the text `s`.

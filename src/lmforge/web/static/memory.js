@@ -26,6 +26,7 @@
     const body = document.querySelector("#memory-table tbody");
     body.replaceChildren();
     const acc = d.accuracy;
+    // share: of the total, for the rows that make it up (null: a figure beside the total, no share)
     const add = (key, label, value, share, accuracy) => {
       const tr = document.createElement("tr");
       const th = document.createElement("td");
@@ -33,21 +34,29 @@
       const note = lmf.text("td", accuracy || "");
       note.dataset.key = `${key}.accuracy`;
       note.className = "accuracy";
-      tr.append(th, lmf.cell(key, value, lmf.gib(value)), lmf.cell(`${key}.share`, share,
-        `${(share * 100).toFixed(1)}%`), note);
+      tr.append(th, lmf.cell(key, value, lmf.gib(value)), share === null ? lmf.cell(`${key}.share`, "", "")
+        : lmf.cell(`${key}.share`, share, `${(share * 100).toFixed(1)}%`), note);
       body.append(tr);
+      return tr;
     };
+    const p = d.at_peak;
     for (const r of ROWS) {
       add(`row.${slug(r)}`, r, d.rows[r], d.total ? d.rows[r] / d.total : 0, acc.rows[r] && acc.rows[r].text);
+      if (r === "activations" && p.activations_at_peak < p.activations) {
+        // the row counts what is alive at the peak; the activations' own peak is another moment
+        add("activations_own_peak", "activations at their own peak", p.activations, null,
+          `${p.activations_at_peak ? lmf.gib(p.activations_at_peak) + " GiB of them alive" : "freed"} at the ` +
+          `peak ("${p.phase}"); the most the step holds, once the forward saved them all`).className = "aside";
+      }
     }
     add("total", "total", d.total, 1, acc.peak_text);
-    add("limit", `limit (${d.margin} x memory)`, d.limit, d.limit / d.total);
-    add("memory_bytes", "device memory", d.memory_bytes, d.memory_bytes / d.total);
+    add("limit", `limit (${d.margin} x memory)`, d.limit, null);
+    add("memory_bytes", "device memory", d.memory_bytes, null);
     const accuracy = document.getElementById("memory-accuracy");
     accuracy.dataset.measured = acc.measured ? "1" : "0";
     accuracy.textContent = `The planner's measured accuracy: ${acc.peak_text}` +
       (acc.measured ? `; worst case: ${acc.worst}. Table: docs/memory-accuracy.md.` : ".");
-    drawPeak(d.at_peak);
+    drawPeak(p);
     const acts = document.querySelector("#memory-activations tbody");
     acts.replaceChildren();
     const actRow = (key, label, v) => {

@@ -15,7 +15,7 @@
   function draw(d, names, i) {
     const n = d.gpus, W = 1000, H = 260;
     const s = lmfPar.svg("mp-anim", W, H);
-    const [kind, , a, b] = names[i].split("-");
+    const [kind, what, a, b] = names[i].split("-");  // forward-gpu-G, send-activation-G-H, send-gradient-G-H
     const gap = Math.min(40, 300 / n), bw = Math.min(190, (W - 40 - gap * (n - 1)) / n);
     const x0 = (W - (bw * n + gap * (n - 1))) / 2, by = 60, bh = 120;
     const gx = (g) => x0 + g * (bw + gap);
@@ -42,14 +42,15 @@
     if (kind === "send") tx = (gx(Number(a)) + bw + gx(Number(b))) / 2;
     else tx = gx(Math.max(active, 0)) + bw / 2;
     const g0 = lmfPar.el(s, "g", { class: "mover", style: `transform: translate(${tx}px, ${by - 28}px)` });
-    lmfPar.el(g0, "circle", { r: 12, fill: kind === "backward" || a === "gradient" ? "#ff7f0e" : "#1f77b4" });
+    const carries = kind === "backward" || what === "gradient" ? "gradient" : "activation";
+    lmfPar.el(g0, "circle", { r: 12, fill: carries === "gradient" ? "#ff7f0e" : "#1f77b4", "data-carries": carries });
     if (kind === "send") {
       const [src, dst] = [Number(b === undefined ? 0 : a), Number(b)];
       const y = by + bh / 2;
       const [x1, x2] = dst > src ? [gx(src) + bw + 2, gx(dst) - 2] : [gx(src) - 2, gx(dst) + bw + 2];
-      lmfPar.arrow(s, x1, y, x2, y, { stroke: names[i].includes("gradient") ? "#ff7f0e" : "#1f77b4", "stroke-width": 3 });
+      lmfPar.arrow(s, x1, y, x2, y, { stroke: what === "gradient" ? "#ff7f0e" : "#1f77b4", "stroke-width": 3 });
       lmfPar.el(s, "text", { x: 40, y: H - 24, class: "big" },
-        `${names[i].includes("gradient") ? "gradient" : "activation"} ${lmfPar.bytes(d.activation_bytes)} (batch × seq × d_model × bytes) GPU ${src} → GPU ${dst}`);
+        `${what} ${lmfPar.bytes(d.activation_bytes)} (batch × seq × d_model × bytes) GPU ${src} → GPU ${dst}`);
     } else {
       lmfPar.el(s, "text", { x: 40, y: H - 24, class: "big" },
         `GPU ${active} runs the ${kind} of layers ${d.stages[active][0]}–${d.stages[active][1] - 1}; ${n - 1} GPU(s) wait`);

@@ -10,6 +10,11 @@
     form.elements.y0.value = d.start[1];
     for (const [key, lr] of Object.entries(d.lr)) form.elements[`lr_${key}`].value = lr;
   });
+  // One colour per optimizer, the same in both charts, fixed by its place among the checkboxes (what is
+  // unticked keeps no colour of another's).
+  const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
+  const keys = [...form.querySelectorAll("fieldset input[type=checkbox]")].map((e) => e.name);
+  const colour = (key) => PALETTE[Math.max(keys.indexOf(key), 0) % PALETTE.length];
   const fmt = (v) => (v === null || v === undefined ? "–" : lmf.num(v, 4));
   async function render(params) {
     const data = await lmf.get("/api/optimizers", params);
@@ -23,7 +28,8 @@
       marker: { symbol: "star", size: 14, color: "gold", line: { color: "black", width: 1 } }, name: "minimum",
     }];
     for (const r of data.runs) {
-      traces.push({ type: "scatter", mode: "lines+markers", x: r.x, y: r.y, name: r.label, marker: { size: 3 } });
+      traces.push({ type: "scatter", mode: "lines+markers", x: r.x, y: r.y, name: r.label,
+                    line: { color: colour(r.key) }, marker: { size: 3, color: colour(r.key) } });
     }
     await lmf.plot("chart-path", traces, {
       title: { text: `${data.function}: ${data.steps} steps from (${data.start.join(", ")})` },
@@ -32,6 +38,7 @@
     });
     await lmf.plot("chart-loss", data.runs.map((r) => ({
       type: "scatter", mode: "lines", x: r.loss.map((_, i) => i), y: r.loss.map((v) => v - data.f_min), name: r.label,
+      line: { color: colour(r.key) },
     })), { title: { text: "f(x, y) - f* per step" }, xaxis: { title: { text: "step" } }, yaxis: { title: { text: "f - f*" }, type: "log" }, height: 520 });
     const fin = document.getElementById("final-table");
     fin.replaceChildren();

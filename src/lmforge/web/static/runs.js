@@ -9,6 +9,8 @@
                    "#bcbd22", "#17becf"];
   const DASHES = ["solid", "dot", "dash", "longdash", "dashdot", "longdashdot"];
   const MARK_DASH = { event: "solid", phase: "dash", warmup: "dot" };
+  // a series with fewer points gets a marker at each (one point draws no line): lmforge plot's FEW_POINTS
+  const FEW_POINTS = Number(document.getElementById("charts-def").dataset.fewPoints);
   const MAX_LABELS = 24;  // text labels on the loss chart; every mark keeps its line and its table row
   const state = {};   // run -> {offset, file, phase, lines: {chart: {key: {label, x, y}}}, marks: []}
   const rows = {};    // run -> its <tr> in the runs table
@@ -116,7 +118,8 @@
       Object.entries(lines).forEach(([key, line], i) => {
         const isEval = key.startsWith("eval:");
         out.push({
-          x: line.x.slice(), y: line.y.slice(), type: "scatter", mode: isEval ? "lines+markers" : "lines",
+          x: line.x.slice(), y: line.y.slice(), type: "scatter",
+          mode: isEval || line.x.length < FEW_POINTS ? "lines+markers" : "lines",
           name: several ? `${run}: ${line.label}` : line.label,
           line: { color: several || Object.keys(lines).length === 1 ? colour(run) : PALETTE[i % PALETTE.length],
                   dash: several ? DASHES[i % DASHES.length] : "solid", width: 1.5 },
@@ -238,18 +241,22 @@
         const idx = [];
         const xs = [];
         const ys = [];
+        const plain = [];  // traces that reach FEW_POINTS with these points: their markers go
         let full = changes.some((ch) => ch.full) || (c.name === "loss" && marks);
         runs.forEach((run, r) => {
           for (const [key, add] of Object.entries(changes[r].added[c.name] || {})) {
             if (!add.x.length) continue;
             const i = order.indexOf(`${run}\t${key}`);
             if (i < 0) { full = true; continue; }
+            const n = state[run].lines[c.name][key].x.length;  // points now, the new ones counted
+            if (!key.startsWith("eval:") && n >= FEW_POINTS && n - add.x.length < FEW_POINTS) plain.push(i);
             idx.push(i); xs.push(add.x); ys.push(add.y);
           }
         });
         if (full) drawChart(c, runs);
         else if (idx.length) {
           Plotly.extendTraces(`chart-${c.name}`, { x: xs, y: ys }, idx);
+          if (plain.length) Plotly.restyle(`chart-${c.name}`, { mode: "lines" }, plain);
           document.body.dataset.extended = String(Number(document.body.dataset.extended || 0) + 1);
         }
       }

@@ -8,7 +8,8 @@
   const SHOWN = 4; // GPUs drawn per panel (more: "…")
 
   // A matrix rows x cols drawn at (x, y), split into `parts` coloured stripes along `axis`
-  // ("cols", "rows" or null: one grey block); returns its drawn width and height.
+  // ("cols", "rows" or null: one grey block), its label under it; returns the width it takes (the matrix
+  // or its label, the wider, as the browser measures the text) and its height.
   function matrix(s, x, y, rows, cols, sc, parts, axis, stage, now, label, color) {
     const w = Math.max(6, cols * sc), h = Math.max(6, rows * sc);
     const g = lmfPar.el(s, "g", { class: stage > now ? "faint" : "" });
@@ -22,8 +23,8 @@
       }
       lmfPar.el(g, "rect", { x, y, width: w, height: h, fill: "none", stroke: "#333" });
     }
-    if (label) lmfPar.el(g, "text", { x, y: y + h + 14 }, label);
-    return [w, h];
+    const text = label ? lmfPar.el(g, "text", { x, y: y + h + 14 }, label) : null;
+    return [Math.max(w, text ? text.getComputedTextLength() : 0), h];
   }
 
   function panel(s, d, oy, kind, now) {
@@ -33,10 +34,10 @@
       ? `column-parallel: W split by columns, Y_i = X W_i, then all-gather (${lmfPar.bytes(sh.forward_bytes)} sent per GPU)`
       : `row-parallel: W split by rows, partial X_i W_i, then all-reduce (${lmfPar.bytes(sh.forward_bytes)} sent per GPU)`);
     const y = oy + 20;
-    const slot = (w) => Math.max(w, 120) + 14;
+    const slot = (w) => Math.max(w, 60) + 18;  // room for the widest of matrix and label, then a gap
     let x = 20;
-    let [w] = matrix(s, x, y, d.m, d.k, sc, t, col ? null : "cols", 0, now, col ? `X ${d.m}×${d.k}` : `X_i ${sh.x_shape.join("×")}`);
-    lmfPar.el(s, "text", { x: x + w + 8, y: y + 40 }, "×");
+    let [w, h] = matrix(s, x, y, d.m, d.k, sc, t, col ? null : "cols", 0, now, col ? `X ${d.m}×${d.k}` : `X_i ${sh.x_shape.join("×")}`);
+    lmfPar.el(s, "text", { x: x + w + 5, y: y + h / 2 + 4 }, "×");
     x += slot(w);
     [w] = matrix(s, x, y, d.k, d.n, sc, t, col ? "cols" : "rows", 0, now, `W_i ${sh.w_shard.join("×")}`);
     x += slot(w) + 10;
@@ -45,21 +46,22 @@
     for (let g = 0; g < shown; g++) {
       const [ww] = matrix(s, x, y, sh.y_shard[0], sh.y_shard[1], sc, 1, null, 1, now,
         `GPU ${g}: ${col ? "" : "partial "}${sh.y_shard.join("×")}`, lmfPar.color(g));
-      x += slot(ww) + (col ? 0 : 30);
+      x += slot(ww);
     }
-    if (t > shown) lmfPar.el(s, "text", { x, y: y + 40 }, `… ${t - shown} more`);
-    x = Math.max(x, 560) + 30;
+    if (t > shown) x += lmfPar.el(s, "text", { x, y: y + 40 }, `… ${t - shown} more`).getComputedTextLength() + 18;
+    x = Math.max(x, 560) + 12;
     const ga = lmfPar.el(s, "g", { class: now < 2 ? "faint" : "" });
     lmfPar.arrow(ga, x, y + 40, x + 120, y + 40, { "stroke-width": 3, "marker-end": "url(#tp-anim-arrow)" });
     lmfPar.el(ga, "text", { x, y: y + 30 }, col ? "all-gather" : "all-reduce (sum)");
     lmfPar.el(ga, "text", { x, y: y + 58 }, lmfPar.bytes(sh.forward_bytes));
-    matrix(s, x + 140, y, d.m, d.n, sc, t, col ? "cols" : null, 3, now, `Y ${d.m}×${d.n} on every GPU`);
+    const [wy] = matrix(s, x + 140, y, d.m, d.n, sc, t, col ? "cols" : null, 3, now, `Y ${d.m}×${d.n} on every GPU`);
+    return x + 140 + wy;  // the right end of what the panel drew
   }
 
   function draw(d, i) {
     const s = lmfPar.svg("tp-anim", 1250, 300);
-    panel(s, d, 20, "column", i);
-    panel(s, d, 165, "row", i);
+    const right = Math.max(panel(s, d, 20, "column", i), panel(s, d, 165, "row", i));
+    s.setAttribute("viewBox", `0 0 ${Math.max(1250, Math.ceil(right) + 20)} 300`);  // nothing cut off
     document.getElementById("phase-text").textContent = `phase: ${PHASES[i]}`;
   }
 
