@@ -185,6 +185,40 @@ def scorer_run(tmp_path_factory) -> Path:
     return train_tiny(tmp_path_factory.mktemp("scorer_run"))
 
 
+def moe_overrides_tiny(corpus_dir: Path, cache_dir: Path) -> dict:
+    """A tiny MoE recipe (4 experts, 2 per token, both blocks MoE, the Switch loss and the z-loss on,
+    every step logged, a checkpoint at the end)."""
+    return tiny_overrides(corpus_dir, cache_dir) | {
+        "model.moe.experts": 4,
+        "model.moe.top_k": 2,
+        "model.moe.aux_loss": 0.01,
+        "model.moe.z_loss": 0.001,
+        "train.steps": 12,
+        "train.log_interval": 1,
+        "train.eval_interval": 6,
+        "train.checkpoint_interval": 12,
+        "train.sample_tokens": 0,
+    }
+
+
+@pytest.fixture(scope="session")
+def moe_run(corpus_dir: Path, tmp_path_factory) -> Path:
+    """A finished tiny MoE run (:func:`moe_overrides_tiny`), trained once per session (seconds):
+    ``RUNS/moe``."""
+    root = tmp_path_factory.mktemp("moe_runs")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(
+            load_config(None, moe_overrides_tiny(corpus_dir, root / "data")),
+            root / "runs" / "moe",
+            progress_bar=False,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    return root / "runs" / "moe"
+
+
 # ---- the web app in a real browser (tests/test_web_*.py) ----------------------------------------------
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package (`apt-get install chromium`), as .ci/run installs it

@@ -119,6 +119,26 @@ PANELS = (
         log=True,
     ),
     Panel("loss_scale", "fp16 loss scale", "scale", (Curve("step", "loss_scale", "scale"),), log=True),
+    Panel(
+        "moe_imbalance",
+        "MoE expert load imbalance per layer",
+        "max / mean tokens per expert",
+        (
+            Curve("step", "moe/layer.{i}/imbalance", "layer {i}"),
+            Curve("step", "moe/imbalance", "worst", style="--"),
+        ),
+    ),
+    Panel(
+        "moe_balance_losses",
+        "MoE balance losses (without coefficients)",
+        "loss",
+        (
+            Curve("step", "moe/aux_loss", "aux (Switch)"),
+            Curve("step", "moe/seq_aux_loss", "sequence-wise"),
+            Curve("step", "moe/z_loss", "router z-loss", right=True, style="--"),
+        ),
+        right_label="z-loss",
+    ),
 )
 
 EVENT_MARKERS = {

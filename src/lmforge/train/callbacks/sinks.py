@@ -1,7 +1,8 @@
 """Where the metrics records go (``trainer.log`` -> each callback's ``on_log``), rank 0 only:
 
 * :class:`MetricsFile`: ``RUN/metrics.jsonl`` (one JSON object per line, :class:`MetricsWriter`) and
-  TensorBoard, truncated on resume;
+  TensorBoard, truncated on resume (in TensorBoard a list of numbers, such as an MoE layer's tokens per
+  expert, is one scalar per entry, ``KEY/expert_<j>``, and a histogram ``KEY``);
 * :class:`Console`: what the user sees, each message once: a progress bar (rich, :class:`ProgressBar`) on
   an interactive terminal, elsewhere a plain log line per record;
 * :class:`WandbSink`: with ``metrics.wandb = true``, every record also to Weights & Biases, offline. The
@@ -23,6 +24,8 @@ import sys
 import uuid
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from lmforge.config import Config
 from lmforge.errors import UserError
@@ -61,8 +64,21 @@ class MetricsWriter:
             step = record["step"]
             prefix = f"{record['event']}/" if "event" in record else ""  # keep events off the main curves
             for key, value in record.items():
-                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                if key != "step" and _number(value):
                     self._tb.add_scalar(prefix + key, value, step)
+                elif isinstance(value, list) and value and all(_number(v) for v in value):
+                    self._write_list(prefix + key, value, step)
+
+    def _write_list(self, key: str, values: list[float], step: int) -> None:
+        """A list of numbers (an MoE layer's tokens per expert, ``moe/layer.<i>/load``): one scalar per
+        entry, ``KEY/expert_<j>``, and the list as a histogram under ``KEY`` (TensorBoard's histogram tab
+        shows how the load spreads over the experts, step by step). Non-finite entries are left out."""
+        for j, v in enumerate(values):
+            if math.isfinite(v):
+                self._tb.add_scalar(f"{key}/expert_{j}", v, step)
+        finite_values = [float(v) for v in values if math.isfinite(v)]
+        if finite_values:
+            self._tb.add_histogram(key, torch.tensor(finite_values), step)
 
     def close(self) -> None:
         self._fh.close()
@@ -119,6 +135,10 @@ class MetricsFile(Callback):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def format_duration(seconds: float) -> str:

@@ -22,6 +22,7 @@ from lmforge.report.compare import config_of, differences, run_row
 from lmforge.report.plots import FEW_POINTS, PANELS, Panel, panel_keys
 from lmforge.report.runs import KINDS, RunRecords, finite, open_run, record_kind
 from lmforge.web.api import BadInput, arg_int, json_api
+from lmforge.web.moe_load import moe_load
 from lmforge.web.paths import PathRefused
 from lmforge.web.registry import Page
 from lmforge.web.run_files import RowCache, last_write, list_runs, read_new_records, run_folder, shown_status
@@ -215,6 +216,15 @@ def metrics_api() -> dict[str, Any]:
         "series": chart_series(run),
         "marks": sorted(marks, key=lambda m: m["step"]),
     }
+
+
+@blueprint.get("/api/runs/moe-load")
+@json_api
+def moe_load_api() -> dict[str, Any]:
+    """The expert load per MoE layer at each logged step of the run ``run`` (``web/moe_load.py``): the
+    heatmap of static/runs_moe.js. Empty lists for a dense run."""
+    rel, path = _run_param(request.args.get("run"))
+    return {"run": rel, **moe_load(open_run(path))}
 
 
 @blueprint.get("/api/runs/diff")
