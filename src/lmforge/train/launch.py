@@ -30,6 +30,7 @@ from lmforge.train.callbacks.sinks import Console, MetricsFile, WandbSink, requi
 from lmforge.train.checkpoint import (
     latest_checkpoint,
     load_training_state,
+    newest_valid_checkpoint,
     read_trainer_state,
     remove_partial,
 )
@@ -94,6 +95,8 @@ def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
     if launch_env()[0] == 0:
         remove_partial(run_dir)
     ckpt = latest_checkpoint(run_dir)
+    if resume and ckpt is not None:  # the newest whose files match its manifest; damaged ones are skipped
+        ckpt = newest_valid_checkpoint(run_dir)
     if resume and ckpt is None:
         if list(run_dir.glob("checkpoints/step_*/state.pt")):
             raise UserError(
