@@ -177,6 +177,15 @@ def test_cli_refuses_model_flags_and_missing_from(pretrained, tmp_path, capsys, 
     assert _exit(["sft", "--from", str(pretrained), "--run-dir", str(tmp_path / "w"), missing]) == 2
     assert "posttrain.train_files" in capsys.readouterr().err
     assert not any((tmp_path / d).exists() for d in "yzw")  # nothing written
+    inside = pretrained / "sft"
+    assert (
+        _exit(
+            ["sft", "--from", str(pretrained), "--run-dir", str(inside), *cli_args(_sft_overrides(tmp_path))]
+        )
+        == 2
+    )
+    assert f"{inside} lies inside the run folder {pretrained.resolve()}" in capsys.readouterr().err
+    assert not inside.exists()
 
 
 def test_cli_names_the_checkpoint_it_started_from(pretrained, tmp_path, capsys, cli_logging):
