@@ -356,7 +356,9 @@ def _step_folders(run_dir: Path) -> list[Path]:
 
 def newest_valid_checkpoint(run_dir: Path) -> Path | None:
     """The newest checkpoint whose files match its manifest (:func:`checkpoint_problem`), logging one line for
-    each newer one that does not; None when the run has none at all; a UserError when none is valid."""
+    each newer one that does not; None when the run has none at all; a UserError when none is valid. Every
+    rank checks (before the process group exists), rank 0 says so."""
+    say = log.warning if os.environ.get("RANK", "0") in ("", "0") else log.debug
     folders = _step_folders(run_dir)
     first = next((i for i, p in enumerate(folders) if has_manifest(p)), len(folders))
     wrong = []
@@ -365,9 +367,9 @@ def newest_valid_checkpoint(run_dir: Path) -> Path | None:
         why = checkpoint_problem(path, manifests_before=i > first)
         if why is None:
             if not has_manifest(path):
-                log.warning("checkpoint %s: %s", path.name, LEGACY)
+                say("checkpoint %s: %s", path.name, LEGACY)
             return path
-        log.warning("checkpoint %s is damaged or incomplete (%s): falling back to an older one", path, why)
+        say("checkpoint %s is damaged or incomplete (%s): falling back to an older one", path, why)
         wrong.append(f"{path.name}: {why}")
     if not wrong:
         return None
