@@ -197,13 +197,32 @@ def test_cli_refuses_model_flags_and_missing_from(pretrained, tmp_path, capsys, 
     assert _exit(["sft", "--from", str(pretrained), "--run-dir", str(tmp_path / "w"), missing]) == 2
     assert "posttrain.train_files" in capsys.readouterr().err
     assert not any((tmp_path / d).exists() for d in "yzw")  # nothing written
+    inside = pretrained / "sft"
+    assert (
+        _exit(
+            ["sft", "--from", str(pretrained), "--run-dir", str(inside), *cli_args(_sft_overrides(tmp_path))]
+        )
+        == 2
+    )
+    assert f"{inside} lies inside the run folder {pretrained.resolve()}" in capsys.readouterr().err
+    assert not inside.exists()
+
+
+def test_cli_names_the_checkpoint_it_started_from(pretrained, tmp_path, capsys, cli_logging):
+    run = tmp_path / "s"
+    argv = ["sft", "--from", str(pretrained), "--step", "10", "--run-dir", str(run), "--prepare-only"]
+    assert _exit([*argv, *cli_args(_sft_overrides(tmp_path))]) == 0
+    assert f"(started from {pretrained}: step_00000010)" in capsys.readouterr().out
 
 
 def test_cli_sft_then_eval_generate_and_export_use_the_template(pretrained, tmp_path, capsys, cli_logging):
     over = _sft_overrides(tmp_path, steps=4)
     run = tmp_path / "s"
     assert _exit(["sft", "--from", str(pretrained), "--run-dir", str(run), *cli_args(over)]) == 0
-    assert "done: step 4, held-out loss" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "done: step 4, held-out loss" in out
+    # the pretrained run's newest checkpoint (20 steps, one every 10), not the new run's step 0
+    assert f"run folder: {run} (started from {pretrained}: step_00000020)" in out
     summary = json.loads((run / "summary.json").read_text())
     assert _exit(["eval", str(run)]) == 0
     scored = json.loads(capsys.readouterr().out)

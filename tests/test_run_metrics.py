@@ -4,7 +4,9 @@ time spent waiting for data, the gradient noise scale; and the GPU peak lookup b
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 import resource
 
 import pytest
@@ -49,10 +51,15 @@ def _step_records(run_dir) -> list[dict]:
     return [x for x in lines if "tokens_per_s" in x]
 
 
-def test_step_record_run_keys(corpus_dir, tmp_path):
+def test_step_record_run_keys(corpus_dir, tmp_path, caplog):
     cfg = _config(corpus_dir, tmp_path, **{"train.tokens_per_step": 2 * 4 * 32})  # two micro-batches
     run_dir = tmp_path / "run"
-    train(cfg, run_dir, progress_bar=False, callbacks=[VetoAttempt(1)])
+    with caplog.at_level(logging.INFO, logger="lmforge"):
+        train(cfg, run_dir, progress_bar=False, callbacks=[VetoAttempt(1)])
+    # the peak MFU divides by, logged with three significant digits (a CPU's is a few hundredths of a
+    # TFLOP/s, once logged as "0.0"): half a unit of the third digit is 0.5% at most
+    (logged,) = re.findall(r"mfu: against .* = (\S+) TFLOP/s per device", caplog.text)
+    assert float(logged) == pytest.approx(cpu_peak_flops() / 1e12, rel=5e-3)
     records = _step_records(run_dir)
     assert [r["step"] for r in records] == [3, 6]
     assert [r["skipped_steps"] for r in records] == [1, 1]  # cumulative: the vetoed second attempt

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from lmforge.cli import main
 from lmforge.config import Config, ModelConfig, OptimConfig
 from lmforge.data.loader import Batch
 from lmforge.errors import ConfigError, UserError
@@ -174,6 +175,24 @@ def test_run_outputs(tiny_config, tmp_path):
     assert [p.name for p in list_checkpoints(run)] == ["step_00000010", "step_00000020"]
     with pytest.raises(UserError, match="already holds checkpoints"):
         train(tiny_config, run, progress_bar=False)
+
+
+def test_a_run_folder_inside_another_run_is_refused(tiny_config, corpus_dir, tmp_path, capsys, cli_logging):
+    run = tmp_path / "run"
+    train(tiny_config.model_copy(update={"train": tiny_config.train.model_copy(update={"steps": 2})}), run)
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    for inside in (run / "checkpoints", run / "checkpoints" / "step_00000002" / "x", run / "new"):
+        with pytest.raises(SystemExit) as done:
+            main(
+                ["train", "--run-dir", str(inside), *cli_args(tiny_overrides(corpus_dir, tmp_path / "data"))]
+            )
+        err = capsys.readouterr().err.strip().splitlines()
+        assert done.value.code == 2 and len(err) == 1, err
+        assert err[0] == (
+            f"lmforge train: error: --run-dir: {inside} lies inside the run folder {run.resolve()}; choose a "
+            "folder outside any run (e.g. runs/NAME)"
+        )
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written
 
 
 def test_interrupted_checkpoint_is_ignored(tiny_config, tmp_path):

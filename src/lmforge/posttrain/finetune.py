@@ -165,5 +165,8 @@ def open_run(
     if not from_run:
         raise UserError(f"--from: give the run to start from (lmforge {kind} --from runs/NAME)")
     folder = Path(run_dir) if run_dir else Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cfg, ckpt = start(kind, from_run, folder, recipe, overrides, step)
-    return cfg, folder, ckpt
+    from lmforge.train.launch import refuse_inside_a_run  # with the run's machinery, as start() does
+
+    refuse_inside_a_run(folder)
+    cfg, _ = start(kind, from_run, folder, recipe, overrides, step)
+    return cfg, folder, pick_checkpoint(Path(from_run), step)  # the one start() read, not its step 0

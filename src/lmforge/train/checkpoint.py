@@ -10,7 +10,10 @@ A checkpoint is a folder ``checkpoints/step_00000120/`` holding
 * ``trainer.pt``: the rest of the training state from rank 0 (progress, loader position, schedule,
   clipping, precision, callbacks, the resolved config);
 * ``rng/rank_00003.pt``: each rank's random-generator states;
-* ``config.toml``: the resolved config as a recipe.
+* ``config.toml``: the resolved config as a recipe;
+* ``manifest.json``: every other file's size and SHA-256 (what ``sha256sum`` prints), written last by
+  rank 0 once every rank's files are flushed, as ``manifest.json.tmp`` renamed: a checkpoint has a whole
+  manifest or none (:func:`write_manifest`).
 
 Rank 0 keeps the ``train.keep_checkpoints`` newest checkpoints and the one ``RUN/best.json`` names (the
 best validation loss, written by early stopping), whatever its age.
@@ -21,6 +24,18 @@ only a ``.tmp`` folder, never taken for a checkpoint and removed on the next sta
 ``train.async_checkpoint`` the tensors are staged to host memory, written by a background thread while
 training goes on, and the rename happens at the first step end after the write finished
 (:class:`PendingSave`).
+
+A resume takes the newest *valid* checkpoint (:func:`newest_valid_checkpoint`, :func:`checkpoint_problem`):
+one whose files match its manifest. A damaged or incomplete one (a torn write, a truncated or missing
+shard, a changed byte) is named in one log line, with the file, and skipped; it stays on disk until the
+run saves that step again. A checkpoint without a manifest, in a run whose older checkpoints have one, is
+a write that did not finish. In a run where no older checkpoint has one it was written by an lmforge
+before manifests (:data:`LEGACY`): it is checked as far as it can be without checksums (every file DCP's
+``.metadata`` names is there and long enough for the bytes it indexes, ``trainer.pt`` is there), so a
+changed byte inside it goes unseen.
+
+DCP warns at every save and load without a process group; lmforge does that knowingly (one process, and
+:func:`load_checkpoint` in any), so those calls ignore exactly that warning (:func:`_without_group`).
 
 Model and optimizer states go through ``torch.distributed.checkpoint.state_dict`` (flattened optimizer
 state keyed by parameter name), for one process as for many: one format everywhere. A tied embedding
@@ -37,12 +52,16 @@ bitwise exact (``tests/test_optimizers.py``), at four times the moments' bytes o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-from concurrent.futures import Future
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +70,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -60,6 +80,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from lmforge.errors import UserError
 from lmforge.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -67,6 +88,20 @@ log = logging.getLogger(__name__)
 _NAME = re.compile(r"^step_(\d{8})$")
 TENSOR_KEYS = ("model", "optimizer")  # the parts of a training state that DCP writes
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# what DCP warns at every save and load without a process group
+_NO_GROUP = (
+    r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to (save|load) in a "
+    r"single process"
+)
+_writer: ThreadPoolExecutor | None = None  # one process's background checkpoint writes
+
+
+@contextmanager
+def _without_group() -> Iterator[None]:
+    """A DCP call lmforge makes knowingly without a process group: its warning saying so is ignored."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_GROUP, category=UserWarning)
+        yield
 
 
 # -- model and optimizer states in any layout ----------------------------------------------------------
@@ -201,6 +236,92 @@ def _zero_template(path: Path, model: nn.Module, optimizer: ZeroRedundancyOptimi
     return out
 
 
+# -- integrity: the manifest ------------------------------------------------------------------------
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+_CHUNK = 1 << 20
+LEGACY = "written by an lmforge before checkpoint manifests: files checked against DCP's index, no checksums"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, MANIFEST + ".tmp"))
+
+
+def write_manifest(folder: Path) -> Path:
+    """Write ``folder/manifest.json`` (size and SHA-256 of every other file) atomically and flushed."""
+    files = {
+        p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in _files(folder)
+    }
+    tmp = folder / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": MANIFEST_FORMAT, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MANIFEST)
+    return folder / MANIFEST
+
+
+def has_manifest(folder: Path) -> bool:
+    return (folder / MANIFEST).is_file()
+
+
+def _against_manifest(folder: Path) -> str | None:
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{MANIFEST}: unreadable"
+    for rel, want in files.items():
+        path = folder / rel
+        if not path.is_file():
+            return f"{rel}: missing"
+        size = path.stat().st_size
+        if size != want["size"]:
+            return f"{rel}: {size} bytes, the manifest says {want['size']}"
+        if _sha256(path) != want["sha256"]:
+            return f"{rel}: its SHA-256 differs from the manifest's (a changed byte)"
+    return None
+
+
+def _against_index(folder: Path) -> str | None:
+    """A checkpoint without manifest against DCP's own index: each data file there and long enough."""
+    if not (folder / "trainer.pt").is_file():
+        return "trainer.pt: missing"
+    try:
+        meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    except Exception as exc:  # any unreadable index: the folder cannot be loaded
+        return f".metadata: unreadable ({type(exc).__name__})"
+    need: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        path = folder / rel
+        if not path.is_file():
+            return f"{rel}: missing"
+        if path.stat().st_size < size:
+            return f"{rel}: {path.stat().st_size} bytes, DCP's index needs {size}"
+    return None
+
+
+def checkpoint_problem(folder: Path, manifests_before: bool) -> str | None:
+    """What is wrong with the checkpoint ``folder`` (None: nothing). ``manifests_before``: an older
+    checkpoint of the same run has a manifest, so this one was written by an lmforge that writes them."""
+    if has_manifest(folder):
+        return _against_manifest(folder)
+    if manifests_before:
+        return f"{MANIFEST}: missing (the write did not finish)"
+    return _against_index(folder)
+
+
 # -- the folder ---------------------------------------------------------------------------------------
 
 
@@ -224,6 +345,38 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def _step_folders(run_dir: Path) -> list[Path]:
+    """Every ``step_N`` folder, complete or not, oldest first."""
+    root = checkpoint_dir(run_dir)
+    found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def newest_valid_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint whose files match its manifest (:func:`checkpoint_problem`), logging one line for
+    each newer one that does not; None when the run has none at all; a UserError when none is valid. Every
+    rank checks (before the process group exists), rank 0 says so."""
+    say = log.warning if os.environ.get("RANK", "0") in ("", "0") else log.debug
+    folders = _step_folders(run_dir)
+    first = next((i for i, p in enumerate(folders) if has_manifest(p)), len(folders))
+    wrong = []
+    for i in reversed(range(len(folders))):
+        path = folders[i]
+        why = checkpoint_problem(path, manifests_before=i > first)
+        if why is None:
+            if not has_manifest(path):
+                say("checkpoint %s: %s", path.name, LEGACY)
+            return path
+        say("checkpoint %s is damaged or incomplete (%s): falling back to an older one", path, why)
+        wrong.append(f"{path.name}: {why}")
+    if not wrong:
+        return None
+    raise UserError(
+        f"--resume: no valid checkpoint in {checkpoint_dir(run_dir)} ({'; '.join(wrong)}); restore the "
+        "folder from a copy or start a new --run-dir"
+    )
 
 
 def best_path(run_dir: Path) -> Path:
@@ -303,6 +456,7 @@ class PendingSave:
             for f in self.tmp.rglob("*"):
                 if f.is_file():
                     _fsync(f)
+            write_manifest(self.tmp)  # last: a checkpoint without one never finished its write
             if self.final.exists():  # re-saving the same step (e.g. the final one): replace it
                 shutil.rmtree(self.final)
             os.replace(self.tmp, self.final)
@@ -341,17 +495,39 @@ def save_checkpoint(
         (tmp / "config.toml").write_text(config_toml)
     tensors = {k: state[k] for k in TENSOR_KEYS}
     if background:
-        future = dcp.async_save(
-            tensors, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized()
-        )
+        if dist.is_initialized():
+            future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=group)
+        else:
+            future = _save_alone_in_background(tensors, tmp)
         pending = PendingSave(step, tmp, final, keep, future)
         log.info("checkpoint: writing step %d in the background", step)
         return pending
-    dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    with _without_group():
+        dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
     pending = PendingSave(step, tmp, final, keep, None)
     pending.finish()
     _barrier()
     return pending
+
+
+def _save_quietly(tensors: dict, tmp: Path) -> None:
+    with _without_group():
+        dcp.save(tensors, checkpoint_id=tmp, no_dist=True)
+
+
+def _save_alone_in_background(tensors: dict, tmp: Path) -> Future:
+    """One process's ``async_save``: the tensors copied to host memory here (DCP's own stager), written
+    by lmforge's writer thread. DCP's ``async_save`` would warn of the missing process group from its own
+    thread, out of reach of the warning filter of the call."""
+    global _writer
+    stager = DefaultStager(StagingOptions(False, False, False, False))  # as async_save stages by default
+    try:
+        staged = stager.stage(tensors)
+    finally:
+        stager.close()
+    if _writer is None:
+        _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmforge-checkpoint")
+    return _writer.submit(_save_quietly, staged, tmp)
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -377,9 +553,12 @@ def load_tensors(path: Path, template: dict[str, dict]) -> dict[str, dict]:
     keys = saved_keys(path)
     if not any(k.startswith("optimizer.") for k in keys):
         template = {**template, "optimizer": {}}
-    dcp.load(
-        {k: v for k, v in template.items() if v}, checkpoint_id=str(path), no_dist=not dist.is_initialized()
-    )
+    with _without_group():
+        dcp.load(
+            {k: v for k, v in template.items() if v},
+            checkpoint_id=str(path),
+            no_dist=not dist.is_initialized(),
+        )
     return template
 
 
@@ -394,7 +573,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             flat[key] = torch.empty(md.size, dtype=md.properties.dtype)
         else:
             flat[key] = None
-    dcp.load(flat, checkpoint_id=str(path), no_dist=True)
+    with _without_group():
+        dcp.load(flat, checkpoint_id=str(path), no_dist=True)
     state: dict[str, Any] = {k: {} for k in TENSOR_KEYS}
     for key, value in flat.items():
         part, name = key.split(".", 1)

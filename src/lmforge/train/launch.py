@@ -30,6 +30,7 @@ from lmforge.train.callbacks.sinks import Console, MetricsFile, WandbSink, requi
 from lmforge.train.checkpoint import (
     latest_checkpoint,
     load_training_state,
+    newest_valid_checkpoint,
     read_trainer_state,
     remove_partial,
 )
@@ -89,12 +90,29 @@ def run_folder(
     return load_config(recipe, overrides), folder, False
 
 
+def refuse_inside_a_run(run_dir: Path) -> None:
+    """A UserError when ``run_dir`` lies inside another run's folder (a folder above it holding
+    ``config.toml`` and ``checkpoints/`` or ``metrics.jsonl``): its files would mix with that run's."""
+    for parent in Path(run_dir).resolve().parents:
+        if (parent / "config.toml").is_file() and (
+            (parent / "checkpoints").is_dir() or (parent / "metrics.jsonl").is_file()
+        ):
+            raise UserError(
+                f"--run-dir: {run_dir} lies inside the run folder {parent}; choose a folder outside any run "
+                "(e.g. runs/NAME)"
+            )
+
+
 def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
-    """The checkpoint to resume from (None for a new run); user errors for a wrong ``--resume`` and for a
-    new run in a folder that already holds another run's checkpoints or metrics."""
+    """The checkpoint to resume from (None for a new run); user errors for a run folder inside another
+    run's, for a wrong ``--resume`` and for a new run in a folder that already holds another run's
+    checkpoints or metrics."""
+    refuse_inside_a_run(run_dir)
     if launch_env()[0] == 0:
         remove_partial(run_dir)
     ckpt = latest_checkpoint(run_dir)
+    if resume and ckpt is not None:  # the newest whose files match its manifest; damaged ones are skipped
+        ckpt = newest_valid_checkpoint(run_dir)
     if resume and ckpt is None:
         if list(run_dir.glob("checkpoints/step_*/state.pt")):
             raise UserError(

@@ -166,7 +166,7 @@ class StepMetrics(Callback):
                 )
         elif main:
             log.info(
-                "mfu: against %s = %.1f TFLOP/s per device x %d; %.4g FLOP per token (6N + 12 L d T, N the "
+                "mfu: against %s = %.3g TFLOP/s per device x %d; %.4g FLOP per token (6N + 12 L d T, N the "
                 "parameters a token uses)",
                 self._peak.source,
                 self._peak.flops / 1e12,
