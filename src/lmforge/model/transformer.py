@@ -72,7 +72,8 @@ class Attention(nn.Module):
         # (``train/callbacks/detail.py``) sets it for one measuring forward; None otherwise
         self.probe: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask, block_mask):
+    def qkv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values (B, heads, T, head_dim) of ``x``, RoPE applied where ``rope`` is given."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -80,25 +81,23 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask, block_mask):
+        q, k, v = self.qkv(x, rope)
         if self.probe is not None:
             self.probe(q, k)
         y = attend(q, k, v, mask=mask, block_mask=block_mask, scale=self.scale)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(y.transpose(1, 2).reshape(*x.shape[:2], -1))
 
     def forward_cached(self, x: torch.Tensor, rope, cache: LayerCache, mask: torch.Tensor) -> torch.Tensor:
         """Inference over new positions only: their keys and values are appended to ``cache`` and the
         queries attend to every cached position that ``mask`` (B, 1, T, cached + T) allows; ``rope``: the
         tables at each row's positions (B, 1, T, D)."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.qkv(x, rope)
         k, v = cache.append(k, v)
         y = attend(q, k, v, mask=mask, scale=self.scale)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(y.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
 class SwiGLU(nn.Module):
