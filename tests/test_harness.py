@@ -210,6 +210,15 @@ def test_loglikelihood_rolling_is_the_runs_own_loss(run, exported):
     # the hf backend without its own <|endoftext|> in the text (its prefix token is the same one) agrees
     hf = get_model("hf")(pretrained=str(exported), dtype="float32", device="cpu", add_bos_token=False)
     assert hf.loglikelihood_rolling(requests) == pytest.approx(expected, rel=1e-6, abs=1e-4)
+    # by default its tokenizer adds an <|endoftext|> to the text, which it predicts after its prefix token:
+    # on a short text, the loss over <|endoftext|> <|endoftext|> + the text
+    hf = get_model("hf")(pretrained=str(exported), dtype="float32", device="cpu")
+    stream = torch.tensor([tok.eot_id, tok.eot_id, *tok.encode(short)])
+    with torch.no_grad():
+        doubled = -F.cross_entropy(
+            model.logits(model(stream[None, :-1]))[0], stream[1:], reduction="sum"
+        ).item()
+    assert hf.loglikelihood_rolling(requests[:1])[0] == pytest.approx(doubled, rel=1e-6)
 
 
 def test_bad_model_arguments_are_one_line_errors(run, tmp_path):
