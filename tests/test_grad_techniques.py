@@ -3,6 +3,8 @@ hand computation, in the step where it belongs, and through an exact resume (fp3
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -17,6 +19,7 @@ from lmforge.train.callbacks.control import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
 from lmforge.train.launch import train
 from tests.conftest import model_of
+from tests.torchrun import torchrun, worker
 
 CPU = torch.device("cpu")
 
@@ -182,3 +185,14 @@ def test_techniques_resume_exactly(tiny_config, tmp_path):
     assert not torch.equal(
         a["model"]["blocks.0.attn.q_proj.weight"], c["model"]["blocks.0.attn.q_proj.weight"]
     )
+
+
+@pytest.mark.distributed
+def test_techniques_on_sharded_gradients_match_one_process():
+    """2 processes (gloo): FSDP2 (noise + centralization + cautious AdamW, 3 steps), a gradient sharded on
+    dim 0, on dim 1 (a row's mean over both ranks) and replicated, and DDP's plain gradients: as one
+    process, float64 (``tests/distributed/techniques_worker.py``)."""
+    done = torchrun(2, [worker("techniques_worker.py")], timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads(done.stdout.split("RESULTS ", 1)[1].splitlines()[0])
+    assert got["fsdp2"] <= 1e-12 and got["placements"] <= 1e-12 and got["ddp"] == 0.0, got
