@@ -534,6 +534,28 @@ class MuonConfig(_Section):
     )
 
 
+class GradNoiseConfig(_Section):
+    """Gradient noise (Neelakantan et al. 2015); formula in ``lmforge/optim/grad_transforms.py``."""
+
+    eta: float = Field(
+        0.0,
+        ge=0,
+        description="noise variance at step 0, eta / (1 + t)^gamma after (0: off; the paper: 0.01-1)",
+    )
+    gamma: float = Field(0.55, ge=0, description="decay exponent of the noise variance (the paper: 0.55)")
+
+
+class DepthDecayConfig(_Section):
+    """Weight decay by depth: a multiplier linear in depth (0: embeddings .. L + 1: final norm and head)."""
+
+    first: float = Field(1.0, ge=0, description="weight-decay multiplier at depth 0 (the embeddings)")
+    last: float = Field(
+        1.0,
+        ge=0,
+        description="weight-decay multiplier at depth L + 1 (final norm, untied head); linear between",
+    )
+
+
 class OptimConfig(_Section):
     name: Literal["adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon"] = Field(
         "adamw",
@@ -560,6 +582,20 @@ class OptimConfig(_Section):
         le=1,
         description="layer-wise lr decay: each layer below the output gets this factor more (1: off)",
     )
+    depth_decay: DepthDecayConfig = Field(
+        default_factory=DepthDecayConfig, description="weight decay scaled linearly with depth (1, 1: off)"
+    )
+    cautious_weight_decay: bool = Field(
+        False,
+        description="decay only coordinates whose update has the parameter's sign (Chen et al. 2025; "
+        "decoupled-decay optimizers)",
+    )
+    grad_centralization: bool = Field(
+        False, description="subtract each row's mean from 2-D weight gradients (Yong et al. 2020)"
+    )
+    grad_noise: GradNoiseConfig = Field(
+        default_factory=GradNoiseConfig, description="Gaussian noise added to gradients after clipping"
+    )
     sgd: SGDConfig = Field(default_factory=SGDConfig, description='used when optim.name = "sgd"')
     muon: MuonConfig = Field(default_factory=MuonConfig, description='used when optim.name = "muon"')
 
@@ -577,6 +613,11 @@ class OptimConfig(_Section):
             raise ValueError("optim.sgd.nesterov: Nesterov needs optim.sgd.momentum above 0")
         if self.name == "muon" and self.muon.nesterov and self.muon.momentum == 0:
             raise ValueError("optim.muon.nesterov: Nesterov needs optim.muon.momentum above 0")
+        if self.cautious_weight_decay and self.name in ("adam", "sgd"):
+            raise ValueError(
+                f"optim.cautious_weight_decay: {self.name} adds decay to the gradient (L2); cautious decay "
+                "needs decoupled decay: adamw, lion, adafactor, adamw8bit or muon"
+            )
         return self
 
 

@@ -5,7 +5,11 @@ Every parameter has a kind: ``embedding`` (token / position embeddings, and a he
 0 for embeddings, ``i + 1`` for block ``i``, ``L + 1`` for the final norm and an untied head.
 
 * Weight decay: ``optim.weight_decay`` on matrices (and on embeddings with ``optim.decay_embeddings``),
-  0 elsewhere; ``optim.group_weight_decay`` overrides it per kind.
+  0 elsewhere; ``optim.group_weight_decay`` overrides it per kind. By depth (``optim.depth_decay``) it is
+  multiplied by ``first + (last - first) * depth / (L + 1)``: ``first`` at the embeddings, ``last`` at the
+  final norm and head, linear over the blocks between (:func:`depth_decay_mult`). With
+  ``optim.cautious_weight_decay`` a group's decay moves to its ``cautious_weight_decay`` key and its
+  ``weight_decay`` is 0: ``optim/cautious.py`` applies it around the optimizer's step.
 * Learning rate: ``lr * lr_mult`` with ``lr_mult = group_lr_mult[kind] * layer_lr_decay ^ (L + 1 - depth)``,
   so with layer-wise decay the output end trains at the full rate and each layer below at ``decay`` times
   the one above it.
@@ -15,8 +19,8 @@ Every parameter has a kind: ``embedding`` (token / position embeddings, and a he
   copy of a tied embedding (``tied_copies()``: a last stage without the embedding) is an ``embedding``, as
   the tied matrix is in one process.
 
-One optimizer group is made per (kind, depth, route, muP multiplier) when layer-wise decay is on,
-else per (kind, route, muP multiplier).
+One optimizer group is made per (kind, depth, route, muP multiplier) when layer-wise lr decay or depth
+decay is on, else per (kind, route, muP multiplier).
 
 With ``optim.name = "muon"`` each group is also marked with the optimizer that moves it: Muon takes the
 hidden matrices (2-D weights inside blocks: the attention and MLP projections), AdamW everything else
@@ -40,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from lmforge.config import OptimConfig
 from lmforge.optim.adafactor import Adafactor
+from lmforge.optim.cautious import register_cautious_decay
 from lmforge.optim.lion import Lion
 from lmforge.optim.muon import MuonWithAdamW
 
@@ -83,6 +88,17 @@ def expert_parallel_tag(p: torch.Tensor) -> str:
     return "ep" if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",) else ""
 
 
+def depth_decay_mult(first: float, last: float, depth: int, n_layers: int) -> float:
+    """``first + (last - first) * depth / (n_layers + 1)``: the weight-decay multiplier at ``depth`` (0: the
+    embeddings, ``i + 1``: block ``i``, ``n_layers + 1``: the final norm and an untied head)."""
+    return first + (last - first) * depth / (n_layers + 1)
+
+
+def by_depth(cfg: OptimConfig) -> bool:
+    """Whether groups are split by depth: layer-wise lr decay or weight decay by depth is on."""
+    return cfg.layer_lr_decay != 1.0 or (cfg.depth_decay.first, cfg.depth_decay.last) != (1.0, 1.0)
+
+
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     """Optimizer groups with ``weight_decay``, ``lr``, ``lr_mult`` and a ``name`` (see the module docstring);
     with ``optim.name = "muon"`` also ``optimizer`` (``muon`` or ``adamw``)."""
@@ -101,7 +117,7 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
             continue
         seen.add(id(p))
         kind = param_kind(p, embeddings, norms)
-        depth = param_depth(name, kind, n_layers) if cfg.layer_lr_decay != 1.0 else 0
+        depth = param_depth(name, kind, n_layers) if by_depth(cfg) else 0
         route = ""
         if cfg.name == "muon":
             route = "muon" if muon_routed(name, p, kind) else "adamw"
@@ -121,18 +137,26 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
             mult *= cfg.layer_lr_decay ** (n_layers + 1 - depth)
         if route == "muon":
             mult *= muon_peak_lr(cfg) / cfg.lr
-        name = kind if cfg.layer_lr_decay == 1.0 else f"{kind}@{depth}"
+        name = f"{kind}@{depth}" if by_depth(cfg) else kind
         name = name if scale == 1.0 else f"{name}/mup"
         name = f"{name}/{ep}" if ep else name
+        wd = cfg.group_weight_decay.get(kind, default_wd)
+        wd *= (
+            depth_decay_mult(cfg.depth_decay.first, cfg.depth_decay.last, depth, n_layers)
+            if by_depth(cfg)
+            else 1
+        )
         group = {
             "params": params,
-            "weight_decay": cfg.group_weight_decay.get(kind, default_wd),
+            "weight_decay": 0.0 if cfg.cautious_weight_decay else wd,
             "lr": cfg.lr * mult,
             "lr_mult": mult,
             "name": f"{name}/{route}" if route else name,
         }
         if route:
             group["optimizer"] = route
+        if cfg.cautious_weight_decay:
+            group["cautious_weight_decay"] = wd
         groups.append(group)
     return groups
 
@@ -190,10 +214,11 @@ def _logged_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     groups = param_groups(model, cfg)
     for g in groups:
         log.info(
-            "optim: %s group, %d tensors, weight_decay=%g, lr_mult=%g",
+            "optim: %s group, %d tensors, weight_decay=%g%s, lr_mult=%g",
             g["name"],
             len(g["params"]),
-            g["weight_decay"],
+            g.get("cautious_weight_decay", g["weight_decay"]),
+            " (cautious)" if "cautious_weight_decay" in g else "",
             g["lr_mult"],
         )
     return groups
@@ -208,7 +233,9 @@ def build_optimizer(
     Parameters may be plain tensors (one process, DDP) or DTensors sharded in any placements (FSDP2,
     tensor parallelism): every optimizer steps them exactly as one process steps the whole tensors.
     """
-    return optimizer_factory(cfg, device, compile)(_logged_groups(model, cfg))
+    optimizer = optimizer_factory(cfg, device, compile)(_logged_groups(model, cfg))
+    register_cautious_decay(optimizer)
+    return optimizer
 
 
 def build_zero_optimizer(
@@ -233,7 +260,9 @@ def build_zero_optimizer(
     empty groups, which the flattened state dict cannot load).
     """
     make = optimizer_factory(cfg, device, compile)
-    return Zero1(_logged_groups(model, cfg), optimizer_class=make, process_group=process_group)
+    optimizer = Zero1(_logged_groups(model, cfg), optimizer_class=make, process_group=process_group)
+    register_cautious_decay(optimizer)  # after the broadcast: every rank decays the whole parameters
+    return optimizer
 
 
 class Zero1(ZeroRedundancyOptimizer):

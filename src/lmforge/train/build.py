@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from lmforge.config import Config
 from lmforge.data.loader import TokenStream, TrainLoader
@@ -42,6 +43,7 @@ from lmforge.model.moe import register_balance_step
 from lmforge.model.transformer import Transformer
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper
+from lmforge.optim.grad_transforms import GradTransforms
 from lmforge.optim.schedules import Schedule
 from lmforge.parallel.apply import ApplyContext, apply, can_compile
 from lmforge.parallel.data_parallel import GradientSync
@@ -177,6 +179,7 @@ class Run:
     accum: int  # micro-batches per optimizer step and data-parallel rank
     layout: Layout = SINGLE
     reduce: StepReduce = field(default_factory=StepReduce)
+    transforms: GradTransforms = field(default_factory=lambda: GradTransforms({}))  # noise, centralization
 
     @property
     def tokens_per_step(self) -> int:
@@ -263,6 +266,16 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
         accum=accum,
         layout=layout,
         reduce=StepReduce(layout),
+        transforms=grad_transforms(cfg, model),
+    )
+
+
+def grad_transforms(cfg: Config, model: nn.Module) -> GradTransforms:
+    """``optim.grad_noise`` and ``optim.grad_centralization`` over ``model``'s parameters, the noise seeded
+    by ``train.seed``."""
+    o = cfg.optim
+    return GradTransforms.for_model(
+        model, o.grad_centralization, o.grad_noise.eta, o.grad_noise.gamma, cfg.train.seed
     )
 
 

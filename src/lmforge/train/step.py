@@ -8,8 +8,9 @@ it (``after_micro_batch``: its index, its target tokens, the step's; the gradien
 gradient of the first). After the last one the module completes the gradients (``finish_backward``). Then
 bring gradients
 to their true scale, measure their norm, ask the step's observers whether to go on (the stability
-guard may veto: skip, or roll back), clip (``optim/clip.py``), set the scheduled learning rate and take
-the optimizer step through the policy; gradients are cleared either way.
+guard may veto: skip, or roll back), clip (``optim/clip.py``), transform the clipped gradients (gradient
+noise, centralization: ``optim/grad_transforms.py``), set the scheduled learning rate and take the
+optimizer step through the policy; gradients are cleared either way.
 
 With a loss scaler (``train.precision = "fp16"``) a step whose unscaled gradients hold Inf/NaN while the
 loss is finite is an overflow, decided before the observers are asked: the policy's ``step`` skips it and
@@ -29,6 +30,7 @@ import torch
 
 from lmforge.data.loader import Batch
 from lmforge.optim.clip import Clipper, ClipStats
+from lmforge.optim.grad_transforms import GradTransforms
 from lmforge.parallel.reduce import StepReduce
 from lmforge.precision import PrecisionPolicy
 from lmforge.train.modules import TrainModule
@@ -80,11 +82,12 @@ def train_step(
     precision: PrecisionPolicy,
     observers: Sequence[StepObserver] = (),
     reduce: StepReduce | None = None,
+    transforms: GradTransforms | None = None,
 ) -> StepResult:
     """One optimizer step of ``module`` over ``batches`` (the micro-batches) unless an observer vetoes it.
 
     A vetoed step drops its gradients and leaves the optimizer as it was. ``reduce``: the collectives over
-    the process layout (one process: none).
+    the process layout (one process: none). ``transforms``: what changes the clipped gradients (none).
     """
     reduce = reduce or StepReduce()
     counts = [b.n_targets for b in batches]
@@ -112,6 +115,8 @@ def train_step(
     clip_stats, overflow, scale = None, False, None
     if action is Action.STEP:
         clip_stats = clipper.clip(groups, grad_norm)
+        if transforms is not None:
+            transforms.apply(groups)
         set_lr(optimizer, lr)
         scale = precision.loss_scale
         if not precision.step(optimizer):  # a scaler skipped it (a non-finite loss no observer vetoed)

@@ -3,7 +3,7 @@
 end-of-run sample.
 
 State that survives a restart is :meth:`Trainer.state_dict`: the model, optimizer, loader, progress,
-schedule, clipper, precision policy, random generators, and each stateful callback's state under its
+schedule, clipper, gradient transforms (the noise's step count), precision policy, random generators, and each stateful callback's state under its
 ``state_key``.
 """
 
@@ -97,6 +97,7 @@ class Trainer:
                 run.precision,
                 observers=[self],
                 reduce=run.reduce,
+                transforms=run.transforms,
             )
         self.attempt += 1
         if result.action is Action.STEP:
@@ -149,6 +150,7 @@ class Trainer:
             "progress": self.progress.state_dict(),
             "scheduler": run.schedule.state_dict(),
             "clip": run.clipper.state_dict(),
+            "grad_transforms": run.transforms.state_dict(),
             "precision": run.precision.state_dict(),
             "rng": rng_state(),
             "runtime": runtime_state(),
@@ -167,6 +169,7 @@ class Trainer:
         self.progress.load_state_dict(state["progress"])
         run.schedule.load_state_dict(state["scheduler"])
         run.clipper.load_state_dict(state["clip"])
+        run.transforms.load_state_dict(state.get("grad_transforms", {}))
         run.precision.load_state_dict(state.get("precision", {}))
 
     def load_state_dict(self, state: dict) -> None:
