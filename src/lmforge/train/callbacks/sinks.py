@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -26,7 +27,9 @@ from typing import Any
 
 from lmforge.config import Config
 from lmforge.errors import UserError
+from lmforge.progress import Progress, format_duration
 from lmforge.train.callbacks import Callback
+from lmforge.train.step import StepResult
 from lmforge.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -121,14 +124,64 @@ class MetricsFile(Callback):
             self.writer = None
 
 
-def format_duration(seconds: float) -> str:
-    """``3725`` -> ``"1h02m"``, ``125`` -> ``"2m05s"``, ``7`` -> ``"7s"``."""
-    s = round(seconds)
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    if s >= 60:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s}s"
+COMPILE_TIMES = "lmforge_compile_seconds.json"  # beside torch's compile caches
+
+
+def compile_times_file() -> Path:
+    """Where the first compiled step's time is kept per model: inductor's cache folder, so the figure
+    lives and goes with the compiled graphs it describes."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / COMPILE_TIMES
+
+
+def compile_key(cfg: Config, world: int) -> str:
+    """What the first step's compilation depends on: the model, the batch shape, the precision, the
+    device, the processes and torch's version."""
+    import torch
+
+    t = cfg.train
+    parts = [cfg.model.model_dump(mode="json"), cfg.data.vocab_size, cfg.data.seq_len, t.micro_batch_size]
+    parts += [t.precision, t.device, t.attention, t.loss_chunk, cfg.optim.name, world, torch.__version__]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def last_compile_s(key: str, path: Path) -> float | None:
+    """The last measured first-step time of ``key`` in ``path``; None when never measured (or unreadable)."""
+    try:
+        value = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def record_compile_s(key: str, seconds: float, path: Path) -> None:
+    """Keep ``seconds`` as ``key``'s first-step time in ``path`` (a damaged file is started afresh; best
+    effort: a read-only cache is fine)."""
+    try:
+        times = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        times = {}
+    times = times if isinstance(times, dict) else {}
+    times[key] = round(seconds, 1)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(times, indent=1, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError:
+        log.debug("could not record the compile time in %s", path)
+
+
+def compiling(cfg: Config, world: int, path: Path) -> Progress:
+    """The first compiled step as a phase: "compiling the model", with the time left when this model's
+    last compile here was measured, else saying there is no figure yet."""
+    last = last_compile_s(compile_key(cfg, world), path)
+    if last is None:
+        opening = "compiling the model (the first step; no earlier compile of this model timed here)"
+    else:
+        opening = f"compiling the model, about {format_duration(last)} (its last compile here)"
+    return Progress("compiling the model", expected_s=last, opening=opening)
 
 
 class Console(Callback):
@@ -137,16 +190,46 @@ class Console(Callback):
     scheduler's log) a plain log line per step record (every ``train.log_interval`` steps) and per
     evaluation. Guard events are logged by the guard itself, checkpoints by the checkpoint writer."""
 
-    def __init__(self, enabled: bool | None = None):
+    def __init__(self, enabled: bool | None = None, compile_times: Path | None = None):
         self.enabled = enabled  # the progress bar: None = when stdout is a terminal
         self.bar: ProgressBar | None = None
         self.total = 0
+        self.compile_times = compile_times  # None: beside torch's compile caches (compile_times_file)
+        self.compiling: Progress | None = None
 
     def on_train_start(self, trainer: Trainer) -> None:
         self.total = trainer.total_steps
+        cfg = trainer.run.cfg
+        if cfg.train.compile and trainer.progress.step < trainer.total_steps:
+            # the first step compiles: shown as its own phase; the step bar starts after it
+            self.compile_times = self.compile_times or compile_times_file()
+            self.compiling = compiling(cfg, trainer.run.layout.world, self.compile_times)
+            self.compiling.start_ticking()
+        else:
+            self._start_bar(trainer)
+
+    def _start_bar(self, trainer: Trainer) -> None:
         self.bar = ProgressBar(trainer.total_steps, trainer.progress.step, self.enabled)
         if not self.bar.enabled:
             self.bar = None
+
+    def _end_compiling(self) -> float | None:
+        """Close the compile phase (if open); its time."""
+        if self.compiling is None:
+            return None
+        self.compiling.close()
+        spent = self.compiling.clock() - self.compiling.start
+        self.compiling = None
+        return spent
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        spent = self._end_compiling()
+        if spent is not None:
+            assert self.compile_times is not None
+            record_compile_s(
+                compile_key(trainer.run.cfg, trainer.run.layout.world), spent, self.compile_times
+            )
+            self._start_bar(trainer)
 
     def on_log(self, trainer: Trainer, record: dict) -> None:
         if "event" in record:
@@ -175,6 +258,7 @@ class Console(Callback):
                 log.info("%s", text)
 
     def on_close(self, trainer: Trainer) -> None:
+        self._end_compiling()
         if self.bar is not None:
             self.bar.close()
             self.bar = None
