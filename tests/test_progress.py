@@ -94,6 +94,15 @@ def test_silent_opening_shows_a_phase_only_once_it_lasts():
     assert lines == ["evaluating: 6s so far", "evaluating: done in 6s"]
 
 
+def test_a_failed_phase_is_not_said_to_be_done():
+    clock, lines = Clock(), []
+    shown = Progress("data: tokenizing", 10, "documents", tty=False, clock=clock, emit=lines.append)
+    with pytest.raises(ValueError), shown:
+        clock.now += 30
+        raise ValueError("bad document")
+    assert lines == ["data: tokenizing: 10 documents"]
+
+
 def test_on_a_terminal_a_bar_redrawn_in_place_and_cleared():
     clock, lines, stream = Clock(), [], io.StringIO()
     shown = Progress("shards", 4, "shards", tty=True, clock=clock, emit=lines.append, stream=stream, every=5)

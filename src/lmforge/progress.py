@@ -119,11 +119,23 @@ class Progress:
             if now - self.start >= self.every or self.lines:
                 self.emit(self.closing(now))
 
+    def abandon(self) -> None:
+        """End the phase without saying it is done (it failed, or the run stops before it ended)."""
+        self.stop_ticking()
+        with self._lock:
+            if not self.closed and self.tty:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+            self.closed = True
+
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abandon()
 
     def start_ticking(self, interval: float = 1.0, poll: Callable[[], float] | None = None) -> None:
         """Keep the phase visible while a blocking call runs: a daemon thread calls :meth:`tick` every

@@ -258,7 +258,9 @@ class Console(Callback):
                 log.info("%s", text)
 
     def on_close(self, trainer: Trainer) -> None:
-        self._end_compiling()
+        if self.compiling is not None:  # the first step never ended (an error, a stop)
+            self.compiling.abandon()
+            self.compiling = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None
