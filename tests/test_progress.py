@@ -239,3 +239,14 @@ def test_first_compiled_step_says_the_last_compile_time_of_that_model(tiny_confi
 @pytest.mark.parametrize("seconds,text", [(7, "7s"), (125, "2m05s"), (3725, "1h02m")])
 def test_format_duration(seconds, text):
     assert format_duration(seconds) == text
+
+
+def test_slow_training_shows_a_step_line_every_10_seconds_between_log_lines():
+    from lmforge.train.callbacks.sinks import slow_step_line
+
+    # 0.6 s a step (the default on 2 idle cores): the train.log_interval lines suffice
+    assert slow_step_line(7, 1050, 4.2, 7, 4.2) is None
+    # 12 s a step (2 cores shared by many): a line at each step, the pace measured since the compile
+    assert slow_step_line(13, 1050, 12.0, 3, 36.0) == "step 13/1050 | 12.0 s a step | eta 3h27m"
+    assert format_duration(12.0 * (1050 - 13)) == "3h27m"
+    assert slow_step_line(1050, 1050, 12.0, 3, 36.0) is None  # the last step: the final lines follow

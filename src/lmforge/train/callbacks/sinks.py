@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,20 @@ def record_compile_s(key: str, seconds: float, path: Path) -> None:
         log.debug("could not record the compile time in %s", path)
 
 
+STEP_LINE_S = 10.0  # piped: a step line at least this often, when train.log_interval steps take longer
+
+
+def slow_step_line(step: int, total: int, since_line_s: float, steps: int, spent_s: float) -> str | None:
+    """Piped, the line that keeps slow training visible between ``train.log_interval`` lines: when
+    ``since_line_s`` (since the last line shown) reaches :data:`STEP_LINE_S`, ``step N/T``, the time a
+    step took (``spent_s`` over the ``steps`` this process has taken) and the time left at that pace."""
+    if since_line_s < STEP_LINE_S or steps < 1 or step >= total:
+        return None
+    per_step = spent_s / steps
+    left = format_duration(per_step * (total - step))
+    return f"step {step}/{total} | {per_step:.1f} s a step | eta {left}"
+
+
 def compiling(cfg: Config, world: int, path: Path) -> Progress:
     """The first compiled step as a phase: "compiling the model", with the time left when this model's
     last compile here was measured, else saying there is no figure yet."""
@@ -196,9 +211,13 @@ class Console(Callback):
         self.total = 0
         self.compile_times = compile_times  # None: beside torch's compile caches (compile_times_file)
         self.compiling: Progress | None = None
+        self._last_line = 0.0
+        self._paced = (0.0, 0)
 
     def on_train_start(self, trainer: Trainer) -> None:
         self.total = trainer.total_steps
+        self._last_line = time.monotonic()  # when the last line was shown (piped)
+        self._paced = (self._last_line, trainer.progress.step)  # (time, step) the pace is measured from
         cfg = trainer.run.cfg
         if cfg.train.compile and trainer.progress.step < trainer.total_steps:
             # the first step compiles: shown as its own phase; the step bar starts after it
@@ -224,12 +243,22 @@ class Console(Callback):
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         spent = self._end_compiling()
+        now = time.monotonic()
         if spent is not None:
             assert self.compile_times is not None
             record_compile_s(
                 compile_key(trainer.run.cfg, trainer.run.layout.world), spent, self.compile_times
             )
             self._start_bar(trainer)
+            self._paced = (now, trainer.progress.step)  # later steps' pace, without the compile
+            self._last_line = now
+        if self.bar is None:
+            t0, step0 = self._paced
+            step = trainer.progress.step
+            line = slow_step_line(step, self.total, now - self._last_line, step - step0, now - t0)
+            if line is not None:
+                log.info("%s", line)
+                self._last_line = now
 
     def on_log(self, trainer: Trainer, record: dict) -> None:
         if "event" in record:
@@ -243,6 +272,7 @@ class Console(Callback):
                 self.bar.update(record["step"], info)
             else:
                 log.info("step %d/%d | %s", record["step"], self.total, info)
+                self._last_line = time.monotonic()
         elif "val_loss" in record:
             text = f"step {record['step']}/{self.total} | val_loss {record['val_loss']:.4f}"
             if "val_ppl" in record:
@@ -256,6 +286,7 @@ class Console(Callback):
                 self.bar.print(text)
             else:
                 log.info("%s", text)
+                self._last_line = time.monotonic()
 
     def on_close(self, trainer: Trainer) -> None:
         if self.compiling is not None:  # the first step never ended (an error, a stop)
