@@ -241,11 +241,12 @@ def test_format_duration(seconds, text):
     assert format_duration(seconds) == text
 
 
-def test_slow_training_shows_a_step_line_every_10_seconds_between_log_lines():
+def test_slow_training_shows_a_step_line_8_seconds_after_the_last_line():
     from lmforge.train.callbacks.sinks import slow_step_line
 
-    # 0.6 s a step (the default on 2 idle cores): the train.log_interval lines suffice
-    assert slow_step_line(7, 1050, 4.2, 7, 4.2) is None
+    # 0.6 s a step (the default on 2 idle cores): the train.log_interval lines (every 6 s) suffice
+    assert slow_step_line(13, 1050, 7.9, 13, 7.8) is None
+    assert slow_step_line(14, 1050, 8.0, 14, 8.4) == "step 14/1050 | 0.6 s a step | eta 10m22s"
     # 12 s a step (2 cores shared by many): a line at each step, the pace measured since the compile
     assert slow_step_line(13, 1050, 12.0, 3, 36.0) == "step 13/1050 | 12.0 s a step | eta 3h27m"
     assert format_duration(12.0 * (1050 - 13)) == "3h27m"

@@ -174,7 +174,7 @@ def record_compile_s(key: str, seconds: float, path: Path) -> None:
         log.debug("could not record the compile time in %s", path)
 
 
-STEP_LINE_S = 10.0  # piped: a step line at least this often, when train.log_interval steps take longer
+STEP_LINE_S = 8.0  # piped: a step line at least this often, when train.log_interval steps take longer
 
 
 def slow_step_line(step: int, total: int, since_line_s: float, steps: int, spent_s: float) -> str | None:
