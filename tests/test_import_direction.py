@@ -27,7 +27,7 @@ SRC = Path(lmforge.__file__).parent
 # before ``probes``). It may import any module of a lower layer and its own package's modules of its own
 # layer; another package of its own layer (they are independent) or anything higher, never.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors",),
+    ("errors", "progress"),  # the progress reporter: standard library only, so every phase may show it
     ("config",),
     ("recipe", "precision"),
     ("corpus",),  # `lmforge data`: never data/ or train/

@@ -13,7 +13,7 @@ def rank() -> int:
 def say(text: str) -> None:
     """Print the result of a command once: from rank 0 under torchrun."""
     if rank() == 0:
-        print(text)
+        print(text, flush=True)  # piped, a line shows when printed, not at exit (in step with the log)
 
 
 def device(name: str):

@@ -45,7 +45,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from lmforge.corpus import readers
 from lmforge.corpus.config import PipelineConfig, PipelineSource, StageSpec, build_pipeline_config
@@ -53,6 +53,10 @@ from lmforge.corpus.document import Doc, Drop
 from lmforge.corpus.readers import Piece, ReadOptions
 from lmforge.corpus.stages.base import CorpusStage, DocStage
 from lmforge.errors import DataError, UserError
+from lmforge.progress import Progress
+
+if TYPE_CHECKING:
+    from lmforge.corpus.executors import Executor
 
 log = logging.getLogger(__name__)
 
@@ -691,8 +695,7 @@ def run_pipeline(
         for k in range(ctx.stages.passes):
             todo = [i for i in range(n) if not ctx.lay.marker(k, i).exists()]
             if todo:
-                log.info("data: pass %d/%d: %d of %d shards to do", k + 1, ctx.stages.passes, len(todo), n)
-                ex.run(run_task, [(str(out), k, i) for i in todo])
+                _run_pass(ex, ctx, out, k, todo, n)
             check_error_budget(ctx, k, cfg.execution.max_error_fraction)
             if k < ctx.stages.passes - 1:
                 run_corpus_plan(out, k)
@@ -702,6 +705,15 @@ def run_pipeline(
         if path.suffix in (".docs", ".sig"):
             path.unlink()
     return report
+
+
+def _run_pass(ex: Executor, ctx: Context, out: Path, k: int, todo: list[int], n: int) -> None:
+    """Pass ``k`` over the shards ``todo`` (of ``n``), shown as a phase: the shards finished (their
+    markers), the rate and the time left, every few seconds."""
+    what = f"data: pass {k + 1}/{ctx.stages.passes}"
+    shown = Progress(what, len(todo), "shards", opening=f"{what}: {len(todo)} of {n} shards to do")
+    with shown, shown.ticking(poll=lambda: sum(ctx.lay.marker(k, i).exists() for i in todo)):
+        ex.run(run_task, [(str(out), k, i) for i in todo])
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ import numpy as np
 from lmforge.corpus.config import PipelineConfig
 from lmforge.corpus.strictness import check_level, config_at, knob_table
 from lmforge.errors import ConfigError
+from lmforge.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -186,19 +187,66 @@ def _reference_tokenizer(out: Path, tokenizer: str | None, ref: Reference, texts
     path = out / "tokenizer.json"
     if path.is_file():
         return Tokenizer(path), str(path)
-    return train_tokenizer(texts, vocab, path), str(path)
+    shown = Progress(f"sweep: training a {vocab}-token reference tokenizer on level 0's kept text")
+    with shown, shown.ticking():
+        return train_tokenizer(texts, vocab, path), str(path)
 
 
-def _scores(ref: Reference, texts: list[str], cache: dict[str, float]) -> list[float]:
-    """Reference scores of ``texts``, each distinct text scored once across levels."""
+SCORE_CHUNK = 256  # documents scored per call of the reference: the unit its progress is shown in
+
+
+def _scores(ref: Reference, texts: list[str], cache: dict[str, float], level: float) -> list[float]:
+    """Reference scores of ``texts``, each distinct text scored once across levels; shown as a phase
+    (documents scored, rate, time left): a run as reference takes minutes on a CPU."""
     keys = [hashlib.sha1(t.encode("utf-8", "surrogatepass")).hexdigest() for t in texts]
     todo = sorted({k for k in keys if k not in cache})
     if todo:
         text_of = dict(zip(keys, texts, strict=True))
-        batch = [text_of[k] for k in todo]
-        for k, s in zip(todo, ref.score(batch).tolist(), strict=True):
-            cache[k] = float(s)
+        what = f"sweep: level {level:g}: scoring with the reference {ref.kind}"
+        with Progress(what, len(todo), "documents") as shown, shown.ticking():
+            for at in range(0, len(todo), SCORE_CHUNK):
+                chunk = todo[at : at + SCORE_CHUNK]
+                for k, s in zip(chunk, ref.score([text_of[k] for k in chunk]).tolist(), strict=True):
+                    cache[k] = float(s)
+                shown.update(len(chunk))
     return [cache[k] for k in keys]
+
+
+def _row(
+    lv: float,
+    kept: list[tuple[str, str]],
+    words: list[list[str]],
+    report: dict[str, Any],
+    tok: Any,
+    ref: Reference,
+    cache: dict[str, float],
+    ngram: int,
+    k_words: int,
+    seed: int,
+) -> dict[str, Any]:
+    """The figures of one level: size, reference quality and diversity of its kept documents."""
+    texts = [t for _, t in kept]
+    tokens = sum(len(ids) for ids in tok.encode_batch(texts)) if texts else 0
+    scores = _scores(ref, texts, cache, lv) if texts else []
+    finite = [s for s in scores if math.isfinite(s)]
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    distinct_all, n_words = distinct_ngrams_in(words, ngram)
+    distinct_k, read_k = distinct_ngrams_in((words[i] for i in order), ngram, k_words)
+    return {
+        "level": lv,
+        "documents": len(texts),
+        "documents_input": report["documents"]["input"],
+        "bytes": sum(len(t.encode("utf-8", "surrogatepass")) for t in texts),
+        "words": n_words,
+        "tokens": tokens,
+        "quality_mean": float(np.mean(finite)) if finite else None,
+        "quality_median": float(np.median(finite)) if finite else None,
+        "distinct_ngrams_per_token": distinct_all / tokens if tokens else None,
+        "distinct_ngrams_at_k": distinct_k / read_k if read_k else None,
+        "vocab_entropy_bits": vocab_entropy(Counter(w for ws in words for w in ws)),
+        "removed": report["removed"],
+    }
 
 
 def run_sweep(
@@ -232,8 +280,8 @@ def run_sweep(
     configs = {lv: config_at(cfg, lv) for lv in levels}
     out.mkdir(parents=True, exist_ok=True)
     reports: dict[float, dict[str, Any]] = {}
-    for lv in levels:
-        log.info("sweep: level %g -> %s", lv, level_dir(out, lv))
+    for n, lv in enumerate(levels):
+        log.info("sweep: level %g (%d of %d) -> %s", lv, n + 1, len(levels), level_dir(out, lv))
         reports[lv] = run_pipeline(configs[lv], level_dir(out, lv), executor=executor, workers=workers)
 
     kept = {lv: _kept_texts(level_dir(out, lv)) for lv in levels}
@@ -243,32 +291,10 @@ def run_sweep(
     k_words = max(1, min(sum(len(w) for w in words[lv]) for lv in levels))
     cache: dict[str, float] = {}
     rows = []
-    for lv in levels:
-        texts = [t for _, t in kept[lv]]
-        tokens = sum(len(ids) for ids in tok.encode_batch(texts)) if texts else 0
-        scores = _scores(ref, texts, cache) if texts else []
-        finite = [s for s in scores if math.isfinite(s)]
-        order = list(range(len(texts)))
-        random.Random(seed).shuffle(order)
-        distinct_all, n_words = distinct_ngrams_in(words[lv], ngram)
-        distinct_k, read_k = distinct_ngrams_in((words[lv][i] for i in order), ngram, k_words)
-        report = reports[lv]
-        rows.append(
-            {
-                "level": lv,
-                "documents": len(texts),
-                "documents_input": report["documents"]["input"],
-                "bytes": sum(len(t.encode("utf-8", "surrogatepass")) for t in texts),
-                "words": n_words,
-                "tokens": tokens,
-                "quality_mean": float(np.mean(finite)) if finite else None,
-                "quality_median": float(np.median(finite)) if finite else None,
-                "distinct_ngrams_per_token": distinct_all / tokens if tokens else None,
-                "distinct_ngrams_at_k": distinct_k / read_k if read_k else None,
-                "vocab_entropy_bits": vocab_entropy(Counter(w for ws in words[lv] for w in ws)),
-                "removed": report["removed"],
-            }
-        )
+    with Progress("sweep: measuring the kept documents", len(levels), "levels") as shown, shown.ticking():
+        for lv in levels:
+            rows.append(_row(lv, kept[lv], words[lv], reports[lv], tok, ref, cache, ngram, k_words, seed))
+            shown.update()
     result = {
         "levels": list(levels),
         "reference": {"kind": ref.kind, "path": ref.path, "higher_is_better": ref.higher_is_better},

@@ -31,6 +31,7 @@ from lmforge.data.shards import Shard, ShardWriter, open_shards, read_meta, toke
 from lmforge.data.sources import is_validation, read_source, source_files
 from lmforge.data.tokenizer import Tokenizer, batched, train_tokenizer
 from lmforge.errors import DataError
+from lmforge.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -193,30 +194,18 @@ def write_token_shards(
     ``documents`` is called twice (tokenizer training, then tokenizing) and must give the same stream.
     """
     tok_path = build / "tokenizer.json"
+    n_docs: float | None = None  # documents in the stream, when the tokenizer's training counted them
     if user_tok is not None:
         shutil.copyfile(user_tok.path, tok_path)
         tok = Tokenizer(tok_path)
     else:
-        log.info("data: training a %d-token BPE tokenizer", vocab_size)
-        train_texts = (d.text for d in documents() if not is_validation(d.id, val_fraction))
-        tok = train_tokenizer(train_texts, vocab_size, tok_path)
+        tok, n_docs = _train_tokenizer(documents, vocab_size, val_fraction, tok_path)
     dtype = token_dtype(tok.vocab_size)
     writers: dict[str, ShardWriter] = {}
     counts = np.zeros(tok.vocab_size, dtype=np.int64)
     docs: dict[str, int] = {}
-    log.info("data: tokenizing")
-    for batch in batched(documents(), 256):
-        encoded = tok.encode_batch([d.text for d in batch])
-        for doc, ids in zip(batch, encoded, strict=True):
-            split = "val" if is_validation(doc.id, val_fraction) else "train"
-            prefix = f"{doc.domain}.{split}"
-            if prefix not in writers:
-                writers[prefix] = ShardWriter(build, prefix, dtype)
-            tokens = np.asarray([tok.eot_id, *ids], dtype=dtype)
-            writers[prefix].add(tokens)
-            docs[prefix] = docs.get(prefix, 0) + 1
-            if split == "train":
-                counts += np.bincount(tokens, minlength=tok.vocab_size)
+    with Progress("data: tokenizing", n_docs, "documents") as shown, shown.ticking():
+        _tokenize(documents, tok, val_fraction, build, writers, counts, docs, shown)
     if not any(p.endswith(".train") for p in writers):
         raise DataError(no_docs_error)
     if not any(p.endswith(".val") for p in writers):
@@ -241,3 +230,57 @@ def write_token_shards(
     }
     write_meta(build, meta)
     return meta
+
+
+def _train_tokenizer(
+    documents: Callable[[], Iterable[Doc]], vocab_size: int, val_fraction: float, path: Path
+) -> tuple[Tokenizer, int]:
+    """Train the tokenizer on the training split of ``documents()``, shown as a phase: on a terminal the
+    library's own bar, otherwise a line every few seconds (documents read, then the merges, which the
+    library computes in one call). Returns it and the number of documents read."""
+    read = 0
+
+    def texts() -> Iterator[str]:
+        nonlocal read
+        for d in documents():
+            read += 1
+            if not shown.tty:
+                shown.update()
+            if not is_validation(d.id, val_fraction):
+                yield d.text
+
+    with Progress(f"data: training a {vocab_size}-token BPE tokenizer", unit="documents read") as shown:
+        if shown.tty:
+            tok = train_tokenizer(texts(), vocab_size, path, show_progress=True)
+        else:
+            with shown.ticking():
+                tok = train_tokenizer(texts(), vocab_size, path)
+    return tok, read
+
+
+def _tokenize(
+    documents: Callable[[], Iterable[Doc]],
+    tok: Tokenizer,
+    val_fraction: float,
+    build: Path,
+    writers: dict[str, ShardWriter],
+    counts: np.ndarray,
+    docs: dict[str, int],
+    shown: Progress,
+) -> None:
+    """Every document of ``documents()`` as ``<|endoftext|>`` + its tokens into the shard writer of its
+    (domain, split), created on first use; ``counts``: the training split's unigram counts."""
+    dtype = token_dtype(tok.vocab_size)
+    for batch in batched(documents(), 256):
+        encoded = tok.encode_batch([d.text for d in batch])
+        for doc, ids in zip(batch, encoded, strict=True):
+            split = "val" if is_validation(doc.id, val_fraction) else "train"
+            prefix = f"{doc.domain}.{split}"
+            if prefix not in writers:
+                writers[prefix] = ShardWriter(build, prefix, dtype)
+            tokens = np.asarray([tok.eot_id, *ids], dtype=dtype)
+            writers[prefix].add(tokens)
+            docs[prefix] = docs.get(prefix, 0) + 1
+            if split == "train":
+                counts += np.bincount(tokens, minlength=tok.vocab_size)
+        shown.update(len(batch))

@@ -20,8 +20,11 @@ from lmforge.errors import DataError
 EOT = "<|endoftext|>"
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str | Path) -> Tokenizer:
-    """Train a byte-level BPE of ``vocab_size`` entries (bytes + merges + EOT) and save it to ``path``."""
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int, path: str | Path, show_progress: bool = False
+) -> Tokenizer:
+    """Train a byte-level BPE of ``vocab_size`` entries (bytes + merges + EOT) and save it to ``path``;
+    ``show_progress``: the library's own bar (on a terminal)."""
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -30,7 +33,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str | Path) -> 
         min_frequency=2,
         special_tokens=[EOT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     path = Path(path)

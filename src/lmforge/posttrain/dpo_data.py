@@ -31,6 +31,7 @@ from torch import nn
 from lmforge.data.loader import Batch
 from lmforge.errors import DataError
 from lmforge.precision import PrecisionPolicy
+from lmforge.progress import Progress
 
 Render = Callable[[Sequence[Any]], tuple[list[int], list[bool]]]  # turns -> (ids, loss mask)
 
@@ -280,21 +281,24 @@ def reference_logps(
     of the starting model), computed once: no gradients, eval mode, the run's autocast (the policy's
     first step computes in the same precision, so its margin starts at 0). Returns ``(n_pairs, 2)``
     float32 (chosen, rejected). Rank ``r`` of ``world`` fills its pairs (as :func:`pair_eval_batches`)
-    and leaves zeros elsewhere: a sum over ranks (``all_reduce``) gives the whole array."""
+    and leaves zeros elsewhere: a sum over ranks (``all_reduce``) gives the whole array. Shown as a
+    phase (pairs done, rate, time left): thousands of pairs take minutes on a CPU."""
     out = np.zeros((len(pairs), 2), dtype=np.float32)
     was_training = getattr(logps, "training", False)
     if isinstance(logps, nn.Module):
         logps.eval()
     index = np.arange(rank, len(pairs), world)
     done = 0
-    for batch in pair_eval_batches(pairs, seq_len, batch_size, None, rank, world):
-        batch = batch.to(precision.device)
-        with precision.autocast():
-            lp = logps(batch.inputs, batch.targets, batch.doc_ids).float().cpu().numpy()
-        k = batch.n_pairs
-        out[index[done : done + k], 0] = lp[:k]
-        out[index[done : done + k], 1] = lp[k:]
-        done += k
+    with Progress("DPO reference log-probabilities", len(index), "pairs") as shown, shown.ticking():
+        for batch in pair_eval_batches(pairs, seq_len, batch_size, None, rank, world):
+            batch = batch.to(precision.device)
+            with precision.autocast():
+                lp = logps(batch.inputs, batch.targets, batch.doc_ids).float().cpu().numpy()
+            k = batch.n_pairs
+            out[index[done : done + k], 0] = lp[:k]
+            out[index[done : done + k], 1] = lp[k:]
+            done += k
+            shown.update(k)
     if isinstance(logps, nn.Module):
         logps.train(was_training)
     return out

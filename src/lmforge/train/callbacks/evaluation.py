@@ -24,6 +24,7 @@ import torch.distributed as dist
 from lmforge.data.loader import eval_batches
 from lmforge.evaluate.validation import eval_targets, perplexity, unigram_loss
 from lmforge.posttrain.run import posttrain_validation
+from lmforge.progress import Progress
 from lmforge.train.callbacks import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.checkpoint import write_best
@@ -78,10 +79,13 @@ class Evaluation(Callback):
 
     def _evaluate(self, trainer: Trainer) -> float | None:
         run = trainer.run
-        if run.cfg.train.objective == "lm":
-            val_loss, self._extra = validation_loss(trainer), {}
-        else:
-            val_loss, self._extra = posttrain_validation(run.cfg, run.data, run.module, run.precision)
+        # shown only if it lasts (a first evaluation may compile kernels of its own); lines, not a bar:
+        # the training bar is live
+        with Progress("evaluating", opening="", tty=False) as shown, shown.ticking():
+            if run.cfg.train.objective == "lm":
+                val_loss, self._extra = validation_loss(trainer), {}
+            else:
+                val_loss, self._extra = posttrain_validation(run.cfg, run.data, run.module, run.precision)
         if val_loss is None:  # no held-out records
             return None
         step = trainer.progress.step

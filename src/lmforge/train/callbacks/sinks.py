@@ -16,11 +16,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,9 @@ import torch
 
 from lmforge.config import Config
 from lmforge.errors import UserError
+from lmforge.progress import Progress, format_duration
 from lmforge.train.callbacks import Callback
+from lmforge.train.step import StepResult
 from lmforge.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -141,14 +145,78 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def format_duration(seconds: float) -> str:
-    """``3725`` -> ``"1h02m"``, ``125`` -> ``"2m05s"``, ``7`` -> ``"7s"``."""
-    s = round(seconds)
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    if s >= 60:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s}s"
+COMPILE_TIMES = "lmforge_compile_seconds.json"  # beside torch's compile caches
+
+
+def compile_times_file() -> Path:
+    """Where the first compiled step's time is kept per model: inductor's cache folder, so the figure
+    lives and goes with the compiled graphs it describes."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / COMPILE_TIMES
+
+
+def compile_key(cfg: Config, world: int) -> str:
+    """What the first step's compilation depends on: the model, the batch shape, the precision, the
+    device, the processes and torch's version."""
+    import torch
+
+    t = cfg.train
+    parts = [cfg.model.model_dump(mode="json"), cfg.data.vocab_size, cfg.data.seq_len, t.micro_batch_size]
+    parts += [t.precision, t.device, t.attention, t.loss_chunk, cfg.optim.name, world, torch.__version__]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def last_compile_s(key: str, path: Path) -> float | None:
+    """The last measured first-step time of ``key`` in ``path``; None when never measured (or unreadable)."""
+    try:
+        value = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def record_compile_s(key: str, seconds: float, path: Path) -> None:
+    """Keep ``seconds`` as ``key``'s first-step time in ``path`` (a damaged file is started afresh; best
+    effort: a read-only cache is fine)."""
+    try:
+        times = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        times = {}
+    times = times if isinstance(times, dict) else {}
+    times[key] = round(seconds, 1)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(times, indent=1, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError:
+        log.debug("could not record the compile time in %s", path)
+
+
+STEP_LINE_S = 8.0  # piped: a step line at least this often, when train.log_interval steps take longer
+
+
+def slow_step_line(step: int, total: int, since_line_s: float, steps: int, spent_s: float) -> str | None:
+    """Piped, the line that keeps slow training visible between ``train.log_interval`` lines: when
+    ``since_line_s`` (since the last line shown) reaches :data:`STEP_LINE_S`, ``step N/T``, the time a
+    step took (``spent_s`` over the ``steps`` this process has taken) and the time left at that pace."""
+    if since_line_s < STEP_LINE_S or steps < 1 or step >= total:
+        return None
+    per_step = spent_s / steps
+    left = format_duration(per_step * (total - step))
+    return f"step {step}/{total} | {per_step:.1f} s a step | eta {left}"
+
+
+def compiling(cfg: Config, world: int, path: Path) -> Progress:
+    """The first compiled step as a phase: "compiling the model", with the time left when this model's
+    last compile here was measured, else saying there is no figure yet."""
+    last = last_compile_s(compile_key(cfg, world), path)
+    if last is None:
+        opening = "compiling the model (the first step; no earlier compile of this model timed here)"
+    else:
+        opening = f"compiling the model, about {format_duration(last)} (its last compile here)"
+    return Progress("compiling the model", expected_s=last, opening=opening)
 
 
 class Console(Callback):
@@ -157,16 +225,60 @@ class Console(Callback):
     scheduler's log) a plain log line per step record (every ``train.log_interval`` steps) and per
     evaluation. Guard events are logged by the guard itself, checkpoints by the checkpoint writer."""
 
-    def __init__(self, enabled: bool | None = None):
+    def __init__(self, enabled: bool | None = None, compile_times: Path | None = None):
         self.enabled = enabled  # the progress bar: None = when stdout is a terminal
         self.bar: ProgressBar | None = None
         self.total = 0
+        self.compile_times = compile_times  # None: beside torch's compile caches (compile_times_file)
+        self.compiling: Progress | None = None
+        self._last_line = 0.0
+        self._paced = (0.0, 0)
 
     def on_train_start(self, trainer: Trainer) -> None:
         self.total = trainer.total_steps
+        self._last_line = time.monotonic()  # when the last line was shown (piped)
+        self._paced = (self._last_line, trainer.progress.step)  # (time, step) the pace is measured from
+        cfg = trainer.run.cfg
+        if cfg.train.compile and trainer.progress.step < trainer.total_steps:
+            # the first step compiles: shown as its own phase; the step bar starts after it
+            self.compile_times = self.compile_times or compile_times_file()
+            self.compiling = compiling(cfg, trainer.run.layout.world, self.compile_times)
+            self.compiling.start_ticking()
+        else:
+            self._start_bar(trainer)
+
+    def _start_bar(self, trainer: Trainer) -> None:
         self.bar = ProgressBar(trainer.total_steps, trainer.progress.step, self.enabled)
         if not self.bar.enabled:
             self.bar = None
+
+    def _end_compiling(self) -> float | None:
+        """Close the compile phase (if open); its time."""
+        if self.compiling is None:
+            return None
+        self.compiling.close()
+        spent = self.compiling.clock() - self.compiling.start
+        self.compiling = None
+        return spent
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        spent = self._end_compiling()
+        now = time.monotonic()
+        if spent is not None:
+            assert self.compile_times is not None
+            record_compile_s(
+                compile_key(trainer.run.cfg, trainer.run.layout.world), spent, self.compile_times
+            )
+            self._start_bar(trainer)
+            self._paced = (now, trainer.progress.step)  # later steps' pace, without the compile
+            self._last_line = now
+        if self.bar is None:
+            t0, step0 = self._paced
+            step = trainer.progress.step
+            line = slow_step_line(step, self.total, now - self._last_line, step - step0, now - t0)
+            if line is not None:
+                log.info("%s", line)
+                self._last_line = now
 
     def on_log(self, trainer: Trainer, record: dict) -> None:
         if "event" in record:
@@ -180,6 +292,7 @@ class Console(Callback):
                 self.bar.update(record["step"], info)
             else:
                 log.info("step %d/%d | %s", record["step"], self.total, info)
+                self._last_line = time.monotonic()
         elif "val_loss" in record:
             text = f"step {record['step']}/{self.total} | val_loss {record['val_loss']:.4f}"
             if "val_ppl" in record:
@@ -193,8 +306,12 @@ class Console(Callback):
                 self.bar.print(text)
             else:
                 log.info("%s", text)
+                self._last_line = time.monotonic()
 
     def on_close(self, trainer: Trainer) -> None:
+        if self.compiling is not None:  # the first step never ended (an error, a stop)
+            self.compiling.abandon()
+            self.compiling = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None
