@@ -27,6 +27,20 @@ def addition(prompt: str, completion: str) -> float:
     return float(int(answer.group(1)) == int(problem.group(1)) + int(problem.group(2)))
 
 
+def addition_digits(prompt: str, completion: str) -> float:
+    """Partial credit for the ``A+B=`` task: the share of digit places (aligned from the right, over the
+    longer of the completion's number and the sum) where the completion's number has the sum's digit;
+    1.0 exactly when :func:`addition` gives 1, 0 when the completion holds no number alone."""
+    problem = _PROBLEM.search(prompt)
+    answer = _ANSWER.match(completion)
+    if problem is None or answer is None or completion[answer.end() :].strip():
+        return 0.0
+    got, want = answer.group(1), str(int(problem.group(1)) + int(problem.group(2)))
+    width = max(len(got), len(want))
+    same = sum(a == b for a, b in zip(got.rjust(width), want.rjust(width), strict=True))
+    return same / width
+
+
 def addition_problems(n: int, seed: int, digits: int = 2) -> list[tuple[int, int]]:
     """``n`` pairs of ``digits``-digit numbers drawn with ``seed``."""
     rng = random.Random(seed)
