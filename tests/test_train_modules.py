@@ -21,9 +21,12 @@ from lmforge.parallel.data_parallel import GradientSync
 from lmforge.parallel.pipeline import Pipeline
 from lmforge.posttrain.dpo import DPOObjective, SequenceLogps
 from lmforge.posttrain.dpo_data import reference_logps, stack_pairs, tokenize_pairs
+from lmforge.posttrain.reward_pool import RewardPool
+from lmforge.posttrain.rl import RLObjective, TokenLogps
+from lmforge.posttrain.rl_data import Prompt, stack_prompts
 from lmforge.precision import PrecisionPolicy
 from lmforge.train import modules
-from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, TrainModule
+from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, RLModule, TrainModule
 from lmforge.train.step import Action, train_step
 from tests.test_dpo import SEQ, render, tiny_model, toy_pairs
 
@@ -45,7 +48,7 @@ def implementations() -> set[type]:
 
 def test_the_protocol_is_what_the_step_and_callbacks_use():
     assert set(PROTOCOL) >= {"micro_batch", "forward_backward", "finish_backward", "evaluate", "state_dict"}
-    assert implementations() == {LanguageModelModule, PipelineModule, DPOModule}
+    assert implementations() == {LanguageModelModule, PipelineModule, DPOModule, RLModule}
 
 
 def test_the_step_never_asks_what_it_was_given():
@@ -98,6 +101,28 @@ def test_dpo_module_takes_a_step_and_reports_its_metrics():
     _step(module, [batch])
     assert set(module.take_metrics()) >= {"rewards/margins", "logps/chosen"}
     assert set(module.evaluate([stack_pairs(pairs[2:], SEQ, ref=ref[2:])], FP32)) >= {"val_loss"}
+
+
+def test_rl_module_takes_a_step_and_reports_its_metrics():
+    from lmforge.config import RLConfig
+
+    model = tiny_model(0)
+    reference = TokenLogps(tiny_model(0), chunk=16)  # the same weights: the KL starts at 0
+    cfg = RLConfig(group_size=3, max_new_tokens=4, reward="tests.rl_rewards:length", reward_workers=1)
+    reward = RewardPool(cfg.reward, cfg.reward_timeout, 1, 0.0)
+    decode = lambda ids: "x" * (sum(ids) % 4)  # noqa: E731 - text whose length (the reward) varies
+    objective = RLObjective(TokenLogps(model, chunk=16), model, cfg, reward, 0, decode, 0, 7, reference)
+    module = RLModule(model, objective, GradientSync())
+    batch = stack_prompts([Prompt((1, 2, 3), "a", "x:1"), Prompt((4, 5), "b", "x:2")], 0, 0)
+    try:
+        _step(module, [batch])
+        metrics = module.take_metrics()
+        assert metrics["rl/kl"] == 0.0 and metrics["rl/failed_rewards"] == 0
+        assert set(metrics) >= {"rl/reward_mean", "rl/entropy", "rl/clip_fraction", "rl/response_length"}
+        assert set(module.evaluate([batch], FP32)) == {"val_loss", "val_reward", "val_failed_rewards"}
+        assert not module.inspect_forward(batch, FP32)
+    finally:
+        reward.close()
 
 
 def test_pipeline_module_takes_a_step_on_one_rank(tmp_path):

@@ -333,10 +333,11 @@ class TrainConfig(_Section):
         False, description="write checkpoints in the background while training goes on (DCP async save)"
     )
     log_interval: int = Field(10, ge=1, description="steps between metrics lines")
-    objective: Literal["lm", "sft", "dpo"] = Field(
+    objective: Literal["lm", "sft", "dpo", "rl"] = Field(
         "lm",
         description="lm: next-token loss on data.sources; sft: response-token loss on [posttrain] records; "
-        "dpo: preference loss on [posttrain] pairs with [dpo]'s settings (set by lmforge sft / dpo)",
+        "dpo: preference loss on [posttrain] pairs with [dpo]'s settings; rl: policy gradient from rewards "
+        "on [posttrain] prompts with [rl]'s settings (set by lmforge sft / dpo / rl)",
     )
     early_stop_patience: int = Field(
         0,
@@ -748,6 +749,42 @@ class DPOConfig(_Section):
     )
 
 
+class RLConfig(_Section):
+    """RL from rewards (``posttrain/rl.py``, docs/post-training.md): completions sampled per prompt, scored by
+    a reward, a clipped policy-gradient loss with a KL penalty to the starting model."""
+
+    algorithm: Literal["grpo", "rloo"] = Field(
+        "grpo",
+        description="grpo: group-normalised advantages (r - mean) / (std + eps); rloo: leave-one-out baseline "
+        "r_i - mean of the other G-1, on whole sequences",
+    )
+    loss: Literal["grpo", "dr_grpo", "dapo"] = Field(
+        "grpo",
+        description="grpo's token-loss aggregation: grpo (per-sequence mean, then mean), dr_grpo (no std in "
+        "the advantage, token sum / (G x max_new_tokens)), dapo (token mean over each group); rloo: unused",
+    )
+    group_size: int = Field(8, description="completions sampled per prompt (G, at least 2)")
+    max_new_tokens: int = Field(16, ge=1, description="tokens sampled per completion at most")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the completions")
+    top_k: int = Field(0, ge=0, description="sample among the k most likely tokens (0: all)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (1: off)")
+    beta: float = Field(0.04, ge=0, description="weight of KL(policy || reference), k3 estimator")
+    clip_epsilon: float = Field(0.2, gt=0, description="PPO clip range of the importance ratio: 1 +- eps")
+    reward: str = Field(
+        "lmforge.posttrain.rewards:addition",
+        description="module:function called on (prompt, completion) text, returning a number; run:PATH (a "
+        "reward-model run) is reserved for reward models",
+    )
+    reward_timeout: float = Field(5.0, gt=0, description="seconds one reward call may take")
+    reward_workers: int = Field(2, ge=1, description="processes of the reward sandbox")
+    failed_reward: float = Field(0.0, description="reward of a sample whose reward call raised or timed out")
+    template: Literal["chat", "none"] = Field(
+        "chat",
+        description="chat: a prompt is a user turn of the chat template, completions stop at <|end|>; none: "
+        "the prompt text after <|endoftext|>, completions stop at <|endoftext|>",
+    )
+
+
 class PostTrainConfig(_Section):
     train_files: list[str] = Field(
         default_factory=list,
@@ -808,6 +845,7 @@ class Config(_Section):
         description="records of lmforge sft and dpo: files, packing, over-length examples",
     )
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="the preference loss of lmforge dpo")
+    rl: RLConfig = Field(default_factory=RLConfig, description="sampling, reward and loss of lmforge rl")
 
 
 # What a fine-tuning run changes from lmforge's (pretraining) defaults; a recipe and flags override them.
@@ -827,6 +865,15 @@ POSTTRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
         "schedule.warmup": 10,
         "train.eval_interval": 50,
         "train.checkpoint_interval": 100,
+        "train.eval_tokens": 1 << 30,
+    },
+    "rl": {
+        "train.steps": 100,
+        "optim.lr": 1e-4,
+        "optim.weight_decay": 0.0,
+        "schedule.warmup": 5,
+        "train.eval_interval": 25,
+        "train.checkpoint_interval": 50,
         "train.eval_tokens": 1 << 30,
     },
 }

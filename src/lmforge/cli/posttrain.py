@@ -1,4 +1,4 @@
-"""``lmforge sft`` / ``lmforge dpo``: post-training runs started from another run's checkpoint
+"""``lmforge sft`` / ``lmforge dpo`` / ``lmforge rl``: post-training runs started from another run's checkpoint
 (``posttrain/finetune.py``), trained as ``lmforge train`` trains."""
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     helps = {
         "sft": "supervised fine-tuning on instruction / chat / prompt-completion records",
         "dpo": "direct preference optimisation on prompt / chosen / rejected pairs",
+        "rl": "RL from rewards (GRPO, RLOO) on prompt records, scored by [rl] reward",
     }
     for kind, text in helps.items():
         p = sub.add_parser(
             kind,
             help=text + " (docs/post-training.md)",
             description=f"{text}, from another run's checkpoint (--from) or resumed (--resume). Keys as for "
-            "train: the recipe, then --SECTION.KEY=VALUE ([posttrain] records, [dpo] loss, train, optim, ...).",
+            "train: the recipe, then --SECTION.KEY=VALUE ([posttrain] records, [dpo] loss, [rl], train, optim, ...).",
             epilog=f"{kind}'s own defaults (under the recipe and flags): "
             + ", ".join(f"{k}={v}" for k, v in POSTTRAIN_DEFAULTS[kind].items())
             + "; model.* and data.seq_len come from --from",

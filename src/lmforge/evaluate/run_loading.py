@@ -19,18 +19,20 @@ from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.posttrain.dpo import SequenceLogps
+from lmforge.posttrain.rl import TokenLogps
 from lmforge.posttrain.run import (
     REFERENCE_LOGPS,
     dpo_objective,
     load_reference,
     posttrain_validation,
     prepare_posttrain,
+    rl_objective,
 )
 from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_saved_config
 from lmforge.train.build import build_model
 from lmforge.train.checkpoint import list_checkpoints, load_checkpoint
-from lmforge.train.modules import DPOModule, LanguageModelModule
+from lmforge.train.modules import DPOModule, LanguageModelModule, RLModule
 
 
 def load_run(
@@ -74,6 +76,8 @@ def evaluate_run(run_dir: str | Path, device: torch.device, tokens: int = 0) -> 
     precision = PrecisionPolicy.resolve(cfg.train.precision, device)
     if cfg.train.objective != "lm":  # post-training: the held-out records
         out = evaluate_posttrain(cfg, model, Path(run_dir), precision)
+        if cfg.train.objective == "rl":  # val_loss is minus the reward: no likelihood
+            return {"step": step, **out}
         return {"step": step, **out, "val_ppl": perplexity(out["val_loss"])}
     data = prepare_data(cfg.data)
     loss = evaluate(
@@ -95,6 +99,10 @@ def evaluate_posttrain(
     if cfg.train.objective == "sft":
         scorer = NextTokenLoss(model, cfg.train.loss_chunk)
         module = LanguageModelModule(model, scorer, scorer, GradientSync())
+    elif cfg.train.objective == "rl":  # greedy completions of the held-out prompts, rewarded
+        policy = TokenLogps(model, cfg.train.loss_chunk)
+        objective = rl_objective(cfg, policy, model, lambda: copy.deepcopy(model), run_dir)
+        module = RLModule(model, objective, GradientSync())
     else:
         load_reference(cfg, data, run_dir)
         if cfg.dpo.reference == "cached" and data.val_reference is None:

@@ -124,7 +124,7 @@ def start(
     run = build_run(here, run_dir=run_dir)
     with torch.no_grad():
         run.model.load_state_dict({k: v.to(run.device) for k, v in state.items()})
-    if kind == "dpo":
+    if kind in ("dpo", "rl"):
         write_reference(run, run_dir)
     added = ", ".join(SPECIAL_TOKENS)
     toml = config_text(cfg, [f"# step 0: lmforge {kind} from {ckpt.resolve()} (tokens added: {added})"])

@@ -1,6 +1,6 @@
-"""What the one build path adds for ``train.objective = "sft"`` and ``"dpo"``: the records of
+"""What the one build path adds for ``train.objective = "sft"``, ``"dpo"`` and ``"rl"``: the records of
 ``[posttrain]`` read and tokenized with the run's chat template (bad ones counted and reported with
-file:line), the loader, the objective, the held-out evaluation and the DPO reference.
+file:line), the loader, the objective, the held-out evaluation and the DPO / RL reference.
 
 ``posttrain/`` holds the pieces (records, template, loaders, losses); this module reads the config and the
 run folder and puts them together, so ``train/build.py`` only branches once. It imports nothing of
@@ -23,7 +23,10 @@ from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import ConfigError, DataError
 from lmforge.posttrain.dpo import DPOObjective, SequenceLogps, check_dpo
 from lmforge.posttrain.dpo_data import PairLoader, pair_eval_batches, reference_logps, tokenize_pairs
-from lmforge.posttrain.records import BadRecord, read_examples, read_pairs
+from lmforge.posttrain.records import BadRecord, Turn, read_examples, read_pairs
+from lmforge.posttrain.reward_pool import check_reward, open_reward
+from lmforge.posttrain.rl import RLObjective, TokenLogps
+from lmforge.posttrain.rl_data import PromptLoader, prompt_eval_batches, read_prompts, stop_id
 from lmforge.posttrain.sft_data import SFTLoader, sft_eval_batches, tokenize_examples
 from lmforge.posttrain.template import ChatTemplate
 from lmforge.precision import PrecisionPolicy
@@ -31,7 +34,7 @@ from lmforge.precision import PrecisionPolicy
 log = logging.getLogger(__name__)
 
 REFERENCE_LOGPS = "reference_logps.npz"  # dpo.reference = "cached"
-REFERENCE_MODEL = "reference_model.pt"  # dpo.reference = "model"
+REFERENCE_MODEL = "reference_model.pt"  # dpo.reference = "model"; rl's reference
 BAD_RECORDS = "bad_records.jsonl"
 
 
@@ -67,11 +70,37 @@ def check_posttrain(cfg: Config) -> None:
         raise ConfigError(
             "train.micro_batch_size: auto sizes next-token batches, not DPO's pairs; give a number of pairs"
         )
+    if cfg.train.objective == "rl":
+        check_rl(cfg)
     if cfg.train.objective == "dpo" and cfg.parallel.pp > 1:
         raise ConfigError(
             "parallel.pp: DPO compares whole sequences' log-probabilities, which one pipeline stage does not "
             "hold; train DPO with data parallelism or FSDP (set --parallel.pp=1)"
         )
+
+
+def check_rl(cfg: Config) -> None:
+    """What an RL run must hold, checked before any work: the group, the room for completions, a reward
+    that resolves, a batch in prompts, a layout where each process holds the whole policy to sample."""
+    rl, p = cfg.rl, cfg.parallel
+    if rl.group_size < 2:
+        raise ConfigError(
+            f"rl.group_size: {rl.group_size} completion per prompt gives no baseline to compare with; set 2 "
+            "or more (e.g. 8)"
+        )
+    if rl.max_new_tokens >= cfg.data.seq_len:
+        raise ConfigError(
+            f"rl.max_new_tokens: {rl.max_new_tokens} leaves no room for a prompt within data.seq_len = "
+            f"{cfg.data.seq_len}; lower it"
+        )
+    if cfg.train.micro_batch_size == "auto":
+        raise ConfigError("train.micro_batch_size: auto sizes next-token batches; give a number of prompts")
+    if p.pp > 1 or p.tp > 1 or p.dp_shard > 1 or p.ep > 1:
+        raise ConfigError(
+            "parallel: lmforge rl samples with the whole policy in each process; use one process or "
+            "--parallel.dp_replicate (DDP), not pp, tp, ep or dp_shard"
+        )
+    check_reward(rl.reward)
 
 
 def prepare_posttrain(cfg: Config, run_dir: Path | None = None) -> PostTrainData:
@@ -90,7 +119,11 @@ def read_posttrain(cfg: Config) -> PostTrainData:
     data = PostTrainData(tok, template, [], [])
     for split, files in (("train", pt.train_files), ("val", pt.val_files)):
         key = f"posttrain.{split}_files"
-        if cfg.train.objective == "sft":
+        if cfg.train.objective == "rl":
+            limit = seq_len + 1 - cfg.rl.max_new_tokens
+            tokenized, bad = read_prompts(files, template, cfg.rl.template, limit, key)
+            too_long, prompts = [], [(Turn("user", p.text),) for p in tokenized]
+        elif cfg.train.objective == "sft":
             examples, bad = read_examples(files, pt.system_prompt, key=key)
             tokenized, too_long = tokenize_examples(examples, template, seq_len, pt.over_length)
             prompts = [prompt_turns(e.turns) for e in examples]
@@ -149,6 +182,8 @@ def posttrain_loader(cfg: Config, data: PostTrainData, rank: int, world: int, ru
         return SFTLoader(
             data.train, cfg.data.seq_len, t.micro_batch_size, t.seed, cfg.posttrain.packing, rank, world, pad
         )
+    if t.objective == "rl":
+        return PromptLoader(data.train, t.micro_batch_size, t.seed, rank, world, pad)
     loader = PairLoader(data.train, cfg.data.seq_len, t.micro_batch_size, t.seed, rank, world, pad)
     cached = load_reference(cfg, data, run_dir)
     if cached is not None:
@@ -191,10 +226,39 @@ def dpo_objective(
     return DPOObjective.from_config(policy, cfg.dpo, reference, eval_policy)
 
 
+def rl_objective(
+    cfg: Config,
+    policy: torch.nn.Module,
+    model: torch.nn.Module,
+    new_model: Callable[[], torch.nn.Module],
+    run_dir: Path | None,
+) -> RLObjective:
+    """The RL objective over ``policy`` (the transformed :class:`TokenLogps`), sampling from ``model``; the
+    reference: a frozen whole copy (``new_model()``) of ``RUN/reference_model.pt`` when it exists (written
+    when the run starts, :func:`write_reference`)."""
+    tok = Tokenizer(cfg.data.tokenizer)
+    template = ChatTemplate(tok)
+    rl = cfg.rl
+    reward = open_reward(rl.reward, rl.reward_timeout, rl.reward_workers, rl.failed_reward)
+    objective = RLObjective(
+        policy, model, rl, reward, stop_id(template, rl.template), tok.decode, tok.eot_id, cfg.train.seed
+    )
+    if run_dir is not None and (run_dir / REFERENCE_MODEL).is_file():
+        objective.set_reference(frozen_reference(new_model, run_dir, cfg.train.loss_chunk))
+    return objective
+
+
+def frozen_reference(new_model: Callable[[], torch.nn.Module], run_dir: Path, chunk: int) -> TokenLogps:
+    """A :class:`TokenLogps` of the weights in ``RUN/reference_model.pt``."""
+    frozen = new_model()
+    frozen.load_state_dict(torch.load(run_dir / REFERENCE_MODEL, map_location="cpu", weights_only=True))
+    return TokenLogps(frozen, chunk)
+
+
 def write_reference(run, run_dir: Path) -> None:
     """At the start of a DPO run: the starting model's log-probabilities of every pair (cached) or its
-    weights (model), into the run folder."""
-    if run.cfg.dpo.reference == "model":
+    weights (model), into the run folder; of an RL run: its weights (the frozen reference)."""
+    if run.cfg.train.objective == "rl" or run.cfg.dpo.reference == "model":
         torch.save(
             {k: v.detach().cpu() for k, v in run.model.state_dict().items()}, run_dir / REFERENCE_MODEL
         )
@@ -215,6 +279,8 @@ def posttrain_eval_batches(cfg: Config, data: PostTrainData) -> Iterable | None:
     if not data.val:
         return None
     bs = cfg.train.micro_batch_size
+    if cfg.train.objective == "rl":
+        return prompt_eval_batches(data.val, bs, data.tokenizer.eot_id)
     if cfg.train.objective == "sft":
         return sft_eval_batches(data.val, cfg.data.seq_len, bs, cfg.posttrain.packing)
     return pair_eval_batches(data.val, cfg.data.seq_len, bs, data.val_reference, pad_id=data.tokenizer.eot_id)

@@ -56,16 +56,18 @@ from lmforge.parallel.tensor import check_tensor_parallel
 from lmforge.plan.limit import check_run_memory
 from lmforge.plan.micro_batch import auto_candidates
 from lmforge.posttrain.dpo import SequenceLogps
+from lmforge.posttrain.rl import TokenLogps
 from lmforge.posttrain.run import (
     PostTrainData,
     check_posttrain,
     dpo_objective,
     posttrain_loader,
     prepare_posttrain,
+    rl_objective,
 )
 from lmforge.precision import PrecisionPolicy, check_precision, register_fp8_scale_precompute
 from lmforge.probes.auto_batch import probe, resolve_micro_batch
-from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, TrainModule
+from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, RLModule, TrainModule
 from lmforge.train.runtime import configure_determinism, pick_device, seed_all
 
 log = logging.getLogger(__name__)
@@ -142,7 +144,7 @@ def training_module(
         model = Transformer(cfg.model, vocab_size, cfg.data.seq_len, t.attention, t.moe_kernel)
     seed_all(t.seed)  # Python's and numpy's generators as one process's build leaves them
     ctx = ApplyContext(t, device, layout, compute_dtype, Init(device, tuple(model.init_plan()), t.seed))
-    loss = SequenceLogps if t.objective == "dpo" else NextTokenLoss
+    loss = {"dpo": SequenceLogps, "rl": TokenLogps}.get(t.objective, NextTokenLoss)
     train_fn = apply(loss(model, t.loss_chunk), model, ctx)
     # evaluation eager where training is compiled (too rare to pay for a second graph); FSDP2's root
     # must be called for its parameters to be gathered
@@ -154,9 +156,12 @@ def training_module(
         experts = ExpertGradSync(model, layout.ep_mesh, layout.dp)
     sync = GradientSync(train_fn, layout, cfg.parallel.defer_grad_sync, experts)
     whole = layout.degrees["tp"] == 1
-    if t.objective != "dpo":
+    if t.objective not in ("dpo", "rl"):
         return LanguageModelModule(model, train_fn, eval_fn, sync, whole)
     fresh = lambda: build_model(cfg, vocab_size, device, init=False)  # noqa: E731
+    if t.objective == "rl":
+        group = layout.group("dp") if layout.dp > 1 else None
+        return RLModule(model, rl_objective(cfg, train_fn, model, fresh, run_dir), sync, group)
     objective = dpo_objective(cfg, train_fn, fresh, run_dir, eval_policy=eval_fn)
     return DPOModule(model, objective, sync, layout.group("dp") if layout.dp > 1 else None, whole)
 

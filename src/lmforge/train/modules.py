@@ -13,6 +13,8 @@ module                              what it trains
                                     loss with targets -100 outside the responses)
 :class:`PipelineModule`             the next-token loss through a pipeline schedule (``parallel.pp > 1``)
 :class:`DPOModule`                  preference pairs (``train.objective = dpo``, ``posttrain/dpo.py``)
+:class:`RLModule`                   rewards of sampled completions (``train.objective = rl``,
+                                    ``posttrain/rl.py``)
 ==================================  ========================================================================
 
 A new objective (reward model, RL) is a new class here with these methods, built in
@@ -36,6 +38,7 @@ from lmforge.model.moe import moe_metrics, start_step, take_aux_loss
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.parallel.pipeline import Pipeline
 from lmforge.posttrain.dpo import DPOObjective
+from lmforge.posttrain.rl import RLObjective
 from lmforge.precision import PrecisionPolicy
 from lmforge.train.checkpoint import load_model_state, model_state
 
@@ -260,6 +263,39 @@ class DPOModule(ModelState):
         with eval_mode(policy), torch.compiler.set_stance("force_eager"), precision.autocast():
             policy(batch.inputs, batch.targets, batch.doc_ids)
         return True
+
+    def take_metrics(self) -> dict[str, float]:
+        return self.objective.take_metrics(self.group)
+
+
+class RLModule(ModelState):
+    """RL from rewards (``posttrain/rl.py::RLObjective``: sampling, rewards, the GRPO / RLOO losses, the
+    metrics); ``sync``: the data-parallel controls of the transformed policy; ``group``: the data-parallel
+    process group the metrics are summed over (None: one rank)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        objective: RLObjective,
+        sync: GradientSync,
+        group: dist.ProcessGroup | None = None,
+    ):
+        self.model, self.objective, self.sync, self.group = model, objective, sync, group
+
+    def micro_batch(self, index: int, count: int) -> contextlib.AbstractContextManager:
+        return self.sync.micro_batch(index, count)
+
+    def forward_backward(self, batch, n_targets: int, dp: int, precision: PrecisionPolicy) -> torch.Tensor:
+        return self.objective.forward_backward(batch, n_targets, dp, precision)
+
+    def finish_backward(self) -> None:
+        self.sync.finish()
+
+    def evaluate(self, batches: Iterable, precision: PrecisionPolicy) -> dict[str, float]:
+        return self.objective.evaluate(batches, precision, self.group)
+
+    def inspect_forward(self, batch, precision: PrecisionPolicy) -> bool:
+        return False  # a prompt batch is no forward of the network; the rollouts are drawn in the step
 
     def take_metrics(self) -> dict[str, float]:
         return self.objective.take_metrics(self.group)

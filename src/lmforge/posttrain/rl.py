@@ -1,0 +1,207 @@
+"""RL from rewards: the objective a training step runs through ``train/modules.py::RLModule``.
+
+Each micro-batch of ``k`` prompts (:class:`~lmforge.posttrain.rl_data.PromptBatch`):
+
+1. **sample** ``G = rl.group_size`` completions per prompt with the current policy
+   (``model/sampling.py::generate_batch``, key/value cache), seeded from ``train.seed`` and the batch's
+   first prompt number, so a resumed run draws what the uninterrupted one drew;
+2. **score** them with the reward (``posttrain/reward_pool.py``: a sandboxed function; failed calls
+   score ``rl.failed_reward`` and are counted);
+3. **advantages** per group and the **loss** of ``posttrain/rl_loss.py`` (formulas there), the policy's
+   per-token log-probabilities with gradient (:class:`TokenLogps`), the sampling policy's the same
+   detached (one update per batch: ratio 1), the frozen reference's without gradient.
+
+Metrics (means since the last record, each over what it names): ``rl/reward_mean``, ``rl/reward_std``
+(over every completion), ``rl/kl`` (k3 per completion token), ``rl/clip_fraction`` (share of tokens,
+RLOO: of sequences, where the clipped term is the one taken), ``rl/entropy`` (mean token entropy of the
+policy on the sampled completions, nats), ``rl/response_length`` (tokens, the stop token included),
+``rl/failed_rewards`` (failed reward calls, a count). Evaluation: greedy completions of the held-out prompts,
+``val_reward`` their mean reward and ``val_loss = -val_reward``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.config import RLConfig
+from lmforge.model.loss import head_loss
+from lmforge.model.sampling import generate_batch
+from lmforge.model.transformer import Transformer
+from lmforge.posttrain.reward_pool import RewardFn
+from lmforge.posttrain.rl_data import PromptBatch, rollout_rows
+from lmforge.posttrain.rl_loss import group_advantages, policy_loss
+from lmforge.precision import PrecisionPolicy
+
+# summed per micro-batch: groups, completions, reward, reward^2, kl, clipped, clip count, tokens,
+# entropy, failed
+_SUMS = ("groups", "n", "r", "r2", "kl", "clipped", "clip_n", "tokens", "entropy", "failed")
+
+
+class TokenLogps(nn.Module):
+    """``model`` and its head: ``(inputs, targets, doc_ids) -> (logp, entropy)``, both ``(B, L)`` float32:
+    ``log p(targets[i, t] | inputs[i, :t+1])`` (0 where the target is -100; through the fused head and
+    cross-entropy, as the training loss) and, without gradient, the entropy of the model's next-token
+    distribution at the target positions (0 elsewhere)."""
+
+    def __init__(self, model: Transformer, chunk: int = 1024):
+        super().__init__()
+        self.model, self.chunk = model, chunk
+
+    def forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(inputs, doc_ids)
+        logp = -head_loss(self.model, hidden, targets, self.chunk, reduction="none").float()
+        entropy = torch.zeros_like(logp)
+        with torch.no_grad():
+            where = targets != -100
+            logits = self.model.logits(hidden.detach()[where]).float()
+            lp = logits.log_softmax(-1)
+            entropy[where] = -(lp.exp() * lp).sum(-1)
+        return logp, entropy
+
+
+class RLObjective:
+    """GRPO / RLOO for a training module: ``forward_backward`` of a :class:`PromptBatch`, metric sums and
+    evaluation. ``policy``: a :class:`TokenLogps` (or it transformed) that training calls; ``sampler``: the
+    plain model completions are drawn from; ``reference``: a frozen :class:`TokenLogps` of the starting
+    weights (None: set later, or ``rl.beta = 0``); ``stop``: the token that ends a completion;
+    ``decode``: ids -> text."""
+
+    def __init__(
+        self,
+        policy: nn.Module,
+        sampler: Transformer,
+        cfg: RLConfig,
+        reward: RewardFn,
+        stop: int,
+        decode,
+        pad_id: int,
+        seed: int,
+        reference: nn.Module | None = None,
+    ):
+        self.policy, self.sampler, self.cfg, self.reward = policy, sampler, cfg, reward
+        self.stop, self.decode, self.pad_id, self.seed = stop, decode, pad_id, seed
+        self.reference = None
+        self.set_reference(reference)
+        self._sums: torch.Tensor | None = None
+        self.last_error: str | None = None
+
+    def set_reference(self, reference: nn.Module | None) -> None:
+        self.reference = reference
+        if reference is not None:
+            reference.eval().requires_grad_(False)
+
+    @property
+    def variant(self) -> str:
+        return "rloo" if self.cfg.algorithm == "rloo" else self.cfg.loss
+
+    # -- rollouts ---------------------------------------------------------------------------------
+
+    def sample(self, batch: PromptBatch, greedy: bool = False) -> tuple[list[list[int]], list[list[int]]]:
+        """``(rows, completions)``: each prompt repeated ``G`` times (once when ``greedy``) and its completion
+        ids, the stop token appended where the completion ended on it."""
+        c = self.cfg
+        g = 1 if greedy else c.group_size
+        rows = [p for p in batch.prompts for _ in range(g)]
+        seed = (self.seed * 1_000_003 + batch.position) % (1 << 62)
+        temperature = 0.0 if greedy else c.temperature
+        out = generate_batch(
+            self.sampler, rows, c.max_new_tokens, temperature, c.top_k, c.top_p, (self.stop,), seed
+        )
+        return rows, [[*o, self.stop] if len(o) < c.max_new_tokens else o for o in out]
+
+    def rewards(self, batch: PromptBatch, completions: list[list[int]], g: int) -> tuple[torch.Tensor, int]:
+        texts = [self.decode([t for t in o if t != self.stop]) for o in completions]
+        scores = self.reward.score([t for t in batch.texts for _ in range(g)], texts)
+        if scores.first_error is not None:
+            self.last_error = scores.first_error
+        return torch.tensor(scores.rewards, dtype=torch.float32), scores.failed
+
+    # -- what train_step uses ---------------------------------------------------------------------
+
+    def forward_backward(
+        self, batch: PromptBatch, n_targets: int, dp: int, precision: PrecisionPolicy
+    ) -> torch.Tensor:
+        """Sample, score and backward of ``sum(group losses) / n_targets * dp`` (``n_targets``: the step's
+        prompts over all data-parallel ranks); returns ``sum(group losses) / n_targets``, detached."""
+        c, device = self.cfg, precision.device
+        rows, completions = self.sample(batch)
+        rewards, failed = self.rewards(batch, completions, c.group_size)
+        inputs, targets, docs = (t.to(device) for t in rollout_rows(rows, completions, self.pad_id))
+        with precision.autocast():
+            logp, entropy = self.policy(inputs, targets, docs)
+        ref = None
+        if c.beta:
+            if self.reference is None:
+                raise RuntimeError("rl.beta > 0 but no reference model was set (RLObjective.set_reference)")
+            with torch.no_grad(), precision.autocast():
+                ref = self.reference(inputs, targets, docs)[0].float()
+        mask = targets != -100
+        k = len(batch.prompts)
+        adv_kind = "dr_grpo" if c.algorithm == "grpo" and c.loss == "dr_grpo" else c.algorithm
+        adv = group_advantages(rewards.view(k, c.group_size), adv_kind).flatten().to(device)
+        parts = policy_loss(
+            logp.float(), logp.detach().float(), ref, mask, adv, c.group_size, self.variant,
+            c.clip_epsilon, c.beta, c.max_new_tokens,
+        )  # fmt: skip
+        loss = parts.groups.sum() / n_targets
+        precision.backward(loss * dp if dp != 1 else loss)
+        with torch.no_grad():
+            stats = torch.stack(
+                [
+                    torch.tensor(float(k)), torch.tensor(float(len(rows))), rewards.sum(), (rewards**2).sum(),
+                    parts.kl_sum.cpu(), parts.clipped.cpu(), parts.clip_count.cpu(), mask.sum().float().cpu(),
+                    (entropy * mask).sum().cpu(), torch.tensor(float(failed)),
+                ]
+            )  # fmt: skip
+        self._sums = stats if self._sums is None else self._sums + stats
+        return loss.detach()
+
+    def take_metrics(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        """Means since the last call (summed over ``group``'s ranks when given), then reset."""
+        sums, self._sums = self._sums, None
+        if sums is None:
+            return {}
+        if group is not None:
+            sums = sums.to(torch.float64)
+            dist.all_reduce(sums, group=group)
+        s = dict(zip(_SUMS, sums.tolist(), strict=True))
+        n, tokens = max(s["n"], 1.0), max(s["tokens"], 1.0)
+        mean = s["r"] / n
+        var = max(s["r2"] / n - mean * mean, 0.0) * (n / (n - 1) if n > 1 else 1.0)
+        return {
+            "rl/reward_mean": mean,
+            "rl/reward_std": math.sqrt(var),
+            "rl/kl": s["kl"] / tokens,
+            "rl/clip_fraction": s["clipped"] / max(s["clip_n"], 1.0),
+            "rl/entropy": s["entropy"] / tokens,
+            "rl/response_length": s["tokens"] / n,
+            "rl/failed_rewards": s["failed"],
+        }
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        batches: Iterable[PromptBatch],
+        precision: PrecisionPolicy,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, float]:
+        """``val_reward``: the mean reward of greedy completions of ``batches``' prompts; ``val_loss`` its
+        negative (lower is better, as for the other objectives); ``val_failed_rewards`` a count."""
+        total = torch.zeros(3, dtype=torch.float64)
+        for batch in batches:
+            _, completions = self.sample(batch, greedy=True)
+            rewards, failed = self.rewards(batch, completions, 1)
+            total += torch.tensor(
+                [float(rewards.sum()), float(len(rewards)), float(failed)], dtype=torch.float64
+            )
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        reward = float(total[0] / max(float(total[1]), 1.0))
+        return {"val_loss": -reward, "val_reward": reward, "val_failed_rewards": float(total[2])}
