@@ -805,6 +805,27 @@ class PostTrainConfig(_Section):
     system_prompt: str | None = Field(None, description="a system turn put before records that have none")
 
 
+class LoraConfig(_Section):
+    rank: int = Field(
+        0,
+        ge=0,
+        description="adapter rank r; 0: no LoRA (every parameter trains). lmforge sft/dpo --lora.rank=8",
+    )
+    alpha: float = Field(16.0, gt=0, description="the adapters' output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input (training only)")
+    targets: str = Field(
+        "q_proj,v_proj",
+        description="the linear layers that get adapters: comma-separated names (a layer matches by its "
+        "last name, or by a dotted suffix such as attn.q_proj), or all-linear (every linear layer of the "
+        "blocks, not the output head)",
+    )
+    quantize: Literal["none", "nf4"] = Field(
+        "none",
+        description="QLoRA: nf4 keeps the frozen weights of the target layers in torchao's 4-bit NF4 "
+        "(one process; the adapters stay in full precision)",
+    )
+
+
 class Config(_Section):
     """A training recipe. Each field is a section (``[model]``, ...); a section's settings that belong to
     one choice (a schedule, an optimizer, a clipping mode) sit in a sub-table named after the choice."""
@@ -846,6 +867,10 @@ class Config(_Section):
     )
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="the preference loss of lmforge dpo")
     rl: RLConfig = Field(default_factory=RLConfig, description="sampling, reward and loss of lmforge rl")
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig,
+        description="LoRA / QLoRA adapters: the model frozen, low-rank updates of chosen linear layers train",
+    )
 
 
 # What a fine-tuning run changes from lmforge's (pretraining) defaults; a recipe and flags override them.

@@ -12,6 +12,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", help="run folder")
     p.add_argument("--out", help="output folder (default: RUN/hf)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    p.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run as a PEFT adapter folder (default RUN/hf-adapter, its base in base/) instead of "
+        "merged weights",
+    )
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(
@@ -29,7 +35,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
     from lmforge.hf.export import export_run
 
-    print(f"exported to {export_run(args.run, args.out, args.step)}")
+    print(f"exported to {export_run(args.run, args.out, args.step, args.adapter)}")
     return 0
 
 

@@ -16,10 +16,14 @@ import torch
 
 from lmforge.config import ModelConfig
 from lmforge.data.tokenizer import Tokenizer
+from lmforge.errors import UserError
 from lmforge.evaluate.run_loading import pick_checkpoint
 from lmforge.hf import glm4_moe, gpt2, llama, mixtral, qwen2_moe
 from lmforge.hf.files import write_json, write_tokenizer, write_weights
 from lmforge.hf.moe import pick_class
+from lmforge.hf.peft import adapter_files, hf_names
+from lmforge.model.lora import dense_base, merged_state
+from lmforge.model.transformer import Transformer
 from lmforge.posttrain.template import ChatTemplate, read_template
 from lmforge.recipe import load_saved_config
 from lmforge.train.checkpoint import load_checkpoint
@@ -66,13 +70,39 @@ def write_folder(
     return out
 
 
-def export_run(run_dir: str | Path, out: str | Path | None = None, step: int | None = None) -> Path:
-    """Write the Hugging Face folder of ``run_dir``'s checkpoint ``step`` to ``out`` (default RUN/hf)."""
+def export_run(
+    run_dir: str | Path, out: str | Path | None = None, step: int | None = None, adapter: bool = False
+) -> Path:
+    """Write the Hugging Face folder of ``run_dir``'s checkpoint ``step`` to ``out`` (default RUN/hf). A LoRA
+    run (``lora.rank > 0``) exports its merged weights ``W + (alpha / r) B A``, or with ``adapter`` a PEFT
+    adapter folder (default RUN/hf-adapter) with the base in its ``base/`` (``hf/peft.py``)."""
     run_dir = Path(run_dir)
     ckpt = pick_checkpoint(run_dir, step)
     cfg = load_saved_config(ckpt / "config.toml")
     tok = Tokenizer(run_dir / "tokenizer.json")
-    arch_map(cfg.model).config_to_hf(cfg.model, tok.vocab_size, cfg.data.seq_len, tok.eot_id)  # refuse early
-    state = load_checkpoint(ckpt)
-    out = Path(out) if out is not None else run_dir / "hf"
-    return write_folder(out, cfg.model, state["model"], tok, cfg.data.seq_len, read_template(run_dir))
+    arch = arch_map(cfg.model)
+    arch.config_to_hf(cfg.model, tok.vocab_size, cfg.data.seq_len, tok.eot_id)  # refuse early
+    if adapter and not cfg.lora.rank:
+        raise UserError(
+            f"--adapter: {run_dir} is not a LoRA run (lora.rank = 0); export it without --adapter"
+        )
+    with torch.device("meta"):
+        shapes = {
+            k: v.shape
+            for k, v in Transformer(cfg.model, tok.vocab_size, cfg.data.seq_len).state_dict().items()
+        }
+    if adapter:
+        hf_names(arch, cfg, list(shapes))  # refused before anything is written
+    state = load_checkpoint(ckpt)["model"]
+    template = read_template(run_dir)
+    if not cfg.lora.rank:
+        out = Path(out) if out is not None else run_dir / "hf"
+        return write_folder(out, cfg.model, state, tok, cfg.data.seq_len, template)
+    if not adapter:
+        out = Path(out) if out is not None else run_dir / "hf"
+        return write_folder(
+            out, cfg.model, merged_state(state, cfg.lora, shapes), tok, cfg.data.seq_len, template
+        )
+    out = Path(out) if out is not None else run_dir / "hf-adapter"
+    base = write_folder(out / "base", cfg.model, dense_base(state, shapes), tok, cfg.data.seq_len, template)
+    return adapter_files(out, arch, cfg, state, list(shapes), base)

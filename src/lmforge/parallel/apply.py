@@ -1,7 +1,7 @@
 """The model transformations of a run, applied from outside the model in one fixed order.
 
-    convert -> tensor parallel -> expert parallel -> activation checkpointing -> compile
-            -> data-parallel sharding -> materialize
+    lora -> convert -> tensor parallel -> expert parallel -> activation checkpointing -> compile
+         -> data-parallel sharding -> materialize
 
 Each stage is a function ``(module, model, ctx) -> module`` (``module``: what the training step will call,
 transformed so far; ``model``: the plain network inside it) and :data:`STAGES` lists them in that order;
@@ -9,6 +9,13 @@ this is the only place the order is written. The model arrives on the meta devic
 every stage but the last only rearranges it, and the last gives this rank's shards their storage and
 values. The order is forced by what each stage needs to see:
 
+0. ``lora`` (``[lora]``, ``lmforge/model/lora.py``) turns the target linear layers into LoRA layers
+   (adapters ``lora_A`` / ``lora_B`` added, parameter names of the base unchanged) and freezes every
+   other parameter. It comes first because it changes what the later stages see: which modules exist
+   (compile traces and FSDP2 wraps the adapted layers), which parameters there are (FSDP2 shards the
+   adapters with their block; the materialize stage initialises them) and which train (DDP and FSDP2
+   register gradient hooks and reduce only for parameters that require grad, so freezing must precede
+   them). QLoRA's quantisation of the frozen weights needs their values, so it happens in ``materialize``.
 1. ``convert`` swaps module types (FP8 linear layers, lmforge/precision): every later stage must see the
    final modules, and tensor parallelism must shard the converted weights.
 2. ``tensor_parallel`` (``parallelize_module``) shards the weights of each block across the TP mesh;
@@ -57,7 +64,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lmforge.config import TrainConfig, check_activation_checkpointing
+from lmforge.config import LoraConfig, TrainConfig, check_activation_checkpointing
+from lmforge.model.lora import adapter_plan, apply_lora, quantize_base
 from lmforge.model.moe import expert_params
 from lmforge.parallel.data_parallel import apply_ddp, apply_fsdp
 from lmforge.parallel.layout import SINGLE, Layout
@@ -77,6 +85,7 @@ class ApplyContext:
     layout: Layout = SINGLE
     compute_dtype: torch.dtype = torch.float32
     init: Init | None = None
+    lora: LoraConfig | None = None
 
 
 def can_compile(enabled: bool, device: torch.device) -> bool:
@@ -87,6 +96,16 @@ def can_compile(enabled: bool, device: torch.device) -> bool:
         log.warning("train.compile: no C++ compiler found, running eager (install g++ to compile on CPU)")
         return False
     return True
+
+
+def lora(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
+    """``lora.rank > 0``: adapters on the target layers, the rest frozen (``lmforge/model/lora.py``); else
+    unchanged."""
+    if ctx.lora is None or ctx.lora.rank == 0:
+        return module
+    names = apply_lora(model, ctx.lora)
+    log.info("lora: rank %d on %d layers (%s), the rest frozen", ctx.lora.rank, len(names), ctx.lora.targets)
+    return module
 
 
 def convert(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
@@ -270,13 +289,16 @@ def materialize(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Mo
     """Storage and values for this rank's part of every parameter (``lmforge/parallel/materialize.py``:
     the single-process initialisation from ``train.seed``, one whole parameter at a time); a module
     already materialised passes through. Tensor parallelism's gradient-layout hooks are registered here,
-    on the real parameters (tensor hooks do not survive ``to_empty``)."""
+    on the real parameters (tensor hooks do not survive ``to_empty``). LoRA's adapters are initialised
+    after the whole base (``model/lora.py::adapter_plan``); QLoRA's frozen weights are then quantised."""
     if ctx.init is None or not is_meta(module):
         return module
-    init = ctx.init
+    init = dataclasses.replace(ctx.init, plan=ctx.init.plan + tuple(adapter_plan(model)))
     if ctx.layout.offload:  # FSDP2's CPU offload: the shards live in host memory from the start
         init = dataclasses.replace(init, storage=torch.device("cpu"))
     materialize_model(module, model, init)
+    if ctx.lora is not None and ctx.lora.rank and ctx.lora.quantize == "nf4":
+        quantize_base(model)
     if ctx.layout.degrees["tp"] > 1:
         from lmforge.parallel.tensor import register_grad_layout_hooks
 
@@ -285,6 +307,7 @@ def materialize(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Mo
 
 
 STAGES: tuple[tuple[str, Callable[[nn.Module, ApplyContext], nn.Module]], ...] = (
+    ("lora", lora),
     ("convert", convert),
     ("tensor_parallel", tensor_parallel),
     ("expert_parallel", expert_parallel),

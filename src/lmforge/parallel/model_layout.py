@@ -4,17 +4,53 @@ schedule's limits) and tensor-parallel shards (heads, widths), checked before an
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from lmforge.config import Config
 from lmforge.errors import ConfigError
+from lmforge.model.lora import target_names
 from lmforge.model.moe import check_moe
+from lmforge.model.transformer import Transformer
 from lmforge.parallel.pipeline import check_pipeline, pipeline_settings
 from lmforge.parallel.tensor import check_tensor_parallel
 
 
+def check_lora(cfg: Config) -> None:
+    """``[lora]``: its targets must name linear layers of the model (a meta model is built to look), and
+    the adapters run where they are supported: not with tensor or pipeline parallelism, FP8 or (QLoRA)
+    more than one process."""
+    lora, p = cfg.lora, cfg.parallel
+    if lora.rank == 0:
+        return
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.data.vocab_size or 256, cfg.data.seq_len)
+    if not target_names(model, lora.targets):
+        linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ConfigError(
+            f"lora.targets: {lora.targets!r} names no linear layer of the model; use all-linear or names "
+            f"among {','.join(x for x in linears if x != 'lm_head')}"
+        )
+    refusals = (
+        (p.tp > 1, "parallel.tp", "tensor parallelism would shard the adapters as their base layer"),
+        (p.pp > 1, "parallel.pp", "pipeline stages are not adapted"),
+        (cfg.train.precision == "fp8", "train.precision", "fp8 converts the linear layers LoRA adapts"),
+        (
+            lora.quantize == "nf4" and p.pp * p.dp_replicate * p.dp_shard * p.tp > 1,
+            "lora.quantize",
+            "nf4 (QLoRA) runs in one process; use lora.quantize = none under torchrun",
+        ),
+    )
+    for refused, key, why in refusals:
+        if refused:
+            raise ConfigError(f"{key}: not with lora.rank > 0 ({why})")
+
+
 def check_model_layout(cfg: Config) -> None:
     """The model and batch must divide as the layout cuts them (pipeline stages, tensor-parallel shards);
-    MoE layers only where they are supported (``model/moe.py::check_moe``)."""
+    MoE layers only where they are supported (``model/moe.py::check_moe``); LoRA (:func:`check_lora`)."""
     check_moe(cfg)
+    check_lora(cfg)
     p = cfg.parallel
     if p.pp > 1:
         microbatches, v = pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)

@@ -38,6 +38,7 @@ import torch
 from lmforge.config import POSTTRAIN_DEFAULTS, Config, ParallelConfig
 from lmforge.errors import UserError
 from lmforge.evaluate.run_loading import pick_checkpoint
+from lmforge.model.lora import is_adapter_key
 from lmforge.posttrain.template import SPECIAL_TOKENS, add_chat_tokens, write_template_file
 from lmforge.posttrain.vocab import grow_vocab
 from lmforge.recipe import load_config, load_saved_config
@@ -122,8 +123,12 @@ def start(
     write_template_file(run_dir)
     state = grow_vocab(load_checkpoint(ckpt)["model"], tok.vocab_size)
     run = build_run(here, run_dir=run_dir)
-    with torch.no_grad():
-        run.model.load_state_dict({k: v.to(run.device) for k, v in state.items()})
+    with torch.no_grad():  # a LoRA run keeps its adapters' initial values (model/lora.py: B = 0)
+        missing, unexpected = run.model.load_state_dict(
+            {k: v.to(run.device) for k, v in state.items()}, False
+        )
+    if unexpected or any(not is_adapter_key(k) for k in missing):
+        raise RuntimeError(f"--from: the checkpoint does not fit the model: {missing[:3]} {unexpected[:3]}")
     if kind in ("dpo", "rl"):
         write_reference(run, run_dir)
     added = ", ".join(SPECIAL_TOKENS)

@@ -21,6 +21,7 @@ import torch
 from lmforge.config import Config
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import ConfigError, DataError
+from lmforge.model.lora import dense_base
 from lmforge.posttrain.dpo import DPOObjective, SequenceLogps, check_dpo
 from lmforge.posttrain.dpo_data import PairLoader, pair_eval_batches, reference_logps, tokenize_pairs
 from lmforge.posttrain.records import BadRecord, Turn, read_examples, read_pairs
@@ -221,7 +222,9 @@ def dpo_objective(
     reference = None
     if cfg.dpo.reference == "model" and run_dir is not None and (run_dir / REFERENCE_MODEL).is_file():
         frozen = new_model()
-        frozen.load_state_dict(torch.load(run_dir / REFERENCE_MODEL, map_location="cpu", weights_only=True))
+        saved = torch.load(run_dir / REFERENCE_MODEL, map_location="cpu", weights_only=True)
+        shapes = {k: v.shape for k, v in frozen.state_dict().items()}
+        frozen.load_state_dict(dense_base(saved, shapes))  # a LoRA run's start: the base, adapters dropped
         reference = SequenceLogps(frozen, cfg.train.loss_chunk)
     return DPOObjective.from_config(policy, cfg.dpo, reference, eval_policy)
 

@@ -119,6 +119,19 @@ def _peak_tracker():
                 del self.memory_tracking[module]  # the parameters' gradient hooks stay (installed once)
             super()._pre_fw_hook(module, inputs)
 
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            # torch's tracker hooks every parameter's gradient, which a frozen one (LoRA's base) refuses:
+            # a placeholder handle makes it skip them, removed again before the tracker's own cleanup
+            frozen = [p for p in module.parameters() if not p.requires_grad]
+            for p in frozen:
+                self._param_to_grad_hook_handles.setdefault(p, "frozen")
+            try:
+                return super()._track_module_params_and_buffers(module, install_grad_hooks)
+            finally:
+                for p in frozen:
+                    if self._param_to_grad_hook_handles.get(p) == "frozen":
+                        del self._param_to_grad_hook_handles[p]
+
     return PeakTracker()
 
 

@@ -45,7 +45,7 @@ from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper
 from lmforge.optim.grad_transforms import GradTransforms
 from lmforge.optim.schedules import Schedule
-from lmforge.parallel.apply import ApplyContext, apply, can_compile
+from lmforge.parallel.apply import ApplyContext, apply, can_compile, lora, materialize
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.parallel.layout import SINGLE, Layout, check_layout, init_layout, launch_env
 from lmforge.parallel.materialize import Init
@@ -114,13 +114,23 @@ def validate(cfg: Config) -> torch.device:
     return device
 
 
-def build_model(cfg: Config, vocab_size: int, device: torch.device, init: bool = True) -> Transformer:
+def build_model(
+    cfg: Config, vocab_size: int, device: torch.device, init: bool = True, adapters: bool = True
+) -> Transformer:
     """The plain model of ``cfg``: built on the meta device (no memory, no init work), materialised on
-    ``device``, then initialised from ``train.seed`` (``init=False``: left for a checkpoint to fill)."""
+    ``device``, then initialised from ``train.seed`` (``init=False``: left for a checkpoint to fill). A
+    LoRA run's model has its adapters (``adapters=False``: the base alone, e.g. DPO's reference)."""
     with torch.device("meta"):
         model = Transformer(
             cfg.model, vocab_size, cfg.data.seq_len, cfg.train.attention, cfg.train.moe_kernel
         )
+    if adapters and cfg.lora.rank:
+        seed = cfg.train.seed if init else None
+        ctx = ApplyContext(
+            cfg.train, device, lora=cfg.lora, init=Init(device, tuple(model.init_plan()), seed)
+        )
+        seed_all(cfg.train.seed)
+        return materialize(lora(model, model, ctx), model, ctx)
     model.materialize(device)
     if init:
         seed_all(cfg.train.seed)
@@ -143,7 +153,8 @@ def training_module(
     with torch.device("meta"):
         model = Transformer(cfg.model, vocab_size, cfg.data.seq_len, t.attention, t.moe_kernel)
     seed_all(t.seed)  # Python's and numpy's generators as one process's build leaves them
-    ctx = ApplyContext(t, device, layout, compute_dtype, Init(device, tuple(model.init_plan()), t.seed))
+    init = Init(device, tuple(model.init_plan()), t.seed)
+    ctx = ApplyContext(t, device, layout, compute_dtype, init, cfg.lora)
     loss = {"dpo": SequenceLogps, "rl": TokenLogps}.get(t.objective, NextTokenLoss)
     train_fn = apply(loss(model, t.loss_chunk), model, ctx)
     # evaluation eager where training is compiled (too rare to pay for a second graph); FSDP2's root
@@ -158,7 +169,7 @@ def training_module(
     whole = layout.degrees["tp"] == 1
     if t.objective not in ("dpo", "rl"):
         return LanguageModelModule(model, train_fn, eval_fn, sync, whole)
-    fresh = lambda: build_model(cfg, vocab_size, device, init=False)  # noqa: E731
+    fresh = lambda: build_model(cfg, vocab_size, device, init=False, adapters=False)  # noqa: E731
     if t.objective == "rl":
         group = layout.group("dp") if layout.dp > 1 else None
         return RLModule(model, rl_objective(cfg, train_fn, model, fresh, run_dir), sync, group)

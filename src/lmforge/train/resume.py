@@ -43,6 +43,7 @@ FIXED: dict[str, str] = {
     "data.": "the token stream (inputs, tokenizer, split, sequence length, mixture)",
     "train.seed": "the data order and random state",
     "optim.name": "the kind of optimizer state in the checkpoint",
+    "lora.": "which parameters exist and train (adapters, their rank, the quantised base)",
 }
 MOVABLE = {"data.cache_dir"}  # where prepared data lives, not what it is
 
