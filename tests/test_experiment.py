@@ -21,7 +21,7 @@ SEEDS = (1337, 1338)
 
 
 def toy_recipe(corpus_dir: Path, root: Path) -> Path:
-    """The tests' tiny model on the tiny corpus: 5 steps, evaluated at 2, 4 and 5, checkpoints at 2 and 4."""
+    """The tests' tiny model on the tiny corpus: 5 steps, evaluated at 2, 4 and 5, checkpoints at 4 and 5."""
     recipe = root / "toy.toml"
     recipe.write_text(
         f"""[data]
@@ -42,8 +42,8 @@ micro_batch_size = 4
 precision = "fp32"
 compile = false
 eval_interval = 2
-eval_tokens = 512
-checkpoint_interval = 2
+eval_tokens = 256
+checkpoint_interval = 4
 keep_checkpoints = 3
 log_interval = 1
 sample_tokens = 0
@@ -155,17 +155,17 @@ def test_resume_skips_finished_runs_and_continues_a_killed_one(toy, capsys, cli_
     code, stdout, _ = run_cli(experiment(recipe, out), capsys)
     assert code == 0 and "0 runs trained, 4 finished before" in stdout
     assert {k: p.stat().st_mtime_ns for k, p in paths.items()} == before
-    # arm 2, seed 2 killed after its step-4 checkpoint; arm 1, seed 2 before its first
+    # arm 2, seed 2 killed after its step-4 checkpoint (its step-5 one gone); arm 1, seed 2 before its first
     killed = paths[(ARMS[1], SEEDS[1])].parent
     (killed / "summary.json").unlink()
     shutil.rmtree(killed / "checkpoints" / "step_00000005")
-    kept = (killed / "checkpoints" / "step_00000002").stat().st_mtime_ns
+    kept = (killed / "checkpoints" / "step_00000004").stat().st_mtime_ns
     fresh = paths[(ARMS[0], SEEDS[1])].parent
     shutil.rmtree(fresh / "checkpoints")
     (fresh / "summary.json").unlink()
     code, stdout, _ = run_cli(experiment(recipe, out), capsys)
     assert code == 0 and "2 runs trained, 2 finished before" in stdout
-    assert (killed / "checkpoints" / "step_00000002").stat().st_mtime_ns == kept  # continued, not redone
+    assert (killed / "checkpoints" / "step_00000004").stat().st_mtime_ns == kept  # continued, not redone
     assert (killed / "summary.json").is_file() and (fresh / "summary.json").is_file()
     for key in [(ARMS[0], SEEDS[0]), (ARMS[1], SEEDS[0])]:
         assert paths[key].stat().st_mtime_ns == before[key]
