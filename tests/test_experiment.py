@@ -235,3 +235,21 @@ def test_steps_to_target_interpolates_between_evaluations():
     assert steps_to_reach(curve, 5.5) == 3.0
     assert steps_to_reach(curve, 6.5) == 2.0
     assert steps_to_reach(curve, 3.0) is None
+
+
+def test_chart_draws_each_arms_mean_and_spread(tmp_path):
+    from lmforge.report.charts import experiment_chart
+
+    curves = {
+        "a": [[(2, 6.0), (4, 5.0)], [(2, 6.2), (4, 5.4)]],
+        "b": [[(2, 6.1), (4, 4.0)], [(2, 5.9), (4, 4.2)]],
+    }
+    fig = experiment_chart(curves, {"a": [5.0, 5.4], "b": [4.0, 4.2]}, tmp_path / "e.png", "toy")
+    left, right = fig.axes
+    means = {line.get_label(): list(line.get_ydata()) for line in left.get_lines()}
+    assert means["a (n=2)"] == pytest.approx([6.1, 5.2]) and means["b (n=2)"] == pytest.approx([6.0, 4.1])
+    band = left.collections[0].get_paths()[0].vertices[:, 1]  # mean +- sd; lowest at step 4
+    assert min(band) == pytest.approx(5.2 - statistics.stdev([5.0, 5.4]))
+    bars = list(right.containers)  # one error bar per arm: the mean of its final losses
+    assert [float(b.lines[0].get_ydata()[0]) for b in bars] == pytest.approx([5.2, 4.1])
+    assert (tmp_path / "e.png").stat().st_size > 0

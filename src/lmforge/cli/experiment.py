@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 
+from lmforge.cli.train import SIGNALS
 from lmforge.recipe import parse_overrides
 
 
@@ -62,8 +64,11 @@ def cmd_experiment(args: argparse.Namespace, extra: list[str]) -> int:
     records = run_experiment(plan)
     ran = sum(r.status != "skipped" for r in records)
     if records and records[-1].status == "stopped":
-        print(f"stopped during {records[-1].run_dir}; run the same command to continue")
-        return 130
+        last = records[-1]
+        print(
+            f"stopped during {last.run_dir} ({last.reason or 'requested'}); run the same command to continue"
+        )
+        return 128 + signal.Signals[last.reason].value if last.reason in SIGNALS else 0
     print(f"{ran} runs trained, {len(records) - ran} finished before")
     res = write_results(plan, command_line(args, extra))
     for metric, body in res["metrics"].items():

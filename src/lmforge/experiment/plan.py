@@ -136,8 +136,9 @@ def make_plan(
     base = load_config(recipe, overrides)
     first = base.train.seed
     default_out = Path("experiments") / "-".join([Path(recipe).stem if recipe else "defaults", *vary])
-    plan = Plan(recipe, overrides, vary, [first + i for i in range(seeds)], list(metrics or METRICS), target,
-                Path(out) if out else default_out, arms)  # fmt: skip
+    seed_list = [first + i for i in range(seeds)]
+    out_dir = Path(out) if out else default_out
+    plan = Plan(recipe, overrides, vary, seed_list, list(metrics or METRICS), target, out_dir, arms)
     for arm in arms:
         try:
             validate(plan.config(arm, first))

@@ -23,13 +23,14 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RunRecord:
     """One run of the experiment as this call met it: ``status`` is ``ran``, ``resumed``, ``skipped``
-    (finished before) or ``stopped`` (a signal: the experiment stops after it)."""
+    (finished before) or ``stopped`` (by a signal, named in ``reason``: the experiment stops after it)."""
 
     arm: str
     seed: int
     run_dir: Path
     status: str
     seconds: float
+    reason: str | None = None
 
 
 def write_plan(plan: Plan) -> None:
@@ -71,7 +72,8 @@ def run_experiment(plan: Plan) -> list[RunRecord]:
         t0 = time.perf_counter()
         summary = train(cfg, run_dir, resume=resume, progress_bar=False)
         status = "stopped" if summary.get("stopped") else "resumed" if resume else "ran"
-        records.append(RunRecord(arm.label, seed, run_dir, status, time.perf_counter() - t0))
+        elapsed = time.perf_counter() - t0
+        records.append(RunRecord(arm.label, seed, run_dir, status, elapsed, summary.get("reason")))
         if status == "stopped":
             break
     return records
