@@ -36,28 +36,13 @@ from pathlib import Path
 import torch
 
 from lmforge.config import Config, ModelConfig, OptimConfig
+from lmforge.experiment.results import steps_to_reach
 from lmforge.model.loss import NextTokenLoss
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.state_size import state_bytes_per_param
 from lmforge.recipe import load_config, parse_overrides
 from lmforge.train.build import build_model
 from lmforge.train.launch import train
-
-
-def steps_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
-    """First step at which the piecewise-linear curve through ``(step, loss)`` falls to ``target``.
-
-    ``None`` when it never does; the first evaluated step when the curve starts at or below ``target``.
-    """
-    prev: tuple[int, float] | None = None
-    for step, loss in curve:
-        if loss <= target:
-            if prev is None:
-                return float(step)
-            s0, l0 = prev
-            return s0 + (l0 - target) / (l0 - loss) * (step - s0)
-        prev = (step, loss)
-    return None
 
 
 def val_curve(run_dir: Path) -> list[tuple[int, float]]:

@@ -47,9 +47,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     ("train",),  # the loop
     ("evaluate", "report"),  # run folders read back: scored, loaded, drawn
-    # short real runs through the one build path, runs started from runs, and the planner's request (which
-    # measures a CPU's peak FLOP/s as a run's MFU does)
-    ("probes", "posttrain.finetune", "hf", "plan.request"),
+    # short real runs through the one build path, runs started from runs, experiments (arms x seeds of
+    # ordinary runs, read back), and the planner's request (which measures a CPU's peak FLOP/s as a run's
+    # MFU does)
+    ("probes", "posttrain.finetune", "hf", "experiment", "plan.request"),
     ("web",),
     ("cli",),
     ("__main__",),  # python -m lmforge

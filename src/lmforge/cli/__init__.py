@@ -12,12 +12,24 @@ import logging
 import signal
 import sys
 
-from lmforge.cli import data, evaluate, hf, plan, posttrain, probes, report, tokenizers, train, web
+from lmforge.cli import (
+    data,
+    evaluate,
+    experiment,
+    hf,
+    plan,
+    posttrain,
+    probes,
+    report,
+    tokenizers,
+    train,
+    web,
+)
 from lmforge.cli.common import rank
 from lmforge.errors import Interrupted, UserError
 
 # in the order ``lmforge --help`` lists them
-GROUPS = (train, data, posttrain, evaluate, report, web, hf, probes, plan, tokenizers)
+GROUPS = (train, data, posttrain, evaluate, report, experiment, web, hf, probes, plan, tokenizers)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -188,3 +189,42 @@ def estimate_chart(result: Any, path: Path, gpus: int, margin: float, weights: s
     )
     labelled = [(label.replace(", ", "\n"), rows) for label, rows in bars]
     return memory_chart(labelled, hw.memory_bytes, margin, Path(path), title)
+
+
+def experiment_chart(
+    curves: dict[str, list[list[tuple[int, float]]]],
+    finals: dict[str, list[float]],
+    path: Path,
+    title: str,
+) -> Figure:
+    """``lmforge experiment``'s figure. Left: each arm's validation loss against the step, the mean over
+    its seeds (at the steps every seed evaluated) with a band of +- one sample standard deviation. Right:
+    each arm's validation losses at equal tokens, one point per seed, and the mean with +- sd error bars."""
+    fig = Figure(figsize=(11, 4))
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    colors = [f"C{i % 10}" for i in range(len(curves))]
+    for (label, runs), color in zip(curves.items(), colors, strict=True):
+        common = sorted(set.intersection(*(set(s for s, _ in c) for c in runs))) if runs else []
+        ys = np.array([[dict(c)[s] for s in common] for c in runs])
+        if not common:
+            continue
+        mid = ys.mean(axis=0)
+        sd = ys.std(axis=0, ddof=1) if len(runs) > 1 else np.zeros_like(mid)
+        left.plot(common, mid, color=color, label=f"{label} (n={len(runs)})")
+        left.fill_between(common, mid - sd, mid + sd, color=color, alpha=0.2, linewidth=0)
+    left.set_xlabel("step")
+    left.set_ylabel("validation loss (mean +- sd over seeds)")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=7)
+    for i, (values, color) in enumerate(zip(finals.values(), colors, strict=True)):
+        right.scatter([i] * len(values), values, color=color, alpha=0.6, s=18)
+        if values:
+            sd = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+            right.errorbar([i + 0.15], [float(np.mean(values))], yerr=[sd], fmt="o", color=color, capsize=5)
+    right.set_xticks(range(len(finals)))
+    right.set_xticklabels(list(finals), rotation=15, fontsize=7, ha="right")
+    right.set_ylabel("validation loss at equal tokens")
+    right.grid(alpha=0.3, axis="y")
+    fig.suptitle(title, fontsize=10)
+    _save(fig, path)
+    return fig
