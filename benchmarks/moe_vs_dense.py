@@ -16,7 +16,8 @@ Each seed (``train.seed``: initialisation and data order) trains both models, de
 that the machine's load falls on both alike. Printed: each run's final validation loss (the same held-out
 tokens for all) and training wall time; then per model the mean and the sample standard deviation over
 seeds, the MoE-minus-dense difference of each seed with its mean and spread, and the wall-time ratio
-MoE / dense measured in this run. The last line printed is one JSON object.
+MoE / dense measured in this run, and a two-sided Welch t-test of the two models' final validation losses
+(``lmforge.experiment.stats.welch_test``). The last line printed is one JSON object.
 
     python benchmarks/moe_vs_dense.py [--seeds 1,2,3] [--steps 300] [--SECTION.KEY=VALUE ...]
 
@@ -34,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lmforge.experiment.stats import welch_test
 from lmforge.recipe import load_config, parse_overrides
 from lmforge.train.launch import train
 
@@ -134,13 +136,20 @@ def main() -> None:
             "parameters": params,
         }
     diffs = [runs["moe"][seed]["val_loss"] - runs["dense"][seed]["val_loss"] for seed in seeds]
+    welch = welch_test(
+        [runs["dense"][s]["val_loss"] for s in seeds], [runs["moe"][s]["val_loss"] for s in seeds]
+    )
     d_mean, d_sd = spread(diffs)
     ratio = out["moe"]["wall_s_mean"] / out["dense"]["wall_s_mean"]
     print(
         f"moe - dense val_loss per seed: {', '.join(f'{d:+.4f}' for d in diffs)}; mean {d_mean:+.4f} +- {d_sd:.4f}"
     )
+    p = "n/a (fewer than 2 seeds)" if welch.p is None else f"{welch.p:.3g}"
+    print(f"Welch's t-test, moe against dense val_loss: p = {p}")
     print(f"wall time moe / dense: {ratio:.2f}x (measured in this run, same machine and load)")
-    out.update({"diff_mean": d_mean, "diff_sd": d_sd, "diffs": diffs, "wall_ratio": ratio})
+    out.update(
+        {"diff_mean": d_mean, "diff_sd": d_sd, "diffs": diffs, "welch_p": welch.p, "wall_ratio": ratio}
+    )
     print(json.dumps(out))
 
 
