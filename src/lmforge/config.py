@@ -333,10 +333,11 @@ class TrainConfig(_Section):
         False, description="write checkpoints in the background while training goes on (DCP async save)"
     )
     log_interval: int = Field(10, ge=1, description="steps between metrics lines")
-    objective: Literal["lm", "sft", "dpo"] = Field(
+    objective: Literal["lm", "sft", "dpo", "reward"] = Field(
         "lm",
         description="lm: next-token loss on data.sources; sft: response-token loss on [posttrain] records; "
-        "dpo: preference loss on [posttrain] pairs with [dpo]'s settings (set by lmforge sft / dpo)",
+        "dpo: preference loss on [posttrain] pairs with [dpo]'s settings; reward: a scalar reward head "
+        "trained on [posttrain] pairs with [reward]'s settings (set by lmforge sft / dpo / reward)",
     )
     early_stop_patience: int = Field(
         0,
@@ -707,6 +708,14 @@ class DPOConfig(_Section):
     )
 
 
+class RewardConfig(_Section):
+    margin: float = Field(
+        0.0,
+        description="the margin m of the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - m) for "
+        "pairs whose record has no margin field (0: the plain loss)",
+    )
+
+
 class PostTrainConfig(_Section):
     train_files: list[str] = Field(
         default_factory=list,
@@ -767,6 +776,9 @@ class Config(_Section):
         description="records of lmforge sft and dpo: files, packing, over-length examples",
     )
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="the preference loss of lmforge dpo")
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig, description="the reward model of lmforge reward: its loss's margin"
+    )
 
 
 # What a fine-tuning run changes from lmforge's (pretraining) defaults; a recipe and flags override them.
@@ -787,5 +799,15 @@ POSTTRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
         "train.eval_interval": 50,
         "train.checkpoint_interval": 100,
         "train.eval_tokens": 1 << 30,
+    },
+    "reward": {
+        "train.steps": 200,
+        "optim.lr": 1e-4,
+        "optim.weight_decay": 0.0,
+        "schedule.warmup": 10,
+        "train.eval_interval": 50,
+        "train.checkpoint_interval": 100,
+        "train.eval_tokens": 1 << 30,
+        "train.sample_tokens": 0,  # a reward model scores; its language-model head is not trained
     },
 }

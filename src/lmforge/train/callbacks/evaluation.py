@@ -87,7 +87,7 @@ class Evaluation(Callback):
         step = trainer.progress.step
         self._last = (step, val_loss)
         record = {"step": step, "val_loss": val_loss, **self._extra}
-        if run.cfg.train.objective != "dpo":  # a DPO loss is no per-token likelihood
+        if run.cfg.train.objective not in ("dpo", "reward"):  # a pair loss is no per-token likelihood
             record["val_ppl"] = perplexity(val_loss)
         trainer.log(record)  # Console shows it
         return val_loss
