@@ -19,6 +19,7 @@ from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.posttrain.dpo import SequenceLogps
+from lmforge.posttrain.reward import RewardObjective, RewardScores
 from lmforge.posttrain.run import (
     REFERENCE_LOGPS,
     dpo_objective,
@@ -30,7 +31,7 @@ from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_saved_config
 from lmforge.train.build import build_model
 from lmforge.train.checkpoint import list_checkpoints, load_checkpoint
-from lmforge.train.modules import DPOModule, LanguageModelModule
+from lmforge.train.modules import DPOModule, LanguageModelModule, RewardModule
 
 
 def load_run(
@@ -95,6 +96,9 @@ def evaluate_posttrain(
     if cfg.train.objective == "sft":
         scorer = NextTokenLoss(model, cfg.train.loss_chunk)
         module = LanguageModelModule(model, scorer, scorer, GradientSync())
+    elif cfg.train.objective == "reward":
+        objective = RewardObjective(RewardScores(model, data.tokenizer.eot_id))
+        module = RewardModule(model, objective, GradientSync())
     else:
         load_reference(cfg, data, run_dir)
         if cfg.dpo.reference == "cached" and data.val_reference is None:
