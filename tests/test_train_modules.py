@@ -21,8 +21,6 @@ from lmforge.parallel.data_parallel import GradientSync
 from lmforge.parallel.pipeline import Pipeline
 from lmforge.posttrain.dpo import DPOObjective, SequenceLogps
 from lmforge.posttrain.dpo_data import reference_logps, stack_pairs, tokenize_pairs
-from lmforge.precision import PrecisionPolicy
-from lmforge.train import modules
 from lmforge.posttrain.reward import (
     RewardModel,
     RewardObjective,
@@ -30,6 +28,8 @@ from lmforge.posttrain.reward import (
     RewardScores,
     stack_reward_pairs,
 )
+from lmforge.precision import PrecisionPolicy
+from lmforge.train import modules
 from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, RewardModule, TrainModule
 from lmforge.train.step import Action, train_step
 from tests.test_dpo import SEQ, render, tiny_model, toy_pairs
