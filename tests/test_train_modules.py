@@ -21,12 +21,26 @@ from lmforge.parallel.data_parallel import GradientSync
 from lmforge.parallel.pipeline import Pipeline
 from lmforge.posttrain.dpo import DPOObjective, SequenceLogps
 from lmforge.posttrain.dpo_data import reference_logps, stack_pairs, tokenize_pairs
+from lmforge.posttrain.reward import (
+    RewardModel,
+    RewardObjective,
+    RewardPair,
+    RewardScores,
+    stack_reward_pairs,
+)
 from lmforge.posttrain.reward_pool import RewardPool
 from lmforge.posttrain.rl import RLObjective, TokenLogps
 from lmforge.posttrain.rl_data import Prompt, stack_prompts
 from lmforge.precision import PrecisionPolicy
 from lmforge.train import modules
-from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, RLModule, TrainModule
+from lmforge.train.modules import (
+    DPOModule,
+    LanguageModelModule,
+    PipelineModule,
+    RewardModule,
+    RLModule,
+    TrainModule,
+)
 from lmforge.train.step import Action, train_step
 from tests.test_dpo import SEQ, render, tiny_model, toy_pairs
 
@@ -48,7 +62,7 @@ def implementations() -> set[type]:
 
 def test_the_protocol_is_what_the_step_and_callbacks_use():
     assert set(PROTOCOL) >= {"micro_batch", "forward_backward", "finish_backward", "evaluate", "state_dict"}
-    assert implementations() == {LanguageModelModule, PipelineModule, DPOModule, RLModule}
+    assert implementations() == {LanguageModelModule, PipelineModule, DPOModule, RLModule, RewardModule}
 
 
 def test_the_step_never_asks_what_it_was_given():
@@ -123,6 +137,26 @@ def test_rl_module_takes_a_step_and_reports_its_metrics():
         assert not module.inspect_forward(batch, FP32)
     finally:
         reward.close()
+
+
+def test_reward_module_takes_a_step_and_reports_its_metrics():
+    torch.manual_seed(0)
+    model = RewardModel(ModelConfig(n_layers=2, d_model=32, n_heads=4), 64, SEQ)
+    pairs, _ = tokenize_pairs(toy_pairs(4), render, SEQ - 1, "skip")
+    scored = [RewardPair(p, 0.0) for p in pairs]
+    module = RewardModule(model, RewardObjective(RewardScores(model, pad_id=0)), GradientSync())
+    _step(module, [stack_reward_pairs(scored[:2], SEQ, 0)])
+    assert set(module.take_metrics()) == {
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+    }
+    assert set(module.evaluate([stack_reward_pairs(scored[2:], SEQ, 0)], FP32)) >= {
+        "val_loss",
+        "val_rewards/accuracies",
+    }
+    assert module.inspect_forward(stack_reward_pairs(scored[:1], SEQ, 0), FP32)
 
 
 def test_pipeline_module_takes_a_step_on_one_rank(tmp_path):

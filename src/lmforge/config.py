@@ -333,11 +333,12 @@ class TrainConfig(_Section):
         False, description="write checkpoints in the background while training goes on (DCP async save)"
     )
     log_interval: int = Field(10, ge=1, description="steps between metrics lines")
-    objective: Literal["lm", "sft", "dpo", "rl"] = Field(
+    objective: Literal["lm", "sft", "dpo", "reward", "rl"] = Field(
         "lm",
         description="lm: next-token loss on data.sources; sft: response-token loss on [posttrain] records; "
-        "dpo: preference loss on [posttrain] pairs with [dpo]'s settings; rl: policy gradient from rewards "
-        "on [posttrain] prompts with [rl]'s settings (set by lmforge sft / dpo / rl)",
+        "dpo: preference loss on [posttrain] pairs with [dpo]'s settings; reward: a scalar reward head "
+        "trained on [posttrain] pairs with [reward]'s settings; rl: policy gradient from rewards on "
+        "[posttrain] prompts with [rl]'s settings (set by lmforge sft / dpo / reward / rl)",
     )
     early_stop_patience: int = Field(
         0,
@@ -785,6 +786,16 @@ class RLConfig(_Section):
     )
 
 
+class RewardConfig(_Section):
+    """The reward model of ``lmforge reward`` (``posttrain/reward.py``, docs/post-training.md)."""
+
+    margin: float = Field(
+        0.0,
+        description="the margin m of the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - m) for "
+        "pairs whose record has no margin field (0: the plain loss)",
+    )
+
+
 class PostTrainConfig(_Section):
     train_files: list[str] = Field(
         default_factory=list,
@@ -871,6 +882,9 @@ class Config(_Section):
         default_factory=LoraConfig,
         description="LoRA / QLoRA adapters: the model frozen, low-rank updates of chosen linear layers train",
     )
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig, description="the reward model of lmforge reward: its loss's margin"
+    )
 
 
 # What a fine-tuning run changes from lmforge's (pretraining) defaults; a recipe and flags override them.
@@ -900,5 +914,15 @@ POSTTRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
         "train.eval_interval": 25,
         "train.checkpoint_interval": 50,
         "train.eval_tokens": 1 << 30,
+    },
+    "reward": {
+        "train.steps": 200,
+        "optim.lr": 1e-4,
+        "optim.weight_decay": 0.0,
+        "schedule.warmup": 10,
+        "train.eval_interval": 50,
+        "train.checkpoint_interval": 100,
+        "train.eval_tokens": 1 << 30,
+        "train.sample_tokens": 0,  # a reward model scores; its language-model head is not trained
     },
 }

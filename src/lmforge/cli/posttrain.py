@@ -1,4 +1,4 @@
-"""``lmforge sft`` / ``lmforge dpo`` / ``lmforge rl``: post-training runs started from another run's checkpoint
+"""``lmforge sft`` / ``dpo`` / ``reward`` / ``rl``: post-training runs started from another run's checkpoint
 (``posttrain/finetune.py``), trained as ``lmforge train`` trains."""
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "sft": "supervised fine-tuning on instruction / chat / prompt-completion records",
         "dpo": "direct preference optimisation on prompt / chosen / rejected pairs",
         "rl": "RL from rewards (GRPO, RLOO) on prompt records, scored by [rl] reward",
+        "reward": "a reward model (scalar head, Bradley-Terry loss) on prompt / chosen / rejected pairs",
     }
     for kind, text in helps.items():
         p = sub.add_parser(
             kind,
             help=text + " (docs/post-training.md)",
             description=f"{text}, from another run's checkpoint (--from) or resumed (--resume). Keys as for "
-            "train: the recipe, then --SECTION.KEY=VALUE ([posttrain] records, [dpo] loss, [rl], train, optim, ...).",
+            "train: the recipe, then --SECTION.KEY=VALUE ([posttrain] records, [dpo] loss, [reward] margin, [rl], train, optim, ...).",
             epilog=f"{kind}'s own defaults (under the recipe and flags): "
             + ", ".join(f"{k}={v}" for k, v in POSTTRAIN_DEFAULTS[kind].items())
             + "; model.* and data.seq_len come from --from",
@@ -42,7 +43,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_posttrain(args: argparse.Namespace, extra: list[str]) -> int:
-    """``lmforge sft`` / ``lmforge dpo``: start a post-training run from --from RUN, or --resume one."""
+    """``lmforge sft`` / ``dpo`` / ``reward``: start a post-training run from --from RUN, or --resume one."""
     from lmforge.posttrain.finetune import open_run
     from lmforge.train.launch import train
 

@@ -19,6 +19,7 @@ from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.posttrain.dpo import SequenceLogps
+from lmforge.posttrain.reward import RewardObjective, RewardScores
 from lmforge.posttrain.rl import TokenLogps
 from lmforge.posttrain.run import (
     REFERENCE_LOGPS,
@@ -32,7 +33,7 @@ from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_saved_config
 from lmforge.train.build import build_model
 from lmforge.train.checkpoint import list_checkpoints, load_checkpoint
-from lmforge.train.modules import DPOModule, LanguageModelModule, RLModule
+from lmforge.train.modules import DPOModule, LanguageModelModule, RewardModule, RLModule
 
 
 def load_run(
@@ -103,6 +104,9 @@ def evaluate_posttrain(
         policy = TokenLogps(model, cfg.train.loss_chunk)
         objective = rl_objective(cfg, policy, model, lambda: copy.deepcopy(model), run_dir)
         module = RLModule(model, objective, GradientSync())
+    elif cfg.train.objective == "reward":
+        objective = RewardObjective(RewardScores(model, data.tokenizer.eot_id))
+        module = RewardModule(model, objective, GradientSync())
     else:
         load_reference(cfg, data, run_dir)
         if cfg.dpo.reference == "cached" and data.val_reference is None:

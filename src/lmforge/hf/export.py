@@ -4,7 +4,8 @@ The checkpoint is read whole into this process (``load_checkpoint``: DCP consoli
 layout, so a run trained under torchrun exports the same way), renamed by the architecture's map
 (``llama.py``, ``gpt2.py``; a mixture of experts: ``mixtral.py``, ``qwen2_moe.py`` or ``glm4_moe.py``, as
 ``moe.py`` picks) and written as ``config.json``, ``generation_config.json``,
-``model.safetensors`` and the tokenizer files. A setting the Hugging Face class cannot express is refused
+``model.safetensors`` and the tokenizer files; a reward model (``train.objective = "reward"``) as a
+sequence-classification checkpoint (``reward.py``). A setting the Hugging Face class cannot express is refused
 before anything is written.
 """
 
@@ -18,7 +19,7 @@ from lmforge.config import ModelConfig
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
 from lmforge.evaluate.run_loading import pick_checkpoint
-from lmforge.hf import glm4_moe, gpt2, llama, mixtral, qwen2_moe
+from lmforge.hf import glm4_moe, gpt2, llama, mixtral, qwen2_moe, reward
 from lmforge.hf.files import write_json, write_tokenizer, write_weights
 from lmforge.hf.moe import pick_class
 from lmforge.hf.peft import adapter_files, hf_names
@@ -53,7 +54,11 @@ def write_folder(
     that ends generation."""
     arch = arch_map(model)
     hf_config = arch.config_to_hf(model, tok.vocab_size, max_len, tok.eot_id)  # refusals before any write
+    if "score.weight" in state:  # a reward model (no lm_head): the causal LM's names for the rest
+        state = {**state, "lm_head.weight": state.get("lm_head.weight", state["embed.weight"])}
     tensors = arch.state_to_hf(state, model)
+    if "score.weight" in state:
+        hf_config, tensors = reward.sequence_classification(hf_config, tensors, state, tok.eot_id)
     hf_config["dtype"] = str(tensors[next(iter(tensors))].dtype).removeprefix("torch.")
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", hf_config)

@@ -1,4 +1,4 @@
-"""``lmforge sft`` / ``lmforge dpo [RECIPE] --from RUN --run-dir OUT``: a post-training run that
+"""``lmforge sft`` / ``dpo`` / ``reward [RECIPE] --from RUN --run-dir OUT``: a post-training run that
 starts from another run's checkpoint.
 
 Starting it (one process, before any training):
@@ -12,7 +12,8 @@ Starting it (one process, before any training):
    with mean rows (``posttrain/vocab.py``);
 4. DPO: the reference, either the starting model's log-probabilities of every training and held-out pair
    (``dpo.reference = "cached"``: ``OUT/reference_logps.npz``, computed once here) or its weights
-   (``"model"``: ``OUT/reference_model.pt``, a frozen copy that scores each batch);
+   (``"model"``: ``OUT/reference_model.pt``, a frozen copy that scores each batch); a reward model: the
+   language-model head dropped, the scalar head initialised from ``train.seed`` (``posttrain/reward.py``);
 5. the state of a run about to take its first step, saved as checkpoint ``step_00000000`` (fresh
    optimizer, schedule at 0, loader at its start), as ``lmforge import`` does.
 
@@ -86,7 +87,7 @@ def start(
     overrides: dict[str, Any] | None = None,
     step: int | None = None,
 ) -> tuple[Config, Path]:
-    """Make ``run_dir`` a post-training run (``kind``: ``"sft"`` or ``"dpo"``) of ``from_run``'s checkpoint
+    """Make ``run_dir`` a post-training run (``kind``: ``"sft"``, ``"dpo"`` or ``"reward"``) of ``from_run``'s checkpoint
     (``step``: default the newest); returns its config and checkpoint ``step_00000000``."""
     from lmforge.posttrain.run import read_posttrain, write_reference
     from lmforge.train.build import build_run, validate  # the run's machinery: only once inputs are checked
@@ -123,6 +124,10 @@ def start(
     write_template_file(run_dir)
     state = grow_vocab(load_checkpoint(ckpt)["model"], tok.vocab_size)
     run = build_run(here, run_dir=run_dir)
+    if kind == "reward":
+        from lmforge.posttrain.reward import start_state
+
+        state = start_state(state, run.model)
     with torch.no_grad():  # a LoRA run keeps its adapters' initial values (model/lora.py: B = 0)
         missing, unexpected = run.model.load_state_dict(
             {k: v.to(run.device) for k, v in state.items()}, False

@@ -7,7 +7,8 @@ Each line is one record; its format is recognised per record:
 * Pairs: ``{"prompt": str, "chosen": str, "rejected": str}``; the chat form with ``prompt`` a list of
   messages and ``chosen`` / ``rejected`` lists of assistant messages (or strings); or ``chosen`` /
   ``rejected`` as whole conversations that share the prompt as their common prefix (``prompt`` absent, or
-  repeated at their start).
+  repeated at their start). An optional number ``margin`` (how much better the chosen response is: the
+  reward model's margin, Llama 2's) goes with the pair.
 
 A record that cannot be used is never dropped silently: it comes back as a :class:`BadRecord` with its
 ``path:line`` and a one-line reason naming the field. Blank lines are not records. A missing file is a
@@ -17,6 +18,7 @@ A record that cannot be used is never dropped silently: it comes back as a :clas
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,7 @@ class Pair:
     chosen: tuple[Turn, ...]
     rejected: tuple[Turn, ...]
     source: str
+    margin: float | None = None  # the record's "margin" (the reward model's loss), None when absent
 
 
 @dataclass(frozen=True)
@@ -228,4 +231,10 @@ def _pair(obj: object, source: str, system_prompt: str | None) -> Pair:
         for t in side:
             if t.role != "assistant":
                 raise _Bad(f"field {name} holds a {t.role} turn after the prompt; expected assistant turns")
-    return Pair(_with_system(prompt, system_prompt), tuple(chosen), tuple(rejected), source)
+    margin = rec.get("margin")
+    if margin is not None and (
+        isinstance(margin, bool) or not isinstance(margin, int | float) or not math.isfinite(margin)
+    ):
+        raise _Bad(f"field margin must be a finite number, not {margin!r}")
+    prompt = _with_system(prompt, system_prompt)
+    return Pair(prompt, tuple(chosen), tuple(rejected), source, None if margin is None else float(margin))

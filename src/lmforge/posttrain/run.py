@@ -1,4 +1,4 @@
-"""What the one build path adds for ``train.objective = "sft"``, ``"dpo"`` and ``"rl"``: the records of
+"""What the one build path adds for ``train.objective = "sft"``, ``"dpo"``, ``"reward"`` and ``"rl"``: the records of
 ``[posttrain]`` read and tokenized with the run's chat template (bad ones counted and reported with
 file:line), the loader, the objective, the held-out evaluation and the DPO / RL reference.
 
@@ -25,6 +25,7 @@ from lmforge.model.lora import dense_base
 from lmforge.posttrain.dpo import DPOObjective, SequenceLogps, check_dpo
 from lmforge.posttrain.dpo_data import PairLoader, pair_eval_batches, reference_logps, tokenize_pairs
 from lmforge.posttrain.records import BadRecord, Turn, read_examples, read_pairs
+from lmforge.posttrain.reward import RewardPairLoader, reward_eval_batches, reward_pairs
 from lmforge.posttrain.reward_pool import check_reward, open_reward
 from lmforge.posttrain.rl import RLObjective, TokenLogps
 from lmforge.posttrain.rl_data import PromptLoader, prompt_eval_batches, read_prompts, stop_id
@@ -67,6 +68,8 @@ def check_posttrain(cfg: Config) -> None:
                 raise ConfigError(f"posttrain.{key}: {path} is not a file; give JSONL record files")
     if cfg.train.objective == "dpo":
         check_dpo(cfg.dpo)
+    if cfg.train.objective == "reward":
+        check_reward_run(cfg)
     if cfg.train.objective == "dpo" and cfg.train.micro_batch_size == "auto":
         raise ConfigError(
             "train.micro_batch_size: auto sizes next-token batches, not DPO's pairs; give a number of pairs"
@@ -104,6 +107,20 @@ def check_rl(cfg: Config) -> None:
     check_reward(rl.reward)
 
 
+def check_reward_run(cfg: Config) -> None:
+    """What a reward run cannot do, refused before any work."""
+    t, p = cfg.train, cfg.parallel
+    refusals = [
+        ("train.micro_batch_size", t.micro_batch_size == "auto", "give a number of pairs"),
+        ("parallel.pp", p.pp > 1, "one pipeline stage does not hold the whole network; set 1"),
+        ("parallel.tp", p.tp > 1, "the reward head is not tensor-parallel; use data parallelism or FSDP"),
+        ("train.sample_tokens", t.sample_tokens > 0, "a reward model does not generate; set it to 0"),
+    ]
+    for key, refused, fix in refusals:
+        if refused:
+            raise ConfigError(f"{key}: not with train.objective = reward: {fix}")
+
+
 def prepare_posttrain(cfg: Config, run_dir: Path | None = None) -> PostTrainData:
     """Read and tokenize ``[posttrain]``'s records; report the bad ones (log, ``RUN/bad_records.jsonl``)."""
     data = read_posttrain(cfg)
@@ -130,8 +147,7 @@ def read_posttrain(cfg: Config) -> PostTrainData:
             prompts = [prompt_turns(e.turns) for e in examples]
         else:
             pairs, bad = read_pairs(files, pt.system_prompt, key=key)
-            tokenized, skipped = tokenize_pairs(pairs, template.render, seq_len, pt.over_length)
-            too_long = [BadRecord(*s) for s in skipped]
+            tokenized, too_long = _tokenize_pairs(cfg, pairs, template)
             prompts = [p.prompt for p in pairs]
         setattr(data, split, tokenized)
         if split == "val":
@@ -140,6 +156,18 @@ def read_posttrain(cfg: Config) -> PostTrainData:
         if split == "train" and not tokenized:
             raise DataError(no_record_message(key, files, bad + too_long))
     return data
+
+
+def _tokenize_pairs(cfg: Config, pairs: list, template: ChatTemplate) -> tuple[list, list[BadRecord]]:
+    """DPO: each side ``<= data.seq_len + 1`` ids (inputs and shifted targets); a reward model reads the
+    whole sequence, so ``<= data.seq_len`` ids, with each record's margin."""
+    pt, seq_len = cfg.posttrain, cfg.data.seq_len
+    if cfg.train.objective != "reward":
+        tokenized, skipped = tokenize_pairs(pairs, template.render, seq_len, pt.over_length)
+        return tokenized, [BadRecord(*s) for s in skipped]
+    tokenized, skipped = tokenize_pairs(pairs, template.render, seq_len - 1, pt.over_length)
+    bad = [BadRecord(src, why.replace("data.seq_len+1", "data.seq_len")) for src, why in skipped]
+    return reward_pairs(pairs, tokenized, cfg.reward.margin), bad
 
 
 def no_record_message(key: str, files: list[str], problems: list[BadRecord]) -> str:
@@ -185,6 +213,8 @@ def posttrain_loader(cfg: Config, data: PostTrainData, rank: int, world: int, ru
         )
     if t.objective == "rl":
         return PromptLoader(data.train, t.micro_batch_size, t.seed, rank, world, pad)
+    if t.objective == "reward":
+        return RewardPairLoader(data.train, cfg.data.seq_len, t.micro_batch_size, t.seed, rank, world, pad)
     loader = PairLoader(data.train, cfg.data.seq_len, t.micro_batch_size, t.seed, rank, world, pad)
     cached = load_reference(cfg, data, run_dir)
     if cached is not None:
@@ -286,6 +316,8 @@ def posttrain_eval_batches(cfg: Config, data: PostTrainData) -> Iterable | None:
         return prompt_eval_batches(data.val, bs, data.tokenizer.eot_id)
     if cfg.train.objective == "sft":
         return sft_eval_batches(data.val, cfg.data.seq_len, bs, cfg.posttrain.packing)
+    if cfg.train.objective == "reward":
+        return reward_eval_batches(data.val, cfg.data.seq_len, bs, data.tokenizer.eot_id)
     return pair_eval_batches(data.val, cfg.data.seq_len, bs, data.val_reference, pad_id=data.tokenizer.eot_id)
 
 

@@ -37,6 +37,7 @@ from lmforge.config import Config
 from lmforge.data.loader import TokenStream, TrainLoader
 from lmforge.data.mixture import build_train_loader, check_domains
 from lmforge.data.prepare import PreparedData, input_files, prepare_data
+from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import ConfigError
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.moe import register_balance_step
@@ -56,6 +57,7 @@ from lmforge.parallel.tensor import check_tensor_parallel
 from lmforge.plan.limit import check_run_memory
 from lmforge.plan.micro_batch import auto_candidates
 from lmforge.posttrain.dpo import SequenceLogps
+from lmforge.posttrain.reward import RewardModel, RewardObjective, RewardScores
 from lmforge.posttrain.rl import TokenLogps
 from lmforge.posttrain.run import (
     PostTrainData,
@@ -67,7 +69,14 @@ from lmforge.posttrain.run import (
 )
 from lmforge.precision import PrecisionPolicy, check_precision, register_fp8_scale_precompute
 from lmforge.probes.auto_batch import probe, resolve_micro_batch
-from lmforge.train.modules import DPOModule, LanguageModelModule, PipelineModule, RLModule, TrainModule
+from lmforge.train.modules import (
+    DPOModule,
+    LanguageModelModule,
+    PipelineModule,
+    RewardModule,
+    RLModule,
+    TrainModule,
+)
 from lmforge.train.runtime import configure_determinism, pick_device, seed_all
 
 log = logging.getLogger(__name__)
@@ -121,7 +130,7 @@ def build_model(
     ``device``, then initialised from ``train.seed`` (``init=False``: left for a checkpoint to fill). A
     LoRA run's model has its adapters (``adapters=False``: the base alone, e.g. DPO's reference)."""
     with torch.device("meta"):
-        model = Transformer(
+        model = model_class(cfg)(
             cfg.model, vocab_size, cfg.data.seq_len, cfg.train.attention, cfg.train.moe_kernel
         )
     if adapters and cfg.lora.rank:
@@ -138,6 +147,16 @@ def build_model(
     return model
 
 
+def model_class(cfg: Config) -> type[Transformer]:
+    """The network of ``train.objective``: a reward model (``posttrain/reward.py``) or the transformer."""
+    return RewardModel if cfg.train.objective == "reward" else Transformer
+
+
+def run_pad_id(cfg: Config) -> int:
+    """The padding id of a post-training run's rows: its tokenizer's ``<|endoftext|>``."""
+    return Tokenizer(cfg.data.tokenizer).eot_id
+
+
 def training_module(
     cfg: Config,
     vocab_size: int,
@@ -151,15 +170,16 @@ def training_module(
     shards materialised and initialised from ``train.seed`` as one process would (``parallel/apply.py``)."""
     t = cfg.train
     with torch.device("meta"):
-        model = Transformer(cfg.model, vocab_size, cfg.data.seq_len, t.attention, t.moe_kernel)
+        model = model_class(cfg)(cfg.model, vocab_size, cfg.data.seq_len, t.attention, t.moe_kernel)
     seed_all(t.seed)  # Python's and numpy's generators as one process's build leaves them
     init = Init(device, tuple(model.init_plan()), t.seed)
     ctx = ApplyContext(t, device, layout, compute_dtype, init, cfg.lora)
-    loss = {"dpo": SequenceLogps, "rl": TokenLogps}.get(t.objective, NextTokenLoss)
-    train_fn = apply(loss(model, t.loss_chunk), model, ctx)
+    loss = {"dpo": SequenceLogps, "rl": TokenLogps, "reward": RewardScores}.get(t.objective, NextTokenLoss)
+    arg = run_pad_id(cfg) if t.objective == "reward" else t.loss_chunk  # RewardScores: the padding id
+    train_fn = apply(loss(model, arg), model, ctx)
     # evaluation eager where training is compiled (too rare to pay for a second graph); FSDP2's root
     # must be called for its parameters to be gathered
-    eval_fn = train_fn if layout.kind == "fsdp" else loss(model, t.loss_chunk)
+    eval_fn = train_fn if layout.kind == "fsdp" else loss(model, arg)
     experts = None
     if layout.ep > 1:
         from lmforge.parallel.expert import ExpertGradSync
@@ -167,14 +187,16 @@ def training_module(
         experts = ExpertGradSync(model, layout.ep_mesh, layout.dp)
     sync = GradientSync(train_fn, layout, cfg.parallel.defer_grad_sync, experts)
     whole = layout.degrees["tp"] == 1
+    group = layout.group("dp") if layout.dp > 1 else None
+    if t.objective == "reward":
+        return RewardModule(model, RewardObjective(train_fn, eval_fn), sync, group, whole)
     if t.objective not in ("dpo", "rl"):
         return LanguageModelModule(model, train_fn, eval_fn, sync, whole)
     fresh = lambda: build_model(cfg, vocab_size, device, init=False, adapters=False)  # noqa: E731
     if t.objective == "rl":
-        group = layout.group("dp") if layout.dp > 1 else None
         return RLModule(model, rl_objective(cfg, train_fn, model, fresh, run_dir), sync, group)
     objective = dpo_objective(cfg, train_fn, fresh, run_dir, eval_policy=eval_fn)
-    return DPOModule(model, objective, sync, layout.group("dp") if layout.dp > 1 else None, whole)
+    return DPOModule(model, objective, sync, group, whole)
 
 
 @dataclass
@@ -201,7 +223,7 @@ class Run:
     def tokens_per_step(self) -> int:
         """Tokens of one optimizer step over all data-parallel ranks: positions of its rows (DPO: two rows
         a pair, counted at ``data.seq_len`` although a batch is padded only to its longest pair)."""
-        rows = self.cfg.train.micro_batch_size * (2 if self.cfg.train.objective == "dpo" else 1)
+        rows = self.cfg.train.micro_batch_size * (2 if self.cfg.train.objective in ("dpo", "reward") else 1)
         return self.accum * rows * self.cfg.data.seq_len * self.layout.dp
 
 

@@ -15,9 +15,11 @@ module                              what it trains
 :class:`DPOModule`                  preference pairs (``train.objective = dpo``, ``posttrain/dpo.py``)
 :class:`RLModule`                   rewards of sampled completions (``train.objective = rl``,
                                     ``posttrain/rl.py``)
+:class:`RewardModule`               a reward model on preference pairs (``train.objective = reward``,
+                                    ``posttrain/reward.py``)
 ==================================  ========================================================================
 
-A new objective (reward model, RL) is a new class here with these methods, built in
+A new objective (RL) is a new class here with these methods, built in
 ``train/build.py``; the step and the trainer do not change.
 """
 
@@ -38,6 +40,7 @@ from lmforge.model.moe import moe_metrics, start_step, take_aux_loss
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.parallel.pipeline import Pipeline
 from lmforge.posttrain.dpo import DPOObjective
+from lmforge.posttrain.reward import RewardObjective
 from lmforge.posttrain.rl import RLObjective
 from lmforge.precision import PrecisionPolicy
 from lmforge.train.checkpoint import load_model_state, model_state
@@ -299,3 +302,29 @@ class RLModule(ModelState):
 
     def take_metrics(self) -> dict[str, float]:
         return self.objective.take_metrics(self.group)
+
+
+class RewardModule(DPOModule):
+    """A reward model (``posttrain/reward.py::RewardObjective``: the Bradley-Terry pair losses and the
+    reward metrics) over the transformed ``RewardScores``; the data-parallel controls, evaluation and
+    metrics as :class:`DPOModule`'s."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        objective: RewardObjective,
+        sync: GradientSync,
+        group: dist.ProcessGroup | None = None,
+        whole: bool = True,
+    ):
+        self.model, self.objective, self.sync, self.group, self.whole = model, objective, sync, group, whole
+
+    @torch.no_grad()
+    def inspect_forward(self, batch, precision: PrecisionPolicy) -> bool:
+        if not self.whole:
+            return False
+        scorer = self.objective.eval_scorer
+        batch = batch.to(precision.device)
+        with eval_mode(scorer), torch.compiler.set_stance("force_eager"), precision.autocast():
+            scorer(batch.inputs)
+        return True

@@ -107,7 +107,8 @@ class DetailMetrics(Callback):
     @staticmethod
     def _keys(trainer: Trainer) -> list[str]:
         m = trainer.run.cfg.model
-        return part_keys(m.n_layers, m.tie_embeddings)
+        # a reward model's head (score) is its own matrix whether or not the embedding is tied
+        return part_keys(m.n_layers, m.tie_embeddings and trainer.run.cfg.train.objective != "reward")
 
     def _norms(self, trainer: Trainer, named: dict[str, torch.Tensor], whole: bool = False) -> torch.Tensor:
         """Per-part norms (``_keys`` order), then the norm of everything last when ``whole``."""
@@ -200,7 +201,7 @@ def param_kind(name: str) -> str:
     first, _, rest = name.partition(".")
     if first in ("embed", "pos_embed"):
         return "embedding"
-    if first == "lm_head":
+    if first in ("lm_head", "score"):  # score: a reward model's head (posttrain/reward.py)
         return "head"
     if first == "norm":
         return "norm"

@@ -91,7 +91,7 @@ class Evaluation(Callback):
         step = trainer.progress.step
         self._last = (step, val_loss)
         record = {"step": step, "val_loss": val_loss, **self._extra}
-        if run.cfg.train.objective not in ("dpo", "rl"):  # a DPO loss or RL reward is no per-token likelihood
+        if run.cfg.train.objective not in ("dpo", "rl", "reward"):  # no per-token likelihood
             record["val_ppl"] = perplexity(val_loss)
         trainer.log(record)  # Console shows it
         return val_loss

@@ -156,7 +156,7 @@ class StepMetrics(Callback):
             run.cfg.model, run.data.tokenizer.vocab_size, run.cfg.data.seq_len
         )
         self._world = run.layout.world
-        self._padded = run.cfg.train.objective == "dpo"
+        self._padded = run.cfg.train.objective in ("dpo", "reward")
         self._peak = device_peak(run.device, run.precision.name)
         main = run.layout.is_main
         if self._peak is None:

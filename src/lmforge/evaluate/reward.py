@@ -1,0 +1,95 @@
+"""Scoring texts with a reward-model run (``lmforge reward``): what RL code calls for rewards.
+
+    from lmforge.evaluate.reward import load_reward_model, score
+    rewards = score("runs/reward", ["<|endoftext|><|user|>\\nQ<|end|>\\n<|assistant|>\\nA<|end|>\\n"])
+    scorer = load_reward_model("runs/reward")      # load once, score many times
+    rewards = score(scorer, texts)
+    rewards = score_chats(scorer, [(prompt, response), ...])  # rendered by the chat template
+
+A text is encoded whole by the run's tokenizer, as the exported Hugging Face tokenizer encodes it (a chat
+marker's text is the marker); a longer one keeps its first ``data.seq_len`` ids. It is scored at its last
+real token (``posttrain/reward.py``), in the run's precision, in eval mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.errors import UserError
+from lmforge.evaluate.run_loading import load_run
+from lmforge.posttrain.records import Turn
+from lmforge.posttrain.reward import RewardModel
+from lmforge.posttrain.template import ChatTemplate
+from lmforge.precision import PrecisionPolicy
+
+
+@dataclass
+class RewardScorer:
+    """A reward-model run loaded for scoring: its model, tokenizer, context length and precision."""
+
+    model: RewardModel
+    tokenizer: Tokenizer
+    seq_len: int
+    precision: PrecisionPolicy
+
+    def ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's ids, at most ``seq_len`` (the end cut)."""
+        return [ids[: self.seq_len] for ids in self.tokenizer.encode_batch(list(texts))]
+
+    @torch.no_grad()
+    def score_ids(self, rows: Sequence[Sequence[int]], batch_size: int = 16) -> list[float]:
+        """The rewards of token-id sequences, in order (right-padded with ``<|endoftext|>`` in batches)."""
+        pad, out = self.tokenizer.eot_id, []
+        device = self.precision.device
+        self.model.eval()
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            width = max(len(r) for r in chunk)
+            inputs = torch.full((len(chunk), width), pad, dtype=torch.long)
+            for i, r in enumerate(chunk):
+                inputs[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+            with self.precision.autocast():
+                out += self.model.rewards(inputs.to(device), pad).float().cpu().tolist()
+        return out
+
+
+def load_reward_model(
+    run: str | Path, device: torch.device | str = "cpu", step: int | None = None
+) -> RewardScorer:
+    """The reward model of ``run``'s checkpoint ``step`` (None: the newest) on ``device``; a UserError for a
+    run that is no reward run."""
+    device = torch.device(device)
+    cfg, tok, model, _ = load_run(Path(run), device, step)
+    if cfg.train.objective != "reward":
+        raise UserError(
+            f"RUN: {run} is a train.objective = {cfg.train.objective} run, not a reward model; train one with "
+            "lmforge reward --from RUN"
+        )
+    return RewardScorer(model, tok, cfg.data.seq_len, PrecisionPolicy.resolve(cfg.train.precision, device))
+
+
+def score(run: str | Path | RewardScorer, texts: Sequence[str], batch_size: int = 16) -> list[float]:
+    """One reward per text of ``texts``, in order (``run``: a reward run folder, or a
+    :class:`RewardScorer` from :func:`load_reward_model` to load it once). Empty texts are refused."""
+    scorer = run if isinstance(run, RewardScorer) else load_reward_model(run)
+    rows = scorer.ids(texts)
+    empty = [i for i, r in enumerate(rows) if not r]
+    if empty:
+        raise UserError(f"texts: text {empty[0]} encodes to no token; give a prompt and a response to score")
+    return scorer.score_ids(rows, batch_size)
+
+
+def score_chats(
+    run: str | Path | RewardScorer, chats: Sequence[tuple[str, str]], batch_size: int = 16
+) -> list[float]:
+    """One reward per ``(prompt, response)`` of ``chats``: the prompt as a user turn, the response as the
+    assistant's, rendered into ids by the run's chat template exactly as training rendered its pairs."""
+    scorer = run if isinstance(run, RewardScorer) else load_reward_model(run)
+    template = ChatTemplate(scorer.tokenizer)
+    rows = [template.render((Turn("user", p), Turn("assistant", r)))[0][: scorer.seq_len] for p, r in chats]
+    return scorer.score_ids(rows, batch_size)
