@@ -1,0 +1,217 @@
+"""``lmforge eval RUN --tasks NAME[,NAME...]``: downstream tasks scored on a run's newest checkpoint.
+
+Tasks come from ``evaluate/task_files.py`` (shipped names, TOML specs, lm-evaluation-harness YAML) and
+are all read and checked before the model is loaded. Per kind (``evaluate/scoring.py`` has the rules):
+
+* ``multiple_choice``: every (context, choice) pair scored by :func:`continuation_logprobs`; ``acc`` and
+  ``acc_norm`` with their standard errors;
+* ``generate``: greedy generation (``model/sampling.py::generate_batch``, stopping at
+  ``<|endoftext|>`` or ``max_new_tokens``), cut at the first stop string, the extractor, exact match;
+* ``loss``: the file scored as ``lmforge eval --data`` scores it (``evaluate/files.py``), with bits per
+  byte of its documents' UTF-8 text.
+
+The result is printed and written to ``RUN/eval/tasks_step_N.json`` (tasks scored earlier at the same
+step are kept, a task scored again is replaced).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from lmforge.config import SourceConfig
+from lmforge.data.sources import read_source
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.errors import UserError
+from lmforge.evaluate.files import check_files, score, tokenize_file
+from lmforge.evaluate.loglikelihood import continuation_logprobs, split_pair
+from lmforge.evaluate.run_loading import load_run, pick_checkpoint
+from lmforge.evaluate.scoring import (
+    binomial_stderr,
+    bits_per_byte,
+    choice_correct,
+    cut_at_stops,
+    exact_match,
+    extract,
+)
+from lmforge.evaluate.task_files import TASK_DATA, Task, read_spec
+from lmforge.evaluate.task_yaml import read_yaml_task
+from lmforge.evaluate.validation import perplexity
+from lmforge.model.loss import NextTokenLoss
+from lmforge.model.sampling import generate_batch
+from lmforge.model.transformer import Transformer
+from lmforge.precision import PrecisionPolicy
+
+
+def shipped_tasks() -> list[str]:
+    """Names of the tasks that ship with lmforge."""
+    return sorted(p.stem for p in TASK_DATA.glob("*.toml"))
+
+
+def resolve_tasks(names: str) -> list[Task]:
+    """The tasks of ``--tasks NAME[,NAME...]``: shipped names or paths to ``.toml`` / ``.yaml`` specs."""
+    out = []
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        path = Path(name)
+        if path.suffix in (".toml", ".yaml", ".yml"):
+            if not path.is_file():
+                raise UserError(f"--tasks {name}: no such file; give a task spec (.toml or lm-eval .yaml)")
+        elif name in shipped_tasks():
+            path = TASK_DATA / f"{name}.toml"
+        else:
+            raise UserError(
+                f"--tasks {name}: no such task; shipped tasks: {', '.join(shipped_tasks())} "
+                "(or give the path of a task spec .toml / lm-eval .yaml)"
+            )
+        if path.suffix == ".toml":
+            out.append(read_spec(path))
+        else:
+            out.append(read_yaml_task(path))
+    if not out:
+        raise UserError(
+            "--tasks: no task named; give NAME[,NAME...] (shipped: " + ", ".join(shipped_tasks()) + ")"
+        )
+    return out
+
+
+def check_tokenizer(run_dir: Path) -> None:
+    """UserError when the run folder has no ``tokenizer.json`` (task texts need it)."""
+    if not (run_dir / "tokenizer.json").is_file():
+        raise UserError(
+            f"--tasks: {run_dir} has no tokenizer.json; tasks are text and need the run's tokenizer "
+            "(score token files with lmforge eval RUN instead)"
+        )
+
+
+def accuracy(hits: list[bool], metric: str) -> dict:
+    """``{metric: mean, metric_stderr: binomial standard error}`` of right/wrong outcomes."""
+    acc = sum(hits) / len(hits)
+    return {metric: acc, f"{metric}_stderr": binomial_stderr(acc, len(hits))}
+
+
+def score_multiple_choice(task: Task, model: Transformer, tok: Tokenizer, batch_size: int, autocast) -> dict:
+    """``acc`` and ``acc_norm`` (with standard errors) of a multiple-choice task."""
+    pairs, spans = [], []
+    for item in task.items:
+        spans.append((len(pairs), len(item.choices)))
+        pairs += [split_pair(tok, item.context, task.continuation(c)) for c in item.choices]
+    scores = continuation_logprobs(model, pairs, batch_size, autocast)
+    acc, norm = [], []
+    for item, (start, n) in zip(task.items, spans, strict=True):
+        a, b = choice_correct([s for s, _ in scores[start : start + n]], list(item.choices), int(item.answer))
+        acc.append(a)
+        norm.append(b)
+    return accuracy(acc, "acc") | accuracy(norm, "acc_norm")
+
+
+def generations(task: Task, model: Transformer, tok: Tokenizer, batch_size: int) -> list[str]:
+    """Each question's greedy continuation as text, cut at the task's first stop string."""
+    keep = max(model.max_seq_len - task.max_new_tokens, 1)
+    prompts = [[tok.eot_id, *tok.encode(item.context)][-keep:] for item in task.items]
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        ids = generate_batch(
+            model, prompts[start : start + batch_size], task.max_new_tokens, temperature=0.0,
+            stop_tokens=(tok.eot_id,),
+        )  # fmt: skip
+        out += [cut_at_stops(tok.decode(row), list(task.until)) for row in ids]
+    return out
+
+
+def score_generate(task: Task, model: Transformer, tok: Tokenizer, batch_size: int) -> dict:
+    """``exact_match`` (with its standard error) of a generation task."""
+    texts = generations(task, model, tok, batch_size)
+    hits = [
+        exact_match(extract(text, task.regex, task.group_select), str(item.answer))
+        for text, item in zip(texts, task.items, strict=True)
+    ]
+    return accuracy(hits, "exact_match")
+
+
+def score_loss(
+    task: Task, model: Transformer, tok: Tokenizer, seq_len: int, batch_size: int, precision
+) -> dict:
+    """Loss (nats per target token), perplexity and bits per byte of a loss task's file."""
+    path = task.files[0]
+    ft = tokenize_file(path, tok, task.text_field)
+    nats, n = score(NextTokenLoss(model), ft.stream(), seq_len, batch_size, precision)
+    n_bytes = sum(
+        len(d.text.encode("utf-8"))
+        for d in read_source(SourceConfig(path=str(path), text_field=task.text_field))
+    )
+    return {
+        "loss": nats / n,
+        "ppl": perplexity(nats / n),
+        "bits_per_byte": bits_per_byte(nats, n_bytes),
+        "targets": n,
+        "bytes": n_bytes,
+    }
+
+
+def score_task(
+    task: Task, model: Transformer, tok: Tokenizer, seq_len: int, batch_size: int, precision
+) -> dict:
+    """One task's figures: ``{"kind", "metric", "value", "stderr", "n", "source", ...}``."""
+    if task.kind == "multiple_choice":
+        figures = score_multiple_choice(task, model, tok, batch_size, precision.autocast())
+    elif task.kind == "generate":
+        figures = score_generate(task, model, tok, batch_size)
+    else:
+        figures = score_loss(task, model, tok, seq_len, batch_size, precision)
+    n = len(task.items) if task.items else figures["targets"]
+    return {
+        "kind": task.kind,
+        "metric": task.metric,
+        "value": figures[task.metric],
+        "stderr": figures.get(f"{task.metric}_stderr"),
+        "n": n,
+        "source": task.source,
+        **figures,
+    }
+
+
+def run_tasks(
+    run_dir: str | Path, names: str, device: torch.device, batch_size: int = 16, limit: int = 0
+) -> dict:
+    """Score the tasks ``names`` (``NAME[,NAME...]``) on the newest checkpoint of ``run_dir``; every
+    task file and the run are checked first. ``limit``: the first that many questions of each task (0:
+    all). Returns ``{"step", "tasks": {name: figures}, "file"}`` and writes it to the run's
+    ``eval/tasks_step_N.json``."""
+    run_dir = Path(run_dir)
+    if limit < 0 or batch_size < 1:
+        raise UserError(
+            f"--limit {limit} / --batch-size {batch_size}: give --limit >= 0 and --batch-size >= 1"
+        )
+    tasks = resolve_tasks(names)
+    for task in tasks:
+        if task.kind == "loss":
+            check_files([str(p) for p in task.files], task.text_field)
+        elif limit:
+            task.items = task.items[:limit]
+    pick_checkpoint(run_dir)
+    check_tokenizer(run_dir)
+    cfg, tok, model, step = load_run(run_dir, device)
+    precision = PrecisionPolicy.resolve(cfg.train.precision, device)
+    results = {t.name: score_task(t, model, tok, cfg.data.seq_len, batch_size, precision) for t in tasks}
+    path = write_results(run_dir, step, results)
+    return {"step": step, "tasks": results, "file": str(path)}
+
+
+def write_results(run_dir: Path, step: int, results: dict) -> Path:
+    """``RUN/eval/tasks_step_N.json``: the earlier results of step N with these laid over them, written
+    atomically."""
+    path = run_dir / "eval" / f"tasks_step_{step}.json"
+    path.parent.mkdir(exist_ok=True)
+    old = {}
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text()).get("tasks", {})
+        except (json.JSONDecodeError, AttributeError):
+            old = {}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"step": step, "tasks": old | results}, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
