@@ -235,7 +235,11 @@ def test_eval_tasks_on_a_tiny_run_writes_the_scores_and_compare_shows_them(score
     assert saved["tasks"] == result["tasks"]
     code, out, _ = run_cli(capsys, "eval", str(run), "--tasks", "stdlib_next_line", "--limit", "6")
     assert code == 0 and re.search(r"stdlib_next_line\s+acc\s+\d\.\d{4}\s+\d\.\d{4}\s+6", out), out
-    code, out, _ = run_cli(capsys, "compare", str(run), str(scorer_run))
+    code, out, _ = run_cli(
+        capsys, "eval", str(run), "--tasks", "stdlib_assign", "--limit", "2", "--step", "30", "--json"
+    )
+    assert code == 0 and json.loads(out)["step"] == 30 and (run / "eval" / "tasks_step_30.json").is_file()
+    code, out, _ = run_cli(capsys, "compare", str(run), str(scorer_run))  # the newest step's scores
     assert code == 0 and re.search(
         rf"stdlib_next_line\s+acc\s+{nl['acc']:.4f} ± {nl['stderr']:.4f}\s+-", out
     ), out

@@ -33,6 +33,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--limit", type=int, default=0, help="with --tasks: the first N questions of each (0: all)"
     )
     p.add_argument("--batch-size", type=int, default=16, help="with --tasks: rows per forward pass")
+    p.add_argument("--step", type=int, help="with --tasks: score checkpoint STEP (default: the newest)")
     p.add_argument(
         "--json", action="store_true", help="with --data / --tasks: one JSON object instead of the table"
     )
@@ -92,7 +93,7 @@ def _eval_data(args: argparse.Namespace) -> int:
 def _eval_tasks(args: argparse.Namespace) -> int:
     from lmforge.evaluate.tasks import run_tasks
 
-    result = run_tasks(args.run, args.tasks, device(args.device), args.batch_size, args.limit)
+    result = run_tasks(args.run, args.tasks, device(args.device), args.batch_size, args.limit, args.step)
     if args.json:
         print(json.dumps(result))
         return 0

@@ -174,10 +174,15 @@ def score_task(
 
 
 def run_tasks(
-    run_dir: str | Path, names: str, device: torch.device, batch_size: int = 16, limit: int = 0
+    run_dir: str | Path,
+    names: str,
+    device: torch.device,
+    batch_size: int = 16,
+    limit: int = 0,
+    step: int | None = None,
 ) -> dict:
-    """Score the tasks ``names`` (``NAME[,NAME...]``) on the newest checkpoint of ``run_dir``; every
-    task file and the run are checked first. ``limit``: the first that many questions of each task (0:
+    """Score the tasks ``names`` (``NAME[,NAME...]``) on checkpoint ``step`` of ``run_dir`` (None: the
+    newest); every task file and the run are checked first. ``limit``: the first that many questions of each task (0:
     all). Returns ``{"step", "tasks": {name: figures}, "file"}`` and writes it to the run's
     ``eval/tasks_step_N.json``."""
     run_dir = Path(run_dir)
@@ -191,13 +196,20 @@ def run_tasks(
             check_files([str(p) for p in task.files], task.text_field)
         elif limit:
             task.items = task.items[:limit]
-    pick_checkpoint(run_dir)
+    pick_checkpoint(run_dir, step)
     check_tokenizer(run_dir)
-    cfg, tok, model, step = load_run(run_dir, device)
+    cfg, tok, model, step = load_run(run_dir, device, step)
     precision = PrecisionPolicy.resolve(cfg.train.precision, device)
-    results = {t.name: score_task(t, model, tok, cfg.data.seq_len, batch_size, precision) for t in tasks}
+    results = score_tasks(tasks, model, tok, cfg.data.seq_len, batch_size, precision)
     path = write_results(run_dir, step, results)
     return {"step": step, "tasks": results, "file": str(path)}
+
+
+def score_tasks(
+    tasks: list[Task], model: Transformer, tok: Tokenizer, seq_len: int, batch_size: int, precision
+) -> dict[str, dict]:
+    """``{name: figures}`` of each task on ``model`` (any weights: a checkpoint's, or freshly drawn)."""
+    return {t.name: score_task(t, model, tok, seq_len, batch_size, precision) for t in tasks}
 
 
 def write_results(run_dir: Path, step: int, results: dict) -> Path:
