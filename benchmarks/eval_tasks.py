@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from lmforge.evaluate.run_loading import load_run
-from lmforge.evaluate.tasks import resolve_tasks, score_tasks
+from lmforge.evaluate.task_scoring import resolve_tasks
+from lmforge.evaluate.tasks import score_tasks
 from lmforge.precision import PrecisionPolicy
 from lmforge.train.build import build_model
 from lmforge.train.checkpoint import list_checkpoints

@@ -16,16 +16,21 @@ import pytest
 import torch
 
 from lmforge.cli import main
+from lmforge.errors import UserError
 from lmforge.evaluate import task_builder
 from lmforge.evaluate.files import evaluate_files
 from lmforge.evaluate.loglikelihood import continuation_logprobs, split_pair, windows
 from lmforge.evaluate.run_loading import load_run
 from lmforge.evaluate.scoring import INVALID, binomial_stderr, choice_correct, extract
 from lmforge.evaluate.task_files import TASK_DATA, read_spec
+from lmforge.evaluate.task_scoring import resolve_tasks, score_generate, score_multiple_choice, shipped_tasks
 from lmforge.evaluate.task_yaml import read_yaml_task
-from lmforge.evaluate.tasks import resolve_tasks, score_generate, score_multiple_choice, shipped_tasks
+from lmforge.evaluate.tasks import run_tasks
 from lmforge.model.sampling import generate_batch
-from tests.conftest import training_texts
+from lmforge.recipe import load_config
+from lmforge.train.callbacks import Callback
+from lmforge.train.launch import train
+from tests.conftest import tiny_overrides, training_texts
 
 CPU = torch.device("cpu")
 
@@ -261,3 +266,76 @@ def test_the_shipped_tasks_are_rebuilt_the_same(tmp_path):
         pytest.skip("the shipped tasks were built from another Python's standard library")
     for path in task_builder.build(tmp_path):
         assert path.read_bytes() == (TASK_DATA / path.name).read_bytes(), path.name
+
+
+def bisect_task(folder: Path) -> Path:
+    """20 questions on the text the tiny run learns: three lines of bisect.py, which of 3 lines is next."""
+    import random
+
+    lines = [ln for t in training_texts() for ln in t.splitlines() if len(ln.strip()) > 8]
+    rng = random.Random(0)
+    questions = []
+    for i in rng.sample(range(3, len(lines)), 20):
+        others = rng.sample([ln for ln in lines if ln != lines[i]], 2)
+        choices = [lines[i], *others]
+        rng.shuffle(choices)
+        questions.append(
+            {
+                "context": "\n".join(lines[i - 3 : i]),
+                "choices": ["\n" + c for c in choices],
+                "answer": choices.index(lines[i]),
+            }
+        )
+    return write_task(folder, questions, 'kind = "multiple_choice"\n', name="bisect")
+
+
+class Damage(Callback):
+    """Replaces every weight with noise after step ``at``: a planted regression."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_step_end(self, trainer, result) -> None:
+        if trainer.progress.step == self.at:
+            gen = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for p in trainer.run.model.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def test_tasks_during_training_log_the_checkpoints_scores_and_flag_a_planted_regression(tmp_path):
+    spec = bisect_task(tmp_path / "task")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "stdlib.jsonl").write_text(
+        "".join(
+            json.dumps({"id": f"bisect.py#{i}", "text": t}) + "\n" for i, t in enumerate(training_texts())
+        )
+    )
+    over = tiny_overrides(corpus, tmp_path / "data") | {
+        "data.vocab_size": 384, "model.d_model": 64, "train.micro_batch_size": 16, "train.steps": 60,
+        "train.checkpoint_interval": 20, "train.keep_checkpoints": 3, "train.eval_interval": 0, "train.sample_tokens": 0, "optim.lr": 1e-2,
+        "eval.tasks": [str(spec)], "eval.interval": 20, "eval.regression_factor": 1.0,
+    }  # fmt: skip
+    torch.set_num_threads(1)
+    train(load_config(None, over), tmp_path / "run", progress_bar=False, callbacks=[Damage(59)])
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    scores = {r["step"]: r["task/bisect/acc"] for r in records if "task/bisect/acc" in r}
+    assert sorted(scores) == [20, 40, 60]
+    for step in (20, 40):  # the same weights scored by lmforge eval --tasks from the checkpoint
+        again = run_tasks(tmp_path / "run", str(spec), CPU, step=step)
+        assert again["tasks"]["bisect"]["acc"] == scores[step]
+    events = [r for r in records if r.get("event") == "task_regression"]
+    assert max(scores[20], scores[40]) >= 0.5 and scores[60] <= 0.4, scores  # chance: 1/3
+    assert [e["step"] for e in events] == [60]
+    assert events[0]["best"] == max(scores[20], scores[40]) and events[0]["value"] == scores[60]
+
+
+def test_a_loss_task_or_a_missing_task_in_eval_tasks_is_refused_before_any_work(tmp_path, corpus_dir):
+    (tmp_path / "held.toml").write_text('kind = "loss"\nfile = "held.toml"\n')
+    over = tiny_overrides(corpus_dir, tmp_path / "data")
+    with pytest.raises(UserError, match=r"eval\.tasks: held is a loss task"):
+        train(load_config(None, over | {"eval.tasks": [str(tmp_path / "held.toml")]}), tmp_path / "run")
+    with pytest.raises(UserError, match="no_such: no such task"):
+        train(load_config(None, over | {"eval.tasks": ["no_such"]}), tmp_path / "run")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "data").exists()
