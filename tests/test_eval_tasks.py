@@ -100,6 +100,18 @@ def test_multiple_choice_scores_equal_a_hand_computation(scorer_run, tmp_path):
     assert out["acc_stderr"] == pytest.approx(math.sqrt(out["acc"] * (1 - out["acc"]) / 2))
 
 
+def test_the_context_continuation_split_is_the_harness_token_boundary(scorer_run):
+    from lmforge.data.tokenizer import Tokenizer
+
+    tok = Tokenizer(scorer_run / "tokenizer.json")
+    context, choice = "def insort(a, x):\n    ", "return x"
+    ctx, cont = split_pair(tok, context, choice)
+    whole = tok.encode(context + choice)
+    # the trailing whitespace goes with the continuation: the context is "def insort(a, x):" encoded alone
+    assert ctx == [tok.eot_id, *tok.encode("def insort(a, x):")]
+    assert ctx[1:] + cont == whole and tok.decode(cont) == "\n    return x"
+
+
 def test_a_continuation_longer_than_the_model_is_scored_once_per_token():
     ids = list(range(100))
     parts = windows(ids, 70, 32)
