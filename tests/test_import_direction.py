@@ -41,6 +41,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "posttrain",
         "evaluate.validation",
+        "evaluate.task_files",
+        "evaluate.task_yaml",
+        "evaluate.loglikelihood",
+        "evaluate.scoring",
+        "evaluate.task_scoring",
         "probes.auto_batch",
         "probes.peak_flops",
         "probes.activation_memory",

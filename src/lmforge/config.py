@@ -411,6 +411,24 @@ class MetricsConfig(_Section):
     wandb_project: str = Field("lmforge", description="the W&B project name of metrics.wandb")
 
 
+class EvalConfig(_Section):
+    """Downstream tasks scored during training on the current weights (``docs/evaluation.md``): each
+    score is logged as ``task/<name>/<metric>``, and a score below the best so far by more than
+    ``regression_factor`` standard errors is flagged as a ``task_regression`` event."""
+
+    tasks: list[str] = Field(
+        default_factory=list,
+        description="shipped task names or paths to task specs (.toml / lm-eval .yaml); multiple-choice "
+        "and generation tasks (empty: none)",
+    )
+    interval: int = Field(0, ge=0, description="steps between task evaluations (0: only at the end)")
+    limit: int = Field(0, ge=0, description="the first N questions of each task (0: all)")
+    batch_size: int = Field(16, ge=1, description="rows per forward pass while scoring tasks")
+    regression_factor: float = Field(
+        2.0, ge=0, description="flag a score below best - factor x its standard error as a regression"
+    )
+
+
 class GuardConfig(_Section):
     """Stability guard: skip steps with a non-finite or spiking loss, roll back after repeated ones.
 
@@ -868,6 +886,10 @@ class Config(_Section):
     metrics: MetricsConfig = Field(
         default_factory=MetricsConfig,
         description="detail metrics (norms per block, update ratio, activations, attention entropy) and sinks",
+    )
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig,
+        description="downstream tasks during training: scores in metrics.jsonl, regressions flagged",
     )
     lr_find: LRFindConfig = Field(
         default_factory=LRFindConfig, description="lmforge lr-find: the exponential learning-rate sweep"

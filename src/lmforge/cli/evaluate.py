@@ -23,7 +23,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="score these .txt / .jsonl / .parquet files instead of the validation split",
     )
     p.add_argument("--text-field", default="text", help="with --data: JSON key / parquet column of the text")
-    p.add_argument("--json", action="store_true", help="with --data: one JSON object instead of the table")
+    p.add_argument(
+        "--tasks",
+        metavar="NAME[,NAME...]",
+        help="downstream tasks: shipped names (stdlib_docstring, stdlib_next_line, stdlib_assign) or paths "
+        "to task specs (.toml) / lm-evaluation-harness task files (.yaml); docs/evaluation.md",
+    )
+    p.add_argument(
+        "--limit", type=int, default=0, help="with --tasks: the first N questions of each (0: all)"
+    )
+    p.add_argument("--batch-size", type=int, default=16, help="with --tasks: rows per forward pass")
+    p.add_argument("--step", type=int, help="with --tasks: score checkpoint STEP (default: the newest)")
+    p.add_argument(
+        "--json", action="store_true", help="with --data / --tasks: one JSON object instead of the table"
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=cmd_eval)
 
@@ -47,8 +60,12 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
         raise UserError(
             f"--tokens: {args.tokens} is out of range; give an integer >= 0 (0: train.eval_tokens)"
         )
+    if args.data and args.tasks:
+        raise UserError("--data and --tasks: give one of them (a loss task scores a file among tasks)")
     if args.data:
         return _eval_data(args)
+    if args.tasks is not None:
+        return _eval_tasks(args)
     print(json.dumps(evaluate_run(args.run, device(args.device), args.tokens)))
     return 0
 
@@ -70,6 +87,28 @@ def _eval_data(args: argparse.Namespace) -> int:
                 [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))]
             )
         )
+    return 0
+
+
+def _eval_tasks(args: argparse.Namespace) -> int:
+    from lmforge.evaluate.tasks import run_tasks
+
+    result = run_tasks(args.run, args.tasks, device(args.device), args.batch_size, args.limit, args.step)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    rows = []
+    for name, r in result["tasks"].items():
+        metrics = ["acc", "acc_norm"] if r["kind"] == "multiple_choice" else [r["metric"]]
+        for m in metrics:
+            se = r.get(f"{m}_stderr")
+            rows.append([name, m, f"{r[m]:.4f}", "-" if se is None else f"{se:.4f}", f"{r['n']:,}"])
+    head = ["task", "metric", "value", "stderr", "n"]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+    print(f"{args.run} at step {result['step']} (written to {result['file']})")
+    for row in [head, *rows]:
+        print("  ".join([*(c.ljust(w) for c, w in zip(row[:2], widths, strict=False)),
+                         *(c.rjust(w) for c, w in zip(row[2:], widths[2:], strict=True))]))  # fmt: skip
     return 0
 
 

@@ -1,9 +1,11 @@
-"""``lmforge compare``: runs side by side (losses, tokens, time, throughput, size) and the config keys in
-which they differ."""
+"""``lmforge compare``: runs side by side (losses, tokens, time, throughput, size), their downstream task
+scores (the newest ``RUN/eval/tasks_step_N.json`` that ``lmforge eval --tasks`` wrote) and the config
+keys in which they differ."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from lmforge.recipe import load_saved_config
@@ -46,7 +48,27 @@ def run_row(run: RunRecords) -> dict[str, Any]:
         "wall_time_s": s.get("wall_time_s"),
         "tokens_per_s": sum(rates) / len(rates) if rates else None,
         "parameters": s.get("parameters"),
+        "tasks": task_scores(run.path),
     }
+
+
+def task_scores(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """``{task: {"metric", "value", "stderr", "n", "step"}}`` from the newest readable
+    ``RUN/eval/tasks_step_N.json`` (empty when the run has none)."""
+    files = sorted(
+        (run_dir / "eval").glob("tasks_step_*.json"),
+        key=lambda p: int(p.stem.rsplit("_", 1)[1]) if p.stem.rsplit("_", 1)[1].isdigit() else -1,
+    )
+    for path in reversed(files):
+        try:
+            saved = json.loads(path.read_text())
+            return {
+                name: {k: r.get(k) for k in ("metric", "value", "stderr", "n")} | {"step": saved["step"]}
+                for name, r in saved["tasks"].items()
+            }
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
+            continue
+    return {}
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -104,6 +126,7 @@ def table_text(result: dict[str, Any]) -> str:
     head = [title for _, title in COLUMNS]
     rows = [[_cell(row[key], key) for key, _ in COLUMNS] for row in result["runs"]]
     lines = _aligned([head, *rows], left={0, 1})
+    lines += _task_lines(result["runs"])
     diffs = result["differences"]
     lines.append("")
     if not diffs:
@@ -114,6 +137,25 @@ def table_text(result: dict[str, Any]) -> str:
     table = [["key", *names]] + [[k, *(_cell(v, k) for v in vs)] for k, vs in diffs.items()]
     lines += ["  " + line for line in _aligned(table, left=set(range(len(names) + 1)))]
     return "\n".join(lines)
+
+
+def _task_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """The task scores as a table (task, metric, then ``value ± stderr`` per run), or nothing."""
+    names = sorted({(t, r["metric"]) for run in runs for t, r in run["tasks"].items()})
+    if not names:
+        return []
+
+    def cell(run: dict[str, Any], task: str, metric: str) -> str:
+        r = run["tasks"].get(task)
+        if r is None or r["metric"] != metric or not finite(r["value"]):
+            return "-"
+        return f"{r['value']:.4f}" + (f" ± {r['stderr']:.4f}" if finite(r["stderr"]) else "")
+
+    table = [["task", "metric", *(run["run"] for run in runs)]]
+    table += [[t, m, *(cell(run, t, m) for run in runs)] for t, m in names]
+    return ["", "task scores (lmforge eval --tasks, newest step):"] + [
+        "  " + line for line in _aligned(table, left={0, 1})
+    ]
 
 
 def _aligned(table: list[list[str]], left: set[int]) -> list[str]:

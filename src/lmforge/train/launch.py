@@ -21,7 +21,7 @@ from lmforge.train.callbacks import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.callbacks.control import StopOnSignal
 from lmforge.train.callbacks.detail import DetailMetrics
-from lmforge.train.callbacks.evaluation import EarlyStopping, Evaluation
+from lmforge.train.callbacks.evaluation import EarlyStopping, Evaluation, TaskEvaluation
 from lmforge.train.callbacks.guard import StabilityGuard
 from lmforge.train.callbacks.metrics import StepMetrics
 from lmforge.train.callbacks.profile import Profile
@@ -146,6 +146,7 @@ def default_callbacks(
         StepMetrics(),
         DetailMetrics(),
         Evaluation(),
+        *([TaskEvaluation(cfg)] if cfg.eval.tasks else []),
         Checkpointing(run_dir, config_toml),
         *([EarlyStopping(run_dir, t.early_stop_patience)] if t.early_stop_patience else []),
         *([Profile(run_dir, *t.profile_steps)] if t.profile_steps else []),
@@ -170,6 +171,8 @@ def train(
     """
     run_dir = Path(run_dir)
     validate(cfg)
+    if cfg.eval.tasks:
+        TaskEvaluation(cfg)  # the task files read and checked before any work
     if cfg.metrics.wandb:
         require_wandb()
     ckpt_path = check_run_dir(run_dir, resume)

@@ -10,6 +10,8 @@ evaluations in a row without a new best the run ends like a finished one (``trai
 the final evaluation, checkpoint and sample, ``summary.json`` with ``early_stopped``, ``best_step``,
 ``best_val_loss`` and ``best_checkpoint``, and the event ``{"event": "early_stop", ...}`` in
 ``metrics.jsonl``. Under several processes rank 0's loss is the one judged, so every rank decides alike.
+
+Downstream tasks during training (``[eval]``, :class:`TaskEvaluation`): scores and regression events.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lmforge.config import Config
 from lmforge.data.loader import eval_batches
+from lmforge.errors import ConfigError
+from lmforge.evaluate.task_scoring import resolve_tasks, score_text_task
 from lmforge.evaluate.validation import eval_targets, perplexity, unigram_loss
 from lmforge.posttrain.run import posttrain_validation
 from lmforge.progress import Progress
 from lmforge.train.callbacks import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
+from lmforge.train.callbacks.sample import whole_model
 from lmforge.train.checkpoint import write_best
 from lmforge.train.step import Action, StepResult
 from lmforge.train.trainer import Trainer
@@ -193,3 +199,82 @@ def _agreed(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.broadcast(t, src=0)
     return float(t.item())
+
+
+class TaskEvaluation(Callback):
+    """``[eval]``: the downstream tasks ``eval.tasks`` scored on the current weights every
+    ``eval.interval`` steps and at the end (``evaluate/task_scoring.py``, as ``lmforge eval --tasks``
+    scores a checkpoint): a record ``{"step", "task/<name>/<metric>": value, "..._stderr": se}`` per
+    evaluation, and an event ``{"event": "task_regression", "task", "value", "best", "best_step",
+    "threshold"}`` when a score falls below ``best - eval.regression_factor x se`` (``se`` the score's
+    standard error, ``best`` the highest score so far, kept across a resume). The whole model is scored
+    on rank 0 (gathered there under data or tensor parallelism, every rank taking part); not under
+    pipeline parallelism, where no rank holds it. Tasks are read when the callback is made, before any
+    step; a loss task is refused (the validation loss is training's)."""
+
+    state_key = "task_eval"
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg.eval
+        if cfg.parallel.pp > 1:
+            raise ConfigError(
+                f"eval.tasks: not under pipeline parallelism (parallel.pp = {cfg.parallel.pp}): no rank holds "
+                "the whole model; score the checkpoints with lmforge eval RUN --tasks"
+            )
+        self.tasks = resolve_tasks(",".join(self.cfg.tasks))
+        for task in self.tasks:
+            if task.kind == "loss":
+                raise ConfigError(
+                    f"eval.tasks: {task.name} is a loss task; training scores its validation loss, and "
+                    "lmforge eval RUN --tasks scores loss tasks on checkpoints"
+                )
+            task.items = task.items[: self.cfg.limit or None]
+        self.best: dict[str, list[float]] = {}  # task -> [step, value]
+        self._last_step = -1
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        interval, step = self.cfg.interval, trainer.progress.step
+        if result.action is Action.STEP and interval and step % interval == 0 and step < trainer.total_steps:
+            self.score(trainer)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        if self._last_step != trainer.progress.step:
+            self.score(trainer)
+
+    def score(self, trainer: Trainer) -> None:
+        step = self._last_step = trainer.progress.step
+        model = whole_model(trainer.run)
+        if model is None:
+            return
+        record: dict = {"step": step}
+        events = []
+        for task in self.tasks:
+            r = score_text_task(
+                task, model, trainer.run.data.tokenizer, self.cfg.batch_size, trainer.run.precision.autocast()
+            )
+            key = f"task/{task.name}/{task.metric}"
+            record[key], record[f"{key}_stderr"] = r["value"], r["stderr"]
+            best = self.best.get(task.name)
+            threshold = None if best is None else best[1] - self.cfg.regression_factor * r["stderr"]
+            if threshold is not None and r["value"] < threshold:
+                events.append(
+                    {"event": "task_regression", "step": step, "task": task.name, "metric": task.metric,
+                     "value": r["value"], "best": best[1], "best_step": int(best[0]), "threshold": threshold}
+                )  # fmt: skip
+            if best is None or r["value"] > best[1]:
+                self.best[task.name] = [step, r["value"]]
+        trainer.log(record)
+        log.info("step %d | %s", step, " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+        for event in events:
+            log.warning(
+                "task regression at step %d: %s %s %.4f < %.4f (best %.4f at step %d minus %.1f standard errors)",
+                step, event["task"], event["metric"], event["value"], event["threshold"], event["best"],
+                event["best_step"], self.cfg.regression_factor,
+            )  # fmt: skip
+            trainer.log(event)
+
+    def state_dict(self) -> dict:
+        return {"best": self.best}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best = {k: list(v) for k, v in state.get("best", {}).items()}
