@@ -45,9 +45,11 @@ def same_value(a, b) -> bool:
     return a == b
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def cli_logging():
-    """The CLI points lmforge's logger at the (captured) stderr of the moment; give it back afterwards."""
+    """The CLI points lmforge's logger at the (captured) stderr of the moment; give it back afterwards.
+    For every test: a test that runs the CLI in this process would otherwise leave the logger writing to
+    its own captured stream, closed once it ends, and the next test's logs would be logging errors."""
     logger = logging.getLogger("lmforge")
     handlers, level = logger.handlers[:], logger.level
     yield
