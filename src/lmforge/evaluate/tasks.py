@@ -49,7 +49,7 @@ def check_tokenizer(run_dir: Path) -> None:
 
 
 def score_loss(
-    task: Task, model: Transformer, tok: Tokenizer, seq_len: int, batch_size: int, precision
+    task: Task, model: Transformer, tok: Tokenizer, seq_len: int, batch_size: int, precision: PrecisionPolicy
 ) -> dict:
     """Loss (nats per target token), perplexity and bits per byte of a loss task's file."""
     path = task.files[0]
@@ -69,7 +69,7 @@ def score_loss(
 
 
 def score_task(
-    task: Task, model: Transformer, tok: Tokenizer, seq_len: int, batch_size: int, precision
+    task: Task, model: Transformer, tok: Tokenizer, seq_len: int, batch_size: int, precision: PrecisionPolicy
 ) -> dict:
     """One task's figures (``evaluate/task_scoring.py::with_value``); a loss task in windows of ``seq_len``."""
     if task.kind == "loss":
@@ -110,7 +110,12 @@ def run_tasks(
 
 
 def score_tasks(
-    tasks: list[Task], model: Transformer, tok: Tokenizer, seq_len: int, batch_size: int, precision
+    tasks: list[Task],
+    model: Transformer,
+    tok: Tokenizer,
+    seq_len: int,
+    batch_size: int,
+    precision: PrecisionPolicy,
 ) -> dict[str, dict]:
     """``{name: figures}`` of each task on ``model`` (any weights: a checkpoint's, or freshly drawn)."""
     return {t.name: score_task(t, model, tok, seq_len, batch_size, precision) for t in tasks}
