@@ -165,7 +165,7 @@ class DPOObjective:
         """Means over the pairs since the last call (summed over ``group``'s ranks when given), then
         reset; empty when no pair was seen."""
         sums, self._sums = self._sums, None
-        return _means(sums, group, prefix="", loss_name=None)
+        return pair_means(sums, group, prefix="", loss_name=None)
 
     @torch.no_grad()
     def evaluate(
@@ -183,7 +183,7 @@ class DPOObjective:
                 sums = _add(sums, stats)
         finally:
             self.eval_policy.train(was_training)
-        return _means(sums, group, prefix="val_", loss_name="val_loss")
+        return pair_means(sums, group, prefix="val_", loss_name="val_loss")
 
     # -- the computation ---------------------------------------------------------------------------
 
@@ -230,10 +230,15 @@ def _add(sums: torch.Tensor | None, stats: torch.Tensor) -> torch.Tensor:
     return stats if sums is None else sums + stats
 
 
-def _means(
-    sums: torch.Tensor | None, group: dist.ProcessGroup | None, prefix: str, loss_name: str | None
+def pair_means(
+    sums: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    prefix: str,
+    loss_name: str | None,
+    names: tuple[str, ...] = METRIC_NAMES,
 ) -> dict[str, float]:
-    """``{prefix + name: sum / pairs}`` (and the loss under ``loss_name``) from ``[pairs, loss, ...]``."""
+    """``{prefix + name: sum / pairs}`` for ``names`` (and the loss under ``loss_name``) from
+    ``[pairs, loss, *names]`` summed over the pairs (and over ``group``'s ranks)."""
     if sums is None:
         return {}
     if group is not None:
@@ -241,7 +246,7 @@ def _means(
         dist.all_reduce(sums, group=group)
     values = sums.tolist()
     pairs = max(values[0], 1.0)
-    out = {prefix + name: v / pairs for name, v in zip(METRIC_NAMES, values[2:], strict=True)}
+    out = {prefix + name: v / pairs for name, v in zip(names, values[2:], strict=True)}
     if loss_name is not None:
         out = {loss_name: values[1] / pairs, **out}
     return out

@@ -44,6 +44,7 @@ from torch import nn
 from lmforge.config import ModelConfig
 from lmforge.data.loader import Batch
 from lmforge.model.transformer import Transformer
+from lmforge.posttrain.dpo import pair_means
 from lmforge.posttrain.dpo_data import PairLoader, TokenizedPair, row_width
 from lmforge.precision import PrecisionPolicy
 
@@ -223,7 +224,7 @@ class RewardObjective:
     def take_metrics(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
         """Means over the pairs since the last call (summed over ``group``'s ranks), then reset."""
         sums, self._sums = self._sums, None
-        return _means(sums, group, "", None)
+        return pair_means(sums, group, "", None, METRIC_NAMES)
 
     @torch.no_grad()
     def evaluate(
@@ -243,7 +244,7 @@ class RewardObjective:
                 sums = stats if sums is None else sums + stats
         finally:
             self.eval_scorer.train(was_training)
-        return _means(sums, group, "val_", "val_loss")
+        return pair_means(sums, group, "val_", "val_loss", METRIC_NAMES)
 
     def _pair_losses(
         self, scorer: nn.Module, batch: RewardBatch, precision: PrecisionPolicy
@@ -260,18 +261,3 @@ class RewardObjective:
             per_pair = torch.stack([losses.detach(), c, rj, c - rj, (c > rj).float()]).sum(dim=1)
             stats = torch.cat([per_pair.new_tensor([k]), per_pair])
         return losses, stats
-
-
-def _means(
-    sums: torch.Tensor | None, group: dist.ProcessGroup | None, prefix: str, loss_name: str | None
-) -> dict[str, float]:
-    """``{prefix + name: sum / pairs}`` (and the loss under ``loss_name``) from ``[pairs, loss, ...]``."""
-    if sums is None:
-        return {}
-    if group is not None:
-        sums = sums.clone()
-        dist.all_reduce(sums, group=group)
-    values = sums.tolist()
-    pairs = max(values[0], 1.0)
-    out = {prefix + name: v / pairs for name, v in zip(METRIC_NAMES, values[2:], strict=True)}
-    return {loss_name: values[1] / pairs, **out} if loss_name is not None else out
