@@ -9,7 +9,13 @@ import pytest
 
 from lmforge.posttrain.finetune import start
 from lmforge.train.launch import train
-from tests.test_posttrain_runs import _pairs, _sft_overrides, pretrained  # noqa: F401 (fixture)
+from tests.test_posttrain_runs import (  # noqa: F401 (fixture)
+    HELD_OUT_FUNCS,
+    _held_out,
+    _pairs,
+    _sft_overrides,
+    pretrained,
+)
 from tests.torchrun import torchrun
 
 
@@ -26,7 +32,8 @@ def test_layout_trains_like_one_process(kind, layout, pretrained, tmp_path):  # 
     over = _sft_overrides(tmp_path, steps=6, **{"train.micro_batch_size": 2, "train.tokens_per_step": 4 * 64})
     if kind == "dpo":
         over["posttrain.train_files"] = [str(_pairs(tmp_path / "p.jsonl", 16))]
-        over["posttrain.val_files"] = [str(_pairs(tmp_path / "pv.jsonl", 4, offset=2))]
+        held = _pairs(tmp_path / "pv.jsonl", 4, HELD_OUT_FUNCS)  # questions training never saw
+        over["posttrain.val_files"] = [str(_held_out(tmp_path / "p.jsonl", held))]
         over["optim.lr"] = 1e-3
     one = tmp_path / "one"
     cfg, _ = start(kind, pretrained, one, overrides=over)
