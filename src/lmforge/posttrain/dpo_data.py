@@ -21,8 +21,8 @@ pure function of (seed, position, rank): the state is the position, and a resume
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -37,11 +37,10 @@ Render = Callable[[Sequence[Any]], tuple[list[int], list[bool]]]  # turns -> (id
 
 
 @dataclass
-class PairBatch(Batch):
-    """``2k`` padded rows (chosen then rejected) and the reference's log-probabilities of them
-    (``(2k,)`` float32; None when a reference model scores the batch instead)."""
-
-    ref_logps: torch.Tensor | None = None
+class PairRows(Batch):
+    """``2k`` padded rows, the ``k`` chosen sequences then the ``k`` rejected ones, whose loss is a mean
+    over the pairs (DPO's :class:`PairBatch`, the reward model's ``RewardBatch``). A subclass adds its
+    per-pair tensors as fields; :meth:`to` moves every tensor field and keeps a None one."""
 
     @property
     def n_pairs(self) -> int:
@@ -49,15 +48,21 @@ class PairBatch(Batch):
 
     @property
     def n_targets(self) -> int:
-        """Pairs, not tokens: the DPO loss is a mean over the pairs of the step."""
+        """Pairs, not tokens: the loss is a mean over the pairs of the step."""
         return self.n_pairs
 
-    def to(self, device: torch.device) -> PairBatch:
+    def to(self, device: torch.device) -> Self:
         nb = device.type == "cuda"
-        ref = None if self.ref_logps is None else self.ref_logps.to(device, non_blocking=nb)
-        return PairBatch(
-            *(t.to(device, non_blocking=nb) for t in (self.inputs, self.targets, self.doc_ids)), ref
-        )
+        moved = (getattr(self, f.name) for f in fields(self))
+        return type(self)(*(None if t is None else t.to(device, non_blocking=nb) for t in moved))
+
+
+@dataclass
+class PairBatch(PairRows):
+    """DPO's rows and the reference's log-probabilities of them (``(2k,)`` float32; None when a
+    reference model scores the batch instead)."""
+
+    ref_logps: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -42,10 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.config import ModelConfig
-from lmforge.data.loader import Batch
 from lmforge.model.transformer import Transformer
 from lmforge.posttrain.dpo import pair_means
-from lmforge.posttrain.dpo_data import PairLoader, TokenizedPair, row_width
+from lmforge.posttrain.dpo_data import PairLoader, PairRows, TokenizedPair, row_width
 from lmforge.precision import PrecisionPolicy
 
 METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
@@ -139,27 +138,11 @@ def reward_pairs(pairs: Sequence, tokenized: Sequence[TokenizedPair], margin: fl
 
 
 @dataclass
-class RewardBatch(Batch):
-    """``2k`` right-padded rows (chosen, then rejected; ``targets`` all -100, unused) and the ``k``
-    pairs' margins."""
+class RewardBatch(PairRows):
+    """The reward model's rows (right-padded; ``targets`` all -100, unused) and the ``k`` pairs'
+    margins."""
 
     margin: torch.Tensor | None = None
-
-    @property
-    def n_pairs(self) -> int:
-        return self.inputs.shape[0] // 2
-
-    @property
-    def n_targets(self) -> int:
-        """Pairs: the loss is a mean over the pairs of the step."""
-        return self.n_pairs
-
-    def to(self, device: torch.device) -> RewardBatch:
-        nb = device.type == "cuda"
-        moved = (
-            t.to(device, non_blocking=nb) for t in (self.inputs, self.targets, self.doc_ids, self.margin)
-        )
-        return RewardBatch(*moved)
 
 
 def stack_reward_pairs(pairs: Sequence[RewardPair], seq_len: int, pad_id: int) -> RewardBatch:
