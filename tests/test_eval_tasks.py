@@ -396,6 +396,7 @@ def test_task_scores_during_training_are_the_same_in_every_layout(tmp_path):
         (scored,) = [r for r in line["records"] if "task/bisect/acc" in r]
         assert scored == {"step": 30, **one}, line["layout"]
         assert not [r for r in line["records"] if r.get("event") == "task_regression"]
+    print(f"one process and both layouts: {one}")
 
 
 def test_a_loss_task_or_a_missing_task_in_eval_tasks_is_refused_before_any_work(tmp_path, corpus_dir):
