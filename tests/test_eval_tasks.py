@@ -31,6 +31,7 @@ from lmforge.recipe import load_config
 from lmforge.train.callbacks import Callback
 from lmforge.train.launch import train
 from tests.conftest import tiny_overrides, training_texts
+from tests.torchrun import torchrun, worker
 
 CPU = torch.device("cpu")
 
@@ -315,8 +316,8 @@ class Damage(Callback):
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
 
-def test_tasks_during_training_log_the_checkpoints_scores_and_flag_a_planted_regression(tmp_path):
-    spec = bisect_task(tmp_path / "task")
+def bisect_corpus(tmp_path: Path) -> dict:
+    """Overrides of a tiny run on the texts the bisect task asks about (bisect.py), tied embeddings."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "stdlib.jsonl").write_text(
@@ -324,23 +325,78 @@ def test_tasks_during_training_log_the_checkpoints_scores_and_flag_a_planted_reg
             json.dumps({"id": f"bisect.py#{i}", "text": t}) + "\n" for i, t in enumerate(training_texts())
         )
     )
-    over = tiny_overrides(corpus, tmp_path / "data") | {
-        "data.vocab_size": 384, "model.d_model": 64, "train.micro_batch_size": 16, "train.steps": 60,
-        "train.checkpoint_interval": 20, "train.keep_checkpoints": 3, "train.eval_interval": 0, "train.sample_tokens": 0, "optim.lr": 1e-2,
-        "eval.tasks": [str(spec)], "eval.interval": 20, "eval.regression_factor": 1.0,
+    return tiny_overrides(corpus, tmp_path / "data") | {
+        "data.vocab_size": 384, "model.d_model": 64, "train.micro_batch_size": 16, "train.eval_interval": 0,
+        "train.sample_tokens": 0, "optim.lr": 1e-2,
+    }  # fmt: skip
+
+
+def test_tasks_during_training_log_scores_flag_a_planted_regression_and_keep_the_best(tmp_path):
+    """Scores at steps 20, 40 and 60 of a run whose weights are replaced by noise at step 59: the step-60
+    score is flagged against the best, and ``eval.keep_best`` keeps the best step's checkpoint although
+    ``train.keep_checkpoints = 1`` rotates the other one away; ``lmforge eval --tasks`` on that
+    checkpoint gives the score logged during training (the same weights)."""
+    spec = bisect_task(tmp_path / "task")
+    over = bisect_corpus(tmp_path) | {
+        "train.steps": 60, "train.checkpoint_interval": 20, "train.keep_checkpoints": 1,
+        "eval.tasks": [str(spec)], "eval.interval": 20, "eval.regression_factor": 1.0, "eval.keep_best": "bisect",
     }  # fmt: skip
     torch.set_num_threads(1)
-    train(load_config(None, over), tmp_path / "run", progress_bar=False, callbacks=[Damage(59)])
+    summary = train(load_config(None, over), tmp_path / "run", progress_bar=False, callbacks=[Damage(59)])
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     scores = {r["step"]: r["task/bisect/acc"] for r in records if "task/bisect/acc" in r}
     assert sorted(scores) == [20, 40, 60]
-    for step in (20, 40):  # the same weights scored by lmforge eval --tasks from the checkpoint
-        again = run_tasks(tmp_path / "run", str(spec), CPU, step=step)
-        assert again["tasks"]["bisect"]["acc"] == scores[step]
     events = [r for r in records if r.get("event") == "task_regression"]
     assert max(scores[20], scores[40]) >= 0.5 and scores[60] <= 0.4, scores  # chance: 1/3
     assert [e["step"] for e in events] == [60]
     assert events[0]["best"] == max(scores[20], scores[40]) and events[0]["value"] == scores[60]
+
+    best = max(scores, key=lambda s: (scores[s], -s))  # the highest score, the earliest of equal ones
+    other = 60 - best  # the other trained step: 20 or 40
+    kept = json.loads((tmp_path / "run" / "best_task.json").read_text())
+    assert kept == {"task": "bisect", "metric": "acc", "step": best, "value": scores[best],
+                    "checkpoint": f"checkpoints/step_{best:08d}"}  # fmt: skip
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == [f"step_{best:08d}", "step_00000060"], names  # step `other` rotated away
+    assert (summary["best_task_step"], summary["best_task_value"]) == (best, scores[best])
+    again = run_tasks(tmp_path / "run", str(spec), CPU, step=best)  # the kept weights, scored again
+    assert again["tasks"]["bisect"]["acc"] == scores[best] and other in (20, 40)
+
+
+@pytest.mark.distributed
+def test_task_scores_during_training_are_the_same_in_every_layout(tmp_path):
+    """One process trains 30 steps and scores the bisect task at the end (the checkpoint of step 30
+    holds those weights). Two processes load that checkpoint under FSDP2 (dp_shard = 2) and under a
+    pipeline (pp = 2, each rank one layer; the tied head's copy on the second stage), and the ``[eval]``
+    callback scores it: the same accuracy and standard error as the one process, exactly (tolerance 0:
+    the weights are the checkpoint's bits in each case, gathered whole onto rank 0's CPU and scored by
+    the same code on the same CPU), logged alike on both ranks."""
+    spec = bisect_task(tmp_path / "task")
+    over = bisect_corpus(tmp_path) | {
+        "train.steps": 30,
+        "train.checkpoint_interval": 0,
+        "eval.tasks": [str(spec)],
+    }
+    torch.set_num_threads(1)
+    train(load_config(None, over), tmp_path / "run", progress_bar=False)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (one,) = [
+        {k: v for k, v in r.items() if k.startswith("task/")} for r in records if "task/bisect/acc" in r
+    ]
+    assert one["task/bisect/acc"] >= 0.5  # trained weights: well above chance (1/3) on 20 questions
+    layouts = [{"parallel.dp_shard": 2}, {"parallel.pp": 2}]
+    out = tmp_path / "layouts.jsonl"
+    args = {"run": str(tmp_path / "run"), "step": 30, "over": over, "layouts": layouts, "out": str(out)}
+    done = torchrun(2, [worker("eval_layouts_worker.py"), json.dumps(args)], timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["layout"] for line in lines] == layouts
+    for line in lines:
+        assert line["agreed"], line["layout"]
+        (scored,) = [r for r in line["records"] if "task/bisect/acc" in r]
+        assert scored == {"step": 30, **one}, line["layout"]
+        assert not [r for r in line["records"] if r.get("event") == "task_regression"]
+    print(f"one process and both layouts: {one}")
 
 
 def test_a_loss_task_or_a_missing_task_in_eval_tasks_is_refused_before_any_work(tmp_path, corpus_dir):
@@ -350,4 +406,15 @@ def test_a_loss_task_or_a_missing_task_in_eval_tasks_is_refused_before_any_work(
         train(load_config(None, over | {"eval.tasks": [str(tmp_path / "held.toml")]}), tmp_path / "run")
     with pytest.raises(UserError, match="no_such: no such task"):
         train(load_config(None, over | {"eval.tasks": ["no_such"]}), tmp_path / "run")
+    with pytest.raises(
+        UserError, match=r"eval\.keep_best: 'nope' is not a task of eval\.tasks \(stdlib_assign\)"
+    ):
+        train(
+            load_config(None, over | {"eval.tasks": ["stdlib_assign"], "eval.keep_best": "nope"}),
+            tmp_path / "run",
+        )
+    with pytest.raises(
+        UserError, match=r"eval\.keep_best: 'stdlib_assign' names a task but eval\.tasks is empty"
+    ):
+        load_config(None, over | {"eval.keep_best": "stdlib_assign"})
     assert not (tmp_path / "run").exists() and not (tmp_path / "data").exists()

@@ -229,3 +229,31 @@ def test_a_series_of_few_points_is_drawn_with_markers(tmp_path):
         draw_panel(ax, next(p for p in PANELS if p.name == name), [run])
         markers = {line.get_label(): line.get_marker() for line in ax.lines}
         assert markers == (expected or {"layer 0": "o", "mean": "o"})
+
+
+def test_task_scores_are_a_record_kind_with_their_panel_and_regressions_are_marked(runs, tmp_path):
+    """``[eval]``'s records (``task/<name>/<metric>`` and its ``_stderr``) are task records: the tasks
+    panel draws one line per score (standard errors left out), and a ``task_regression`` event is marked
+    on the loss panel like the guard's."""
+    run = tmp_path / "tasks"
+    run.mkdir()
+    shutil.copyfile(runs["a"] / "config.toml", run / "config.toml")
+    records = [{"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 10.0} for s in range(1, 7)]
+    records += [
+        {"step": s, "task/bisect/acc": a, "task/bisect/acc_stderr": 0.1, "task/gsm.v2/exact_match": a / 2}
+        for s, a in ((2, 0.5), (4, 0.6), (6, 0.3))
+    ]
+    records.append({"event": "task_regression", "step": 6, "task": "bisect", "value": 0.3, "best": 0.6})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    loaded = open_run(run)
+    assert loaded.series("task", "task/bisect/acc") == ([2, 4, 6], [0.5, 0.6, 0.3])
+    assert loaded.events() == [records[-1]] and loaded.last_step == 6
+    tasks = next(p for p in PANELS if p.name == "tasks")
+    assert tasks in select_panels([loaded])
+    assert [(k, label) for _, k, label in panel_keys(tasks, loaded)] == [
+        ("task/bisect/acc", "bisect/acc"),
+        ("task/gsm.v2/exact_match", "gsm.v2/exact_match"),
+    ]
+    ax = Figure().add_subplot()
+    draw_panel(ax, PANELS[0], [loaded])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["train", "task_regression (1)"]

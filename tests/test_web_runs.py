@@ -370,3 +370,41 @@ def test_a_series_of_few_points_is_drawn_with_markers(serve, page, tmp_path: Pat
         "attn_entropy:layer 0": ["lines+markers", 1],
         "attn_entropy:mean": ["lines+markers", 1],
     }
+
+
+def _task_run(root: Path) -> Path:
+    """A run folder of 6 steps whose ``[eval]`` scored the task ``bisect`` at steps 2, 4 and 6 and flagged
+    a regression at step 6 (records as ``TaskEvaluation`` writes them)."""
+    run = root / "tasks"
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text("[train]\nsteps = 6\n")
+    records = [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-3, "tokens_per_s": 9.0} for s in range(1, 7)]
+    records += [
+        {"step": s, "task/bisect/acc": a, "task/bisect/acc_stderr": 0.1}
+        for s, a in ((2, 0.5), (4, 0.6), (6, 0.3))
+    ]
+    records.append(
+        {"event": "task_regression", "step": 6, "task": "bisect", "metric": "acc", "value": 0.3, "best": 0.6}
+    )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run
+
+
+def test_task_scores_are_a_chart_and_regressions_marks(tmp_path: Path, serve, page):
+    """The API gives the task scores as the tasks chart's line (standard errors left out) and the
+    regression as an event mark; the browser draws both."""
+    _task_run(tmp_path / "runs")
+    code, body = _get(create_app(tmp_path / "runs").test_client(), "/api/runs/metrics", run="tasks")
+    assert code == 200
+    assert body["series"]["tasks"] == [
+        {"key": "task:task/bisect/acc", "label": "bisect/acc", "x": [2, 4, 6], "y": [0.5, 0.6, 0.3]}
+    ]
+    (mark,) = [m for m in body["marks"] if m["kind"] == "event"]
+    assert (mark["step"], mark["label"]) == (6, "task_regression") and "best=0.6" in mark["text"]
+    page.goto(f"{serve(tmp_path / 'runs')}/runs")
+    wait_render(page)
+    page.wait_for_function("(document.getElementById('chart-tasks').data || []).length === 1")
+    assert _traces(page, "tasks") == [{"name": "bisect/acc", "n": 3}]
+    labels = page.evaluate("document.getElementById('chart-loss').layout.annotations.map(a => a.text)")
+    assert "task_regression" in labels
+    assert page.locator("#marks tr[data-kind='event'][data-label='task_regression']").count() == 1

@@ -427,6 +427,20 @@ class EvalConfig(_Section):
     regression_factor: float = Field(
         2.0, ge=0, description="flag a score below best - factor x its standard error as a regression"
     )
+    keep_best: str = Field(
+        "",
+        description="a task of eval.tasks (its name, as in task/<name>/...) whose best score's checkpoint is "
+        "kept, named in RUN/best_task.json and never rotated away (empty: none)",
+    )
+
+    @model_validator(mode="after")
+    def _keep_best(self) -> EvalConfig:
+        if self.keep_best and not self.tasks:
+            raise ValueError(
+                f"eval.keep_best: {self.keep_best!r} names a task but eval.tasks is empty; add the task to "
+                "eval.tasks or leave eval.keep_best unset"
+            )
+        return self
 
 
 class GuardConfig(_Section):

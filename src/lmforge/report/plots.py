@@ -24,7 +24,8 @@ from lmforge.report.runs import RunRecords
 @dataclass(frozen=True)
 class Curve:
     """One key of one record kind; ``{i}`` / ``{kind}`` in ``key`` stand for a layer index / a name and
-    give one curve per matching key (``attn_entropy/layer.{i}``)."""
+    give one curve per matching key (``attn_entropy/layer.{i}``); ``{score}`` stands for a task's
+    ``<name>/<metric>`` (its ``_stderr`` key left out)."""
 
     kind: str
     key: str
@@ -118,6 +119,12 @@ PANELS = (
         ),
         log=True,
     ),
+    Panel(
+        "tasks",
+        "downstream task scores ([eval])",
+        "score",
+        (Curve("task", "task/{score}", "{score}", style="o-"),),
+    ),
     Panel("loss_scale", "fp16 loss scale", "scale", (Curve("step", "loss_scale", "scale"),), log=True),
     Panel(
         "moe_imbalance",
@@ -149,6 +156,7 @@ EVENT_MARKERS = {
     "data_skip": ">",
     "loss_scale_overflow": "s",
     "early_stop": "*",
+    "task_regression": "P",
 }
 STYLES = ("-", "--", ":", "-.")
 FEW_POINTS = 20  # a series with fewer points is drawn with a marker at each (one point makes no line)
@@ -158,7 +166,12 @@ def matching_keys(curve: Curve, keys: set[str]) -> list[tuple[str, str]]:
     """``(key, label)`` of every key of ``keys`` that ``curve`` names, layers in numeric order."""
     if "{" not in curve.key:
         return [(curve.key, curve.label)] if curve.key in keys else []
-    pattern = re.escape(curve.key).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{kind\}", r"(?P<kind>[^/.]+)")
+    pattern = (
+        re.escape(curve.key)
+        .replace(r"\{i\}", r"(?P<i>\d+)")
+        .replace(r"\{kind\}", r"(?P<kind>[^/.]+)")
+        .replace(r"\{score\}", r"(?P<score>[^/]+/[^/]+)(?<!_stderr)")
+    )
     found = []
     for key in keys:
         m = re.fullmatch(pattern, key)

@@ -1,8 +1,9 @@
-"""One run folder read back: its ``metrics.jsonl`` split into the four record kinds, series of one key,
+"""One run folder read back: its ``metrics.jsonl`` split into the five record kinds, series of one key,
 ``summary.json`` and the state of the run (finished, stopped, running or incomplete).
 
 A record of ``metrics.jsonl`` is an **event** (it has ``event``), a **detail** record (``detail: true``),
-an **evaluation** record (``val_loss``) or a **step** record (``tokens_per_s``; older runs: ``loss``).
+an **evaluation** record (``val_loss``), a **step** record (``tokens_per_s``; older runs: ``loss``) or a
+**task** record (downstream task scores of ``[eval]``: ``task/<name>/<metric>`` keys).
 Non-finite values are written as ``null``; a series leaves them out.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 from lmforge.errors import UserError
 
-KINDS = ("step", "eval", "detail", "event")
+KINDS = ("step", "eval", "detail", "event", "task")
 
 
 def record_kind(record: dict[str, Any]) -> str | None:
@@ -29,6 +30,8 @@ def record_kind(record: dict[str, Any]) -> str | None:
         return "eval"
     if "tokens_per_s" in record or "loss" in record:
         return "step"
+    if any(key.startswith("task/") for key in record):
+        return "task"
     return None
 
 

@@ -15,8 +15,9 @@ A checkpoint is a folder ``checkpoints/step_00000120/`` holding
   rank 0 once every rank's files are flushed, as ``manifest.json.tmp`` renamed: a checkpoint has a whole
   manifest or none (:func:`write_manifest`).
 
-Rank 0 keeps the ``train.keep_checkpoints`` newest checkpoints and the one ``RUN/best.json`` names (the
-best validation loss, written by early stopping), whatever its age.
+Rank 0 keeps the ``train.keep_checkpoints`` newest checkpoints and the ones ``RUN/best.json`` (the best
+validation loss, written by early stopping) and ``RUN/best_task.json`` (the best score of the task
+``eval.keep_best``) name, whatever their age.
 
 It is written under ``step_00000120.tmp/`` and renamed into place by rank 0 once every rank has written
 its part (DCP writes the metadata last, after gathering all ranks' results): a crash mid-write leaves
@@ -394,12 +395,34 @@ def write_best(run_dir: Path, step: int, val_loss: float) -> Path:
     return path
 
 
+def best_task_path(run_dir: Path) -> Path:
+    """``RUN/best_task.json``: the task, metric, step, score and checkpoint of the best score of the task
+    ``eval.keep_best``."""
+    return Path(run_dir) / "best_task.json"
+
+
+def write_best_task(run_dir: Path, task: str, metric: str, step: int, value: float) -> Path:
+    """Record ``step``'s checkpoint as the one of ``task``'s best score (atomically); :func:`prune` never
+    removes it."""
+    path = best_task_path(run_dir)
+    record = {
+        "task": task, "metric": metric, "step": step, "value": value,
+        "checkpoint": f"checkpoints/step_{step:08d}",
+    }  # fmt: skip
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
 def protected(run_dir: Path) -> set[str]:
-    """Names of checkpoints that rotation keeps whatever their age: the best one of ``RUN/best.json``."""
-    path = best_path(run_dir)
-    if not path.is_file():
-        return set()
-    return {Path(json.loads(path.read_text())["checkpoint"]).name}
+    """Names of checkpoints that rotation keeps whatever their age: the best ones of ``RUN/best.json``
+    (validation loss) and ``RUN/best_task.json`` (a task's score)."""
+    out = set()
+    for path in (best_path(run_dir), best_task_path(run_dir)):
+        if path.is_file():
+            out.add(Path(json.loads(path.read_text())["checkpoint"]).name)
+    return out
 
 
 def prune(run_dir: Path, keep: int) -> None:

@@ -21,7 +21,7 @@ from lmforge.train.callbacks import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.callbacks.control import StopOnSignal
 from lmforge.train.callbacks.detail import DetailMetrics
-from lmforge.train.callbacks.evaluation import EarlyStopping, Evaluation, TaskEvaluation
+from lmforge.train.callbacks.evaluation import BestTaskCheckpoint, EarlyStopping, Evaluation, TaskEvaluation
 from lmforge.train.callbacks.guard import StabilityGuard
 from lmforge.train.callbacks.metrics import StepMetrics
 from lmforge.train.callbacks.profile import Profile
@@ -149,6 +149,7 @@ def default_callbacks(
         *([TaskEvaluation(cfg)] if cfg.eval.tasks else []),
         Checkpointing(run_dir, config_toml),
         *([EarlyStopping(run_dir, t.early_stop_patience)] if t.early_stop_patience else []),
+        *([BestTaskCheckpoint(run_dir, cfg.eval.keep_best)] if cfg.eval.keep_best else []),
         *([Profile(run_dir, *t.profile_steps)] if t.profile_steps else []),
         Sample(),
         *sinks,

@@ -11,7 +11,8 @@ the final evaluation, checkpoint and sample, ``summary.json`` with ``early_stopp
 ``best_val_loss`` and ``best_checkpoint``, and the event ``{"event": "early_stop", ...}`` in
 ``metrics.jsonl``. Under several processes rank 0's loss is the one judged, so every rank decides alike.
 
-Downstream tasks during training (``[eval]``, :class:`TaskEvaluation`): scores and regression events.
+Downstream tasks during training (``[eval]``, :class:`TaskEvaluation`): scores and regression events, in
+every process layout; the checkpoint of a task's best score kept (:class:`BestTaskCheckpoint`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from lmforge.progress import Progress
 from lmforge.train.callbacks import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
 from lmforge.train.callbacks.sample import whole_model
-from lmforge.train.checkpoint import write_best
+from lmforge.train.checkpoint import write_best, write_best_task
 from lmforge.train.step import Action, StepResult
 from lmforge.train.trainer import Trainer
 
@@ -207,20 +208,19 @@ class TaskEvaluation(Callback):
     scores a checkpoint): a record ``{"step", "task/<name>/<metric>": value, "..._stderr": se}`` per
     evaluation, and an event ``{"event": "task_regression", "task", "value", "best", "best_step",
     "threshold"}`` when a score falls below ``best - eval.regression_factor x se`` (``se`` the score's
-    standard error, ``best`` the highest score so far, kept across a resume). The whole model is scored
-    on rank 0 (gathered there under data or tensor parallelism, every rank taking part); not under
-    pipeline parallelism, where no rank holds it. Tasks are read when the callback is made, before any
-    step; a loss task is refused (the validation loss is training's)."""
+    standard error, ``best`` the highest score so far, kept across a resume).
+
+    The whole model is scored on rank 0 in every layout (``sample.py::whole_model``: gathered there under
+    data, tensor and pipeline parallelism, every rank taking part), so a layout does not change a score;
+    rank 0's record and events are then broadcast and logged on every rank, so the callbacks after this
+    one (``BestTaskCheckpoint``) decide alike everywhere. Tasks are read when the callback is made, before
+    any step; a loss task is refused (the validation loss is training's), and so is an ``eval.keep_best``
+    that names none of the tasks."""
 
     state_key = "task_eval"
 
     def __init__(self, cfg: Config):
         self.cfg = cfg.eval
-        if cfg.parallel.pp > 1:
-            raise ConfigError(
-                f"eval.tasks: not under pipeline parallelism (parallel.pp = {cfg.parallel.pp}): no rank holds "
-                "the whole model; score the checkpoints with lmforge eval RUN --tasks"
-            )
         self.tasks = resolve_tasks(",".join(self.cfg.tasks))
         for task in self.tasks:
             if task.kind == "loss":
@@ -229,6 +229,12 @@ class TaskEvaluation(Callback):
                     "lmforge eval RUN --tasks scores loss tasks on checkpoints"
                 )
             task.items = task.items[: self.cfg.limit or None]
+        names = [task.name for task in self.tasks]
+        if self.cfg.keep_best and self.cfg.keep_best not in names:
+            raise ConfigError(
+                f"eval.keep_best: {self.cfg.keep_best!r} is not a task of eval.tasks ({', '.join(names)}); "
+                "name one of them"
+            )
         self.best: dict[str, list[float]] = {}  # task -> [step, value]
         self._last_step = -1
 
@@ -243,15 +249,18 @@ class TaskEvaluation(Callback):
 
     def score(self, trainer: Trainer) -> None:
         step = self._last_step = trainer.progress.step
-        model = whole_model(trainer.run)
-        if model is None:
-            return
+        model = whole_model(trainer.run)  # None on every rank but 0 under several processes
+        figures = None
+        if model is not None:
+            autocast = trainer.run.precision.autocast()
+            tok, size = trainer.run.data.tokenizer, self.cfg.batch_size
+            figures = {t.name: score_text_task(t, model, tok, size, autocast) for t in self.tasks}
+        del model
+        figures = _from_rank0(figures)
         record: dict = {"step": step}
         events = []
         for task in self.tasks:
-            r = score_text_task(
-                task, model, trainer.run.data.tokenizer, self.cfg.batch_size, trainer.run.precision.autocast()
-            )
+            r = figures[task.name]
             key = f"task/{task.name}/{task.metric}"
             record[key], record[f"{key}_stderr"] = r["value"], r["stderr"]
             best = self.best.get(task.name)
@@ -278,3 +287,77 @@ class TaskEvaluation(Callback):
 
     def load_state_dict(self, state: dict) -> None:
         self.best = {k: list(v) for k, v in state.get("best", {}).items()}
+
+
+def _from_rank0(value):
+    """Rank 0's picklable ``value`` on every rank (one object broadcast; a plain process: ``value``)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class BestTaskCheckpoint(Callback):
+    """``eval.keep_best = TASK``: the checkpoint of the step with ``TASK``'s highest score so far (a new
+    best is strictly higher, so the first of equal scores is kept) exists and is named in
+    ``RUN/best_task.json``, which checkpoint rotation never removes (``train/checkpoint.py::prune``); the
+    summary gets ``best_task_step``, ``best_task_value`` and ``best_task_checkpoint``. The scores are
+    :class:`TaskEvaluation`'s records, the same on every rank, so every rank takes part in the same saves.
+    Place it after ``TaskEvaluation`` and ``Checkpointing``: a step the interval checkpoint already wrote is
+    not written twice, and the final score is judged after the final checkpoint."""
+
+    state_key = "best_task"
+
+    def __init__(self, run_dir: Path, task: str):
+        self.run_dir, self.task = Path(run_dir), task
+        self.best = -math.inf
+        self.best_step = -1
+        self.metric = ""
+        self._pending: tuple[int, str, float] | None = None  # (step, metric, value) logged during this hook
+        self._saved_step = -1  # step of the newest checkpoint written
+
+    def on_log(self, trainer: Trainer, record: dict) -> None:
+        if "event" in record:
+            return
+        prefix = f"task/{self.task}/"
+        for key, value in record.items():
+            if key.startswith(prefix) and not key.endswith("_stderr"):
+                self._pending = (record["step"], key[len(prefix) :], value)
+
+    def on_checkpoint(self, trainer: Trainer, state: dict) -> None:
+        self._saved_step = state["progress"]["step"]
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        self._judge(trainer)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        self._judge(trainer)  # the final score (the final checkpoint is already written)
+        if self.best_step >= 0:
+            trainer.summary.update(
+                {
+                    "best_task_step": self.best_step,
+                    "best_task_value": self.best,
+                    "best_task_checkpoint": str(self.run_dir / f"checkpoints/step_{self.best_step:08d}"),
+                }
+            )
+
+    def _judge(self, trainer: Trainer) -> None:
+        if self._pending is None:
+            return
+        (step, metric, value), self._pending = self._pending, None
+        if not value > self.best:
+            return
+        self.best, self.best_step, self.metric = value, step, metric
+        if self._saved_step != step:
+            checkpointing = next(cb for cb in trainer.callbacks if isinstance(cb, Checkpointing))
+            checkpointing.save(trainer)
+        if trainer.run.layout.is_main:
+            write_best_task(self.run_dir, self.task, metric, step, value)
+            log.info("best %s %s %.4f at step %d: checkpoint kept", self.task, metric, value, step)
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "best_step": self.best_step, "metric": self.metric}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.best_step, self.metric = state["best"], state["best_step"], state["metric"]

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lmforge.data.preflight import default_sample_prompt
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.sampling import generate
 from lmforge.model.transformer import Transformer
+from lmforge.parallel.layout import Layout
 from lmforge.posttrain.run import chat_sample
 from lmforge.train.build import Run, build_model
 from lmforge.train.callbacks import Callback
@@ -26,17 +28,41 @@ def sample_text(model: Transformer, tok: Tokenizer, prompt: str, n: int, seed: i
 
 
 def whole_model(run: Run) -> Transformer | None:
-    """The trained model, whole, in this process: the run's own model for one process; under data or
-    tensor parallelism an unsharded copy gathered on rank 0 (every rank takes part; None on the others)."""
+    """The trained model, whole, in this process: the run's own model for one process; under several
+    processes an unsharded copy on rank 0's CPU (None on the other ranks). Every rank takes part.
+
+    Data or tensor parallelism: ``get_model_state_dict`` gathers every sharded parameter onto rank 0's
+    CPU. A pipeline: each stage's ranks first gather their stages' parameters in full (on every rank of
+    the stage, since the offloading gather keeps them on global rank 0 alone), then the ranks of rank 0's
+    pipeline group (one per stage) send theirs to rank 0 (:func:`pipeline_state`). The copy has the run's
+    parameter dtype (float64 under ``train.precision = "fp64"``, else float32)."""
     if not run.layout.distributed:
         return run.model
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    pipeline = run.layout.degrees["pp"] > 1
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not pipeline)
     state = get_model_state_dict(run.model, options=options)
+    if pipeline:
+        state = pipeline_state(state, run.layout)
     if not run.layout.is_main:
         return None
     model = build_model(run.cfg, run.data.tokenizer.vocab_size, torch.device("cpu"), init=False)
+    if next(run.model.parameters()).dtype == torch.float64:
+        model.to(torch.float64)
     model.load_state_dict(state)
     return model
+
+
+def pipeline_state(state: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+    """The whole model's parameters on rank 0 from ``state``, each rank's full stages: the ranks of rank
+    0's pipeline group (coordinate 0 in every other mesh dimension) send theirs to rank 0 over that group;
+    their union is the whole model (a tied head's copy on the last stage comes as ``lm_head.weight``, the
+    same values as ``embed.weight``). Empty on every rank but 0."""
+    if any(layout.mesh.get_coordinate()[1:]):  # (pp, dp_replicate, dp_shard, tp): not rank 0's pipeline
+        return {}
+    local = {name: t.detach().to("cpu") for name, t in state.items()}
+    parts: list[dict] | None = [{} for _ in range(layout.degrees["pp"])] if layout.is_main else None
+    dist.gather_object(local, parts, dst=0, group=layout.group("pp"))
+    return {name: t for part in parts or [] for name, t in part.items()}
 
 
 class Sample(Callback):

@@ -1,7 +1,8 @@
 """The training dashboard: the runs under RUNS_DIR with their status, and the curves of the selected runs
-(loss, learning rate, gradient and parameter norms, attention entropy per layer) overlaid, one colour per
-run, with the guard's events, the mixture's phase changes and the end of the LR warmup marked on the loss
-curve, and the config keys in which the selected runs differ.
+(loss, learning rate, gradient and parameter norms, attention entropy per layer, downstream task scores)
+overlaid, one colour per run, with the events (the guard's, early stopping, task regressions), the
+mixture's phase changes and the end of the LR warmup marked on the loss curve, and the config keys in
+which the selected runs differ.
 
 Everything is read by lmforge's own readers: the record kinds of ``lmforge.report.runs``, the panels of
 ``lmforge plot`` (``report/plots.py``), ``lmforge compare``'s rows and config differences
@@ -28,7 +29,7 @@ from lmforge.web.registry import Page
 from lmforge.web.run_files import RowCache, last_write, list_runs, read_new_records, run_folder, shown_status
 
 blueprint = Blueprint("runs", __name__)
-CHARTS = ("loss", "lr", "norms", "attn_entropy")  # the panels of report/plots.py this page draws
+CHARTS = ("loss", "lr", "norms", "attn_entropy", "tasks")  # the panels of report/plots.py this page draws
 MAX_DIFF_RUNS = 12
 
 
@@ -245,8 +246,8 @@ PAGE = Page(
     "runs",
     "Training dashboard",
     10,
-    "runs and their status; live loss, learning-rate, norm and attention-entropy curves, overlaid, with "
-    "guard events, phase changes and config differences",
+    "runs and their status; live loss, learning-rate, norm, attention-entropy and task-score curves, "
+    "overlaid, with guard events, task regressions, phase changes and config differences",
     blueprint,
     group="runs",
 )
