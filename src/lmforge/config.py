@@ -466,6 +466,26 @@ class GuardConfig(_Section):
         return self
 
 
+class PowerSGDConfig(_Section):
+    """PowerSGD gradient compression (Vogels et al. 2019; ``parallel.ddp_comm_hook = "powersgd"``): each
+    gradient matrix ``M`` (n x m) is all-reduced as rank-``r`` factors ``P = M Q`` (n x r) and ``Q = M^T P``
+    (m x r), ``(n + m) r`` numbers instead of ``n m``, with error feedback and a warm-started ``Q``."""
+
+    rank: int = Field(1, ge=1, description="rank r of the low-rank approximation of each gradient matrix")
+    start_step: int = Field(
+        2,
+        ge=2,
+        description="gradient synchronisations all-reduced uncompressed (FP32) before compression starts "
+        "(at least 2: DDP rebuilds its buckets after the first)",
+    )
+    min_compression_rate: float = Field(
+        2.0,
+        gt=0,
+        description="a matrix is compressed only when n m / ((n + m) r) exceeds this; the others (norms, "
+        "biases, small matrices) are all-reduced whole",
+    )
+
+
 class ParallelConfig(_Section):
     """How a run spreads over the processes ``torchrun`` starts (one process: every degree 1).
 
@@ -503,6 +523,15 @@ class ParallelConfig(_Section):
         description="FSDP2 (dp_shard > 1, zero 2 or 3, no pp) with accumulation: keep unsharded FP32 "
         "gradients over a step's micro-batches and reduce-scatter them once per step (more memory, fewer "
         "collectives; with one micro-batch per step it changes nothing)",
+    )
+    ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = Field(
+        "none",
+        description="DDP gradient compression (a torch communication hook; DDP and ZeRO-1 only): none "
+        "(FP32 all-reduce), bf16 / fp16 (gradients cast to 16 bits, averaged, cast back: half the bytes), "
+        "powersgd (low-rank factors with error feedback: parallel.powersgd)",
+    )
+    powersgd: PowerSGDConfig = Field(
+        default_factory=PowerSGDConfig, description='used when parallel.ddp_comm_hook = "powersgd"'
     )
     max_memory_gb: float | None = Field(
         None,

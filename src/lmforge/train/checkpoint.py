@@ -9,7 +9,8 @@ A checkpoint is a folder ``checkpoints/step_00000120/`` holding
   FSDP2 processes loads into 2, into a tensor-parallel layout, or into one plain process, and back;
 * ``trainer.pt``: the rest of the training state from rank 0 (progress, loader position, schedule,
   clipping, precision, callbacks, the resolved config);
-* ``rng/rank_00003.pt``: each rank's random-generator states;
+* ``rng/rank_00003.pt``: each rank's random-generator states; ``comm/rank_00003.pt``: each rank's state
+  of DDP's gradient compression (PowerSGD's error feedback, ``parallel/comm_hooks.py``), when it has one;
 * ``config.toml``: the resolved config as a recipe;
 * ``manifest.json``: every other file's size and SHA-256 (what ``sha256sum`` prints), written last by
   rank 0 once every rank's files are flushed, as ``manifest.json.tmp`` renamed: a checkpoint has a whole
@@ -87,6 +88,7 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d{8})$")
 TENSOR_KEYS = ("model", "optimizer")  # the parts of a training state that DCP writes
+PER_RANK_KEYS = ("rng", "comm")  # the parts each rank writes for itself, as KEY/rank_N.pt
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # what DCP warns at every save and load without a process group
 _NO_GROUP = (
@@ -486,10 +488,15 @@ def save_checkpoint(
     rank = _rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        tmp.mkdir(parents=True)
+        for key in PER_RANK_KEYS:
+            if state.get(key) or key == "rng":
+                (tmp / key).mkdir()
     _barrier()
-    rest = {k: v for k, v in state.items() if k not in TENSOR_KEYS and k != "rng"}
-    torch.save(state["rng"], tmp / "rng" / f"rank_{rank:05d}.pt")
+    rest = {k: v for k, v in state.items() if k not in TENSOR_KEYS and k not in PER_RANK_KEYS}
+    for key in PER_RANK_KEYS:
+        if state.get(key) or key == "rng":
+            torch.save(state[key], tmp / key / f"rank_{rank:05d}.pt")
     if rank == 0:
         torch.save(rest, tmp / "trainer.pt")
         (tmp / "config.toml").write_text(config_toml)
@@ -531,13 +538,16 @@ def _save_alone_in_background(tensors: dict, tmp: Path) -> Future:
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
-    """The checkpoint's non-tensor state (progress, loader, config, ...) and this rank's RNG states (rank
-    0's when the checkpoint had fewer ranks)."""
+    """The checkpoint's non-tensor state (progress, loader, config, ...), this rank's RNG states (rank 0's
+    when the checkpoint had fewer ranks) and this rank's gradient-compression state (``comm``: none when
+    the checkpoint has none for this rank)."""
     path = Path(path)
     # weights_only=False: the state holds numpy / Python RNG states written by lmforge itself.
     state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
     rng = path / "rng" / f"rank_{_rank():05d}.pt"
     state["rng"] = torch.load(rng if rng.is_file() else path / "rng" / "rank_00000.pt", weights_only=False)
+    comm = path / "comm" / f"rank_{_rank():05d}.pt"
+    state["comm"] = torch.load(comm, map_location="cpu", weights_only=False) if comm.is_file() else {}
     return state
 
 
