@@ -328,7 +328,19 @@ class TrainConfig(_Section):
         65536, ge=1, description="validation tokens per evaluation (capped by the split)"
     )
     checkpoint_interval: int = Field(250, ge=0, description="steps between checkpoints (0: only at the end)")
-    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept on disk")
+    keep_checkpoints: int = Field(
+        2,
+        ge=1,
+        description="newest checkpoints kept on disk (and the full ones that kept differential ones need)",
+    )
+    checkpoint_full_every: int = Field(
+        1,
+        ge=1,
+        description="differential checkpoints: every N-th checkpoint of a process is full (the first always "
+        "is), the N - 1 after it store only the tensors that changed since that full one and read the rest "
+        "from it (restored bitwise); 1: every checkpoint full. Saves bytes where tensors stay unchanged "
+        "(frozen weights, LoRA's base), not under full AdamW training",
+    )
     async_checkpoint: bool = Field(
         False, description="write checkpoints in the background while training goes on (DCP async save)"
     )
