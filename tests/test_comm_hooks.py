@@ -1,5 +1,6 @@
 """DDP gradient compression (``parallel.ddp_comm_hook``): refused where DDP is not the layout; under DDP the
-16-bit hooks' average against a hand computation, the bytes they send, PowerSGD's loss and its resume."""
+16-bit hooks' average against a hand computation, the bytes they send, PowerSGD's loss and its resume
+(and, in the same two-process launch, differential checkpoints written and restored by two ranks)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,8 @@ def test_ddp_compression_hooks(tmp_path):
     assert got["comm_files"] == ["rank_00000.pt", "rank_00001.pt"]
     assert got["resume"]["diff"] == 0.0 and losses["resumed"] == losses["powersgd"], got["resume"]
     assert got["resume"]["relaid"] >= 1 and got["resume"]["without_state"] > 1e-3, got["resume"]
+    # differential checkpoints over 2 ranks (train/differential.py): a key is unchanged only if no rank saw
+    # it change; after one matrix changed only it is written, and the state is restored bitwise
+    diff = got["differential"]
+    assert diff["agreed"] == ["a", "c"] and diff["written"] == ["blocks.0.attn.q_proj.weight"], diff
+    assert diff["diff"] == 0.0, diff

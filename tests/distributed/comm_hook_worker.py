@@ -18,7 +18,8 @@ rank reading its own random batches (drawn from a seed of the rank and the step)
   ``comm/`` files), loaded into a model built from another seed, continued to ``STEPS``: the largest
   difference of its parameters to the uninterrupted run's, on every rank (gathered), and whether DDP's
   bucket layout changed under the hook (the state was re-laid); ``without_state``: the same difference
-  when the resumed hook starts without its state (error feedback and ``Q`` lost).
+  when the resumed hook starts without its state (error feedback and ``Q`` lost);
+* ``differential``: differential checkpoints over the two ranks (:func:`differential`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from lmforge.train.checkpoint import (
     optimizer_state,
     save_checkpoint,
 )
+from lmforge.train.differential import Differential, digests, unchanged_keys
 from lmforge.train.runtime import rng_state
 
 CPU = torch.device("cpu")
@@ -145,6 +147,32 @@ def expected_psgd_bytes(model: Transformer, rank: int) -> int:
     return total * 4
 
 
+def differential(run_dir: Path, model: Transformer) -> dict:
+    """Differential checkpoints over 2 ranks: the unchanged keys agreed (a key one rank saw change is
+    written), and a differential save of the DDP model's state after one tensor changed, restored into a
+    model built from another seed: the largest difference to the state saved (0: bitwise)."""
+    rank = dist.get_rank()
+    # rank 1 holds "b" changed, rank 0 unchanged; "c" only on rank 0 (ZeRO-1 or a pipeline), unchanged
+    now = {"a": "x", "b": "y" if rank == 0 else "z", **({"c": "w"} if rank == 0 else {})}
+    agreed = sorted(unchanged_keys(now, {"a": "x", "b": "y", "c": "w"}))
+    first = {"model": model_state(model), "optimizer": {}, "rng": rng_state()}
+    save_checkpoint(run_dir, 100, first, "", keep=5)
+    base = digests({"model": first["model"]})
+    with torch.no_grad():
+        model.blocks[0].attn.q_proj.weight.add_(1.0)
+    second = {"model": model_state(model), "optimizer": {}, "rng": rng_state()}
+    same = unchanged_keys(digests({"model": second["model"]}), base)
+    save_checkpoint(run_dir, 101, second, "", keep=5, differential=Differential("step_00000100", same))
+    fresh, _ = build(11)
+    opt = torch.optim.AdamW(fresh.parameters())
+    state = load_training_state(run_dir / "checkpoints" / "step_00000101", fresh, opt)
+    fresh.load_state_dict(state["model"])
+    worst = max(
+        (a - b).abs().max().item() for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
+    )
+    return {"agreed": agreed, "written": sorted(set(second["model"]) - {k[6:] for k in same}), "diff": worst}
+
+
 def main() -> None:
     torch.set_num_threads(1)
     run_dir = Path(sys.argv[1])
@@ -176,6 +204,7 @@ def main() -> None:
         (a - b).abs().max().item() for a, b in zip(whole.parameters(), fresh.parameters(), strict=True)
     )
     out["resume"] = {"diff": worst.item(), "relaid": rest_hook.relaid, "without_state": fresh_worst}
+    out["differential"] = differential(run_dir / "diff", whole)
     out["comm_files"] = sorted(
         p.name for p in (run_dir / "checkpoints" / f"step_{CUT:08d}" / "comm").iterdir()
     )
