@@ -328,7 +328,19 @@ class TrainConfig(_Section):
         65536, ge=1, description="validation tokens per evaluation (capped by the split)"
     )
     checkpoint_interval: int = Field(250, ge=0, description="steps between checkpoints (0: only at the end)")
-    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept on disk")
+    keep_checkpoints: int = Field(
+        2,
+        ge=1,
+        description="newest checkpoints kept on disk (and the full ones that kept differential ones need)",
+    )
+    checkpoint_full_every: int = Field(
+        1,
+        ge=1,
+        description="differential checkpoints: every N-th checkpoint of a process is full (the first always "
+        "is), the N - 1 after it store only the tensors that changed since that full one and read the rest "
+        "from it (restored bitwise); 1: every checkpoint full. Saves bytes where tensors stay unchanged "
+        "(frozen weights, LoRA's base), not under full AdamW training",
+    )
     async_checkpoint: bool = Field(
         False, description="write checkpoints in the background while training goes on (DCP async save)"
     )
@@ -480,6 +492,26 @@ class GuardConfig(_Section):
         return self
 
 
+class PowerSGDConfig(_Section):
+    """PowerSGD gradient compression (Vogels et al. 2019; ``parallel.ddp_comm_hook = "powersgd"``): each
+    gradient matrix ``M`` (n x m) is all-reduced as rank-``r`` factors ``P = M Q`` (n x r) and ``Q = M^T P``
+    (m x r), ``(n + m) r`` numbers instead of ``n m``, with error feedback and a warm-started ``Q``."""
+
+    rank: int = Field(1, ge=1, description="rank r of the low-rank approximation of each gradient matrix")
+    start_step: int = Field(
+        2,
+        ge=2,
+        description="gradient synchronisations all-reduced uncompressed (FP32) before compression starts "
+        "(at least 2: DDP rebuilds its buckets after the first)",
+    )
+    min_compression_rate: float = Field(
+        2.0,
+        gt=0,
+        description="a matrix is compressed only when n m / ((n + m) r) exceeds this; the others (norms, "
+        "biases, small matrices) are all-reduced whole",
+    )
+
+
 class ParallelConfig(_Section):
     """How a run spreads over the processes ``torchrun`` starts (one process: every degree 1).
 
@@ -517,6 +549,15 @@ class ParallelConfig(_Section):
         description="FSDP2 (dp_shard > 1, zero 2 or 3, no pp) with accumulation: keep unsharded FP32 "
         "gradients over a step's micro-batches and reduce-scatter them once per step (more memory, fewer "
         "collectives; with one micro-batch per step it changes nothing)",
+    )
+    ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = Field(
+        "none",
+        description="DDP gradient compression (a torch communication hook; DDP and ZeRO-1 only): none "
+        "(FP32 all-reduce), bf16 / fp16 (gradients cast to 16 bits, averaged, cast back: half the bytes), "
+        "powersgd (low-rank factors with error feedback: parallel.powersgd)",
+    )
+    powersgd: PowerSGDConfig = Field(
+        default_factory=PowerSGDConfig, description='used when parallel.ddp_comm_hook = "powersgd"'
     )
     max_memory_gb: float | None = Field(
         None,

@@ -67,6 +67,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from lmforge.config import LoraConfig, TrainConfig, check_activation_checkpointing
 from lmforge.model.lora import adapter_plan, apply_lora, quantize_base
 from lmforge.model.moe import expert_params
+from lmforge.parallel.comm_hooks import CommHook
 from lmforge.parallel.data_parallel import apply_ddp, apply_fsdp
 from lmforge.parallel.layout import SINGLE, Layout
 from lmforge.parallel.materialize import Init, is_meta
@@ -86,6 +87,7 @@ class ApplyContext:
     compute_dtype: torch.dtype = torch.float32
     init: Init | None = None
     lora: LoraConfig | None = None
+    comm: CommHook | None = None  # DDP's gradient compression (parallel.ddp_comm_hook)
 
 
 def can_compile(enabled: bool, device: torch.device) -> bool:
@@ -271,7 +273,8 @@ def compile_module(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn
 
 def data_parallel(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
     """FSDP2 (blocks, then the objective) or DDP over the data-parallel ranks
-    (``lmforge/parallel/data_parallel.py``); one process: unchanged. DDP broadcasts rank 0's values when it
+    (``lmforge/parallel/data_parallel.py``), DDP with ``ctx.comm``'s gradient compression; one process:
+    unchanged. DDP broadcasts rank 0's values when it
     wraps, so a meta model is materialised first (:func:`materialize`)."""
     kind = ctx.layout.kind
     # expert-parallel experts keep their own data parallelism (parallel/expert.py::ExpertGradSync)
@@ -281,7 +284,8 @@ def data_parallel(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.
         blocks = list(model.blocks.values())
         return apply_fsdp(module, blocks, ctx.layout, ctx.compute_dtype, head, ignored=experts)
     if kind in ("ddp", "zero1"):
-        return apply_ddp(materialize(module, model, ctx), ctx.layout, ctx.device, ignored=experts)
+        real = materialize(module, model, ctx)
+        return apply_ddp(real, ctx.layout, ctx.device, ignored=experts, comm=ctx.comm)
     return module
 
 

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from lmforge.parallel.comm_hooks import CommHook
 from lmforge.parallel.expert import ExpertGradSync
 from lmforge.parallel.layout import Layout
 
@@ -82,9 +83,11 @@ def apply_ddp(
     layout: Layout,
     device: torch.device,
     ignored: set[nn.Parameter] | frozenset = frozenset(),
+    comm: CommHook | None = None,
 ) -> nn.Module:
     """``DistributedDataParallel`` over all data-parallel ranks (also under ZeRO-1); ``ignored``: parameters
-    DDP neither broadcasts nor reduces (expert-parallel experts).
+    DDP neither broadcasts nor reduces (expert-parallel experts); ``comm``: the gradient compression of
+    ``parallel.ddp_comm_hook`` (``parallel/comm_hooks.py``), registered on it.
 
     ``init_sync=False``: DDP does not broadcast rank 0's parameters and buffers when it wraps the model.
     Every rank already holds the same values (the build draws them from ``train.seed`` on every rank,
@@ -96,9 +99,12 @@ def apply_ddp(
     if ignored:
         names = [n for n, p in objective.named_parameters() if p in ignored]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(objective, names)
-    return DistributedDataParallel(
+    ddp = DistributedDataParallel(
         objective, device_ids=ids, process_group=layout.group("dp"), init_sync=False
     )
+    if comm is not None:
+        comm.register(ddp, [p for p in objective.parameters() if p.requires_grad and p not in ignored])
+    return ddp
 
 
 class GradientSync:

@@ -110,6 +110,12 @@ def check_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -> 
             "--parallel.dp_shard above 1 with --parallel.zero=2 or 3 and no pipeline (DDP and ZeRO-1 already "
             "reduce once per step, a pipeline's schedule once per micro-batch); remove the key"
         )
+    if p.ddp_comm_hook != "none" and kind not in ("ddp", "zero1"):
+        where = "FSDP2 reduce-scatters without DDP's hooks" if kind == "fsdp" else "one replica sends nothing"
+        raise ConfigError(
+            f"parallel.ddp_comm_hook: {p.ddp_comm_hook!r} compresses DDP's gradient all-reduce, and this layout "
+            f"has no DDP ({where}); use --parallel.dp_replicate above 1 (or --parallel.zero=1) or remove the key"
+        )
     if kind in ("ddp", "zero1") and p.pp > 1:  # DDP's reducer fails on a stage's per-microbatch backwards
         key = "parallel.zero" if kind == "zero1" else "parallel.dp_replicate"
         raise ConfigError(

@@ -47,6 +47,7 @@ from lmforge.optim.clip import Clipper
 from lmforge.optim.grad_transforms import GradTransforms
 from lmforge.optim.schedules import Schedule
 from lmforge.parallel.apply import ApplyContext, apply, can_compile, lora, materialize
+from lmforge.parallel.comm_hooks import CommHook, comm_hook
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.parallel.layout import SINGLE, Layout, check_layout, init_layout, launch_env
 from lmforge.parallel.materialize import Init
@@ -164,16 +165,18 @@ def training_module(
     layout: Layout = SINGLE,
     compute_dtype: torch.dtype = torch.float32,
     run_dir: Path | None = None,
+    comm: CommHook | None = None,
 ) -> TrainModule:
     """The training module of ``cfg`` (no pipeline): the model built on the meta device, with its loss
     (next-token; DPO: each sequence's log-probability) transformed in the fixed order, then this rank's
-    shards materialised and initialised from ``train.seed`` as one process would (``parallel/apply.py``)."""
+    shards materialised and initialised from ``train.seed`` as one process would (``parallel/apply.py``);
+    ``comm``: DDP's gradient compression (:func:`~lmforge.parallel.comm_hooks.comm_hook`)."""
     t = cfg.train
     with torch.device("meta"):
         model = model_class(cfg)(cfg.model, vocab_size, cfg.data.seq_len, t.attention, t.moe_kernel)
     seed_all(t.seed)  # Python's and numpy's generators as one process's build leaves them
     init = Init(device, tuple(model.init_plan()), t.seed)
-    ctx = ApplyContext(t, device, layout, compute_dtype, init, cfg.lora)
+    ctx = ApplyContext(t, device, layout, compute_dtype, init, cfg.lora, comm)
     loss = {"dpo": SequenceLogps, "rl": TokenLogps, "reward": RewardScores}.get(t.objective, NextTokenLoss)
     arg = run_pad_id(cfg) if t.objective == "reward" else t.loss_chunk  # RewardScores: the padding id
     train_fn = apply(loss(model, arg), model, ctx)
@@ -218,6 +221,7 @@ class Run:
     layout: Layout = SINGLE
     reduce: StepReduce = field(default_factory=StepReduce)
     transforms: GradTransforms = field(default_factory=lambda: GradTransforms({}))  # noise, centralization
+    comm: CommHook | None = None  # DDP's gradient compression and its byte count (DDP and ZeRO-1 only)
 
     @property
     def tokens_per_step(self) -> int:
@@ -255,10 +259,13 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
     vocab = data.tokenizer.vocab_size
     with torch.device("meta"):
         n_params = Transformer(cfg.model, vocab, cfg.data.seq_len).num_params(False)
+    comm = None
+    if layout.kind in ("ddp", "zero1"):
+        comm = comm_hook(cfg.parallel, layout.group("dp"), cfg.train.seed, layout.dp)
     if layout.degrees["pp"] > 1:
         module = build_pipeline(cfg, vocab, device, layout, precision)
     else:
-        module = training_module(cfg, vocab, device, layout, precision.compute_dtype, run_dir)
+        module = training_module(cfg, vocab, device, layout, precision.compute_dtype, run_dir, comm)
     model = module.model
     if auto and device.type == "cuda" and not layout.distributed:
         cfg = probe(module.train_fn, cfg, smaller, vocab, precision.autocast, optimizer_bytes)
@@ -305,6 +312,7 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
         layout=layout,
         reduce=StepReduce(layout),
         transforms=grad_transforms(cfg, model),
+        comm=comm,
     )
 
 

@@ -9,15 +9,20 @@ A checkpoint is a folder ``checkpoints/step_00000120/`` holding
   FSDP2 processes loads into 2, into a tensor-parallel layout, or into one plain process, and back;
 * ``trainer.pt``: the rest of the training state from rank 0 (progress, loader position, schedule,
   clipping, precision, callbacks, the resolved config);
-* ``rng/rank_00003.pt``: each rank's random-generator states;
+* ``rng/rank_00003.pt``: each rank's random-generator states; ``comm/rank_00003.pt``: each rank's state
+  of DDP's gradient compression (PowerSGD's error feedback, ``parallel/comm_hooks.py``), when it has one;
 * ``config.toml``: the resolved config as a recipe;
+* ``differential.json`` in a differential checkpoint only (``train.checkpoint_full_every``,
+  ``train/differential.py``): the full checkpoint it is relative to and the keys read from there; its DCP
+  files hold only the tensors that changed since that full save;
 * ``manifest.json``: every other file's size and SHA-256 (what ``sha256sum`` prints), written last by
   rank 0 once every rank's files are flushed, as ``manifest.json.tmp`` renamed: a checkpoint has a whole
   manifest or none (:func:`write_manifest`).
 
-Rank 0 keeps the ``train.keep_checkpoints`` newest checkpoints and the ones ``RUN/best.json`` (the best
+Rank 0 keeps the ``train.keep_checkpoints`` newest checkpoints, the ones ``RUN/best.json`` (the best
 validation loss, written by early stopping) and ``RUN/best_task.json`` (the best score of the task
-``eval.keep_best``) name, whatever their age.
+``eval.keep_best``) name, whatever their age, and the full checkpoint each kept differential one reads
+from.
 
 It is written under ``step_00000120.tmp/`` and renamed into place by rank 0 once every rank has written
 its part (DCP writes the metadata last, after gathering all ranks' results): a crash mid-write leaves
@@ -28,7 +33,8 @@ training goes on, and the rename happens at the first step end after the write f
 
 A resume takes the newest *valid* checkpoint (:func:`newest_valid_checkpoint`, :func:`checkpoint_problem`):
 one whose files match its manifest. A damaged or incomplete one (a torn write, a truncated or missing
-shard, a changed byte) is named in one log line, with the file, and skipped; it stays on disk until the
+shard, a changed byte; a differential one whose base is missing or damaged) is named in one log line,
+with the file, and skipped; it stays on disk until the
 run saves that step again. A checkpoint without a manifest, in a run whose older checkpoints have one, is
 a write that did not finish. In a run where no older checkpoint has one it was written by an lmforge
 before manifests (:data:`LEGACY`): it is checked as far as it can be without checksums (every file DCP's
@@ -83,11 +89,19 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from lmforge.errors import UserError
 from lmforge.model.transformer import Transformer
+from lmforge.train.differential import (
+    Differential,
+    base_folder,
+    read_differential,
+    write_differential,
+    written_part,
+)
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d{8})$")
 TENSOR_KEYS = ("model", "optimizer")  # the parts of a training state that DCP writes
+PER_RANK_KEYS = ("rng", "comm")  # the parts each rank writes for itself, as KEY/rank_N.pt
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # what DCP warns at every save and load without a process group
 _NO_GROUP = (
@@ -225,10 +239,21 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     set_optimizer_state_dict(model, optimizer, _as_held(state, model), options=OPTIONS)
 
 
+def _metadata(path: Path) -> dict:
+    """DCP's index of every stored entry, ``{flat key: metadata}``; a differential checkpoint's with those
+    its base holds for it."""
+    meta = dict(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    record = read_differential(path)
+    if record is not None:
+        below = dcp.FileSystemReader(str(Path(path).parent / record.base)).read_metadata().state_dict_metadata
+        meta.update({k: v for k, v in below.items() if k in record.from_base})
+    return meta
+
+
 def _zero_template(path: Path, model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict:
     """Buffers for the checkpoint's optimizer entries of this rank's ZeRO-1 parameters (shapes from the
     checkpoint's metadata: ZeRO-1 parameters are whole, so the stored tensors are what the rank holds)."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    meta = _metadata(path)
     mine = tuple(f"optimizer.state.{n}." for n in _names(model, optimizer.optim))
     out = {}
     for key, md in meta.items():
@@ -317,7 +342,15 @@ def checkpoint_problem(folder: Path, manifests_before: bool) -> str | None:
     """What is wrong with the checkpoint ``folder`` (None: nothing). ``manifests_before``: an older
     checkpoint of the same run has a manifest, so this one was written by an lmforge that writes them."""
     if has_manifest(folder):
-        return _against_manifest(folder)
+        problem = _against_manifest(folder)
+        base = base_folder(folder) if problem is None else None
+        if base is not None:
+            if not is_complete(base):
+                return f"differential against {base.name}, which is missing or incomplete"
+            below = checkpoint_problem(base, manifests_before=True)
+            if below is not None:
+                return f"differential against {base.name}, which is damaged ({below})"
+        return problem
     if manifests_before:
         return f"{MANIFEST}: missing (the write did not finish)"
     return _against_index(folder)
@@ -426,9 +459,12 @@ def protected(run_dir: Path) -> set[str]:
 
 
 def prune(run_dir: Path, keep: int) -> None:
-    """Remove all but the ``keep`` newest complete checkpoints and the :func:`protected` ones."""
-    keep_names = protected(run_dir)
-    for old in list_checkpoints(run_dir)[:-keep]:
+    """Remove all but the ``keep`` newest complete checkpoints, the :func:`protected` ones and the full
+    checkpoints that the kept differential ones read from."""
+    found = list_checkpoints(run_dir)
+    keep_names = protected(run_dir) | {p.name for p in found[-keep:]}
+    keep_names |= {base.name for p in found if p.name in keep_names and (base := base_folder(p)) is not None}
+    for old in found[:-keep]:
         if old.name not in keep_names:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -497,26 +533,37 @@ def save_checkpoint(
     keep: int,
     background: bool = False,
     group: dist.ProcessGroup | None = None,
+    differential: Differential | None = None,
 ) -> PendingSave:
     """Write ``state`` for ``step`` (every rank calls this); with ``background`` the tensors are written by
     a thread, coordinating over ``group`` (a process group of its own, so that its collectives never
     interleave with training's), and the caller must :meth:`PendingSave.finish` later; else the
     checkpoint is complete on return. Rank 0 prunes to the ``keep`` newest checkpoints (:func:`prune`: and the
-    best one)."""
+    best one). With ``differential`` the tensors of its ``from_base`` keys are not written: they are read
+    from its base (``train/differential.py``)."""
     root = checkpoint_dir(run_dir)
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
     rank = _rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        tmp.mkdir(parents=True)
+        for key in PER_RANK_KEYS:
+            if state.get(key) or key == "rng":
+                (tmp / key).mkdir()
     _barrier()
-    rest = {k: v for k, v in state.items() if k not in TENSOR_KEYS and k != "rng"}
-    torch.save(state["rng"], tmp / "rng" / f"rank_{rank:05d}.pt")
+    rest = {k: v for k, v in state.items() if k not in TENSOR_KEYS and k not in PER_RANK_KEYS}
+    for key in PER_RANK_KEYS:
+        if state.get(key) or key == "rng":
+            torch.save(state[key], tmp / key / f"rank_{rank:05d}.pt")
     if rank == 0:
         torch.save(rest, tmp / "trainer.pt")
         (tmp / "config.toml").write_text(config_toml)
+        if differential is not None:
+            write_differential(tmp, differential)
     tensors = {k: state[k] for k in TENSOR_KEYS}
+    if differential is not None:
+        tensors = written_part(tensors, differential.from_base)
     if background:
         if dist.is_initialized():
             future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=group)
@@ -554,34 +601,55 @@ def _save_alone_in_background(tensors: dict, tmp: Path) -> Future:
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
-    """The checkpoint's non-tensor state (progress, loader, config, ...) and this rank's RNG states (rank
-    0's when the checkpoint had fewer ranks)."""
+    """The checkpoint's non-tensor state (progress, loader, config, ...), this rank's RNG states (rank 0's
+    when the checkpoint had fewer ranks) and this rank's gradient-compression state (``comm``: none when
+    the checkpoint has none for this rank)."""
     path = Path(path)
     # weights_only=False: the state holds numpy / Python RNG states written by lmforge itself.
     state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
     rng = path / "rng" / f"rank_{_rank():05d}.pt"
     state["rng"] = torch.load(rng if rng.is_file() else path / "rng" / "rank_00000.pt", weights_only=False)
+    comm = path / "comm" / f"rank_{_rank():05d}.pt"
+    state["comm"] = torch.load(comm, map_location="cpu", weights_only=False) if comm.is_file() else {}
     return state
 
 
 def saved_keys(path: Path) -> set[str]:
-    """Flat DCP keys stored in the checkpoint (``model.embed.weight``, ``optimizer.state....``)."""
-    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    """Flat DCP keys of the checkpoint's state (``model.embed.weight``, ``optimizer.state....``); a
+    differential checkpoint's include those it reads from its base."""
+    keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    record = read_differential(path)
+    return keys if record is None else keys | record.from_base
+
+
+def _dcp_load(parts: dict[str, dict], path: Path) -> None:
+    """``dcp.load`` of the non-empty ``parts`` from ``path``, in place (non-tensor values replaced in the
+    part dicts)."""
+    wanted = {k: v for k, v in parts.items() if v}
+    if not wanted:
+        return
+    with _without_group():
+        dcp.load(wanted, checkpoint_id=str(path), no_dist=not dist.is_initialized())
 
 
 def load_tensors(path: Path, template: dict[str, dict]) -> dict[str, dict]:
     """Fill ``template`` (``{"model": ..., "optimizer": ...}`` in the current layout, DTensors where
     sharded) from the checkpoint in place; DCP reads each rank's shards whatever layout wrote them. An
-    empty optimizer state in the checkpoint leaves ``template["optimizer"]`` empty."""
+    empty optimizer state in the checkpoint leaves ``template["optimizer"]`` empty. A differential
+    checkpoint's unchanged tensors are read from its base."""
     keys = saved_keys(path)
     if not any(k.startswith("optimizer.") for k in keys):
         template = {**template, "optimizer": {}}
-    with _without_group():
-        dcp.load(
-            {k: v for k, v in template.items() if v},
-            checkpoint_id=str(path),
-            no_dist=not dist.is_initialized(),
-        )
+    record = read_differential(path)
+    if record is None:
+        _dcp_load(template, path)
+        return template
+    own = written_part(template, record.from_base)
+    below = {p: {k: v for k, v in e.items() if k not in own[p]} for p, e in template.items()}
+    _dcp_load(own, path)
+    _dcp_load(below, path.parent / record.base)
+    for part in template:
+        template[part].update({**below[part], **own[part]})
     return template
 
 
@@ -589,20 +657,32 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     """The whole checkpoint in this process's memory, unsharded: ``model`` and ``optimizer`` (flattened,
     keyed by name) as full tensors, plus the trainer state. For inspection, evaluation and export."""
     path = Path(path)
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    flat: dict[str, Any] = {}
-    for key, md in meta.items():
-        if isinstance(md, dcp.TensorStorageMetadata):
-            flat[key] = torch.empty(md.size, dtype=md.properties.dtype)
-        else:
-            flat[key] = None
-    with _without_group():
-        dcp.load(flat, checkpoint_id=str(path), no_dist=True)
+    flat = _read_whole(path)
+    record = read_differential(path)
+    if record is not None:
+        flat.update(_read_whole(path.parent / record.base, record.from_base))
     state: dict[str, Any] = {k: {} for k in TENSOR_KEYS}
     for key, value in flat.items():
         part, name = key.split(".", 1)
         state[part][name] = value
     return {**read_trainer_state(path), **state}
+
+
+def _read_whole(path: Path, only: frozenset[str] | None = None) -> dict[str, Any]:
+    """Every flat entry DCP stored at ``path`` (or those of ``only``), read whole into this process."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    flat: dict[str, Any] = {}
+    for key, md in meta.items():
+        if only is not None and key not in only:
+            continue
+        if isinstance(md, dcp.TensorStorageMetadata):
+            flat[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            flat[key] = None
+    if flat:
+        with _without_group():
+            dcp.load(flat, checkpoint_id=str(path), no_dist=True)
+    return flat
 
 
 def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 end-of-run sample.
 
 State that survives a restart is :meth:`Trainer.state_dict`: the model, optimizer, loader, progress,
-schedule, clipper, gradient transforms (the noise's step count), precision policy, random generators, and each stateful callback's state under its
+schedule, clipper, gradient transforms (the noise's step count), DDP's gradient compression (PowerSGD's
+error feedback, per rank), precision policy, random generators, and each stateful callback's state under its
 ``state_key``.
 """
 
@@ -151,6 +152,7 @@ class Trainer:
             "scheduler": run.schedule.state_dict(),
             "clip": run.clipper.state_dict(),
             "grad_transforms": run.transforms.state_dict(),
+            "comm": run.comm.state_dict() if run.comm is not None else {},
             "precision": run.precision.state_dict(),
             "rng": rng_state(),
             "runtime": runtime_state(),
@@ -170,6 +172,8 @@ class Trainer:
         run.schedule.load_state_dict(state["scheduler"])
         run.clipper.load_state_dict(state["clip"])
         run.transforms.load_state_dict(state.get("grad_transforms", {}))
+        if run.comm is not None:  # PowerSGD's error feedback and Q, this rank's (per-rank in checkpoints)
+            run.comm.load_state_dict(state.get("comm", {}))
         run.precision.load_state_dict(state.get("precision", {}))
 
     def load_state_dict(self, state: dict) -> None:

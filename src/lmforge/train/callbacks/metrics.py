@@ -281,6 +281,8 @@ class StepMetrics(Callback):
             record["gns_critical_batch"] = critical_batch(trace, grad_sq)
             record["gns_noise_trace"], record["gns_grad_sq"] = trace, grad_sq
         record.update(memory_record(run.device))
+        if run.comm is not None:  # DDP: bytes this rank handed to the gradient all-reduce, per step
+            record["comm_bytes_per_step"] = run.comm.take_bytes_per_step()
         if result.clip.threshold is not None:
             record["clip_threshold"] = float(result.clip.threshold)
         if run.precision.scaler is not None:  # fp16: the scale the next step uses
