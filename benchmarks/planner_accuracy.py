@@ -182,6 +182,8 @@ TEST_CASES = [
     "tp2-fp32-adamw",
     "pp2-1f1b-fp32-adamw",
     "pp2-interleaved-fp32-lion",
+    "pp2-zero-bubble-fp32-adamw",
+    "pp2-zbv-fp32-sgd",
     "one-moe-bf16-full-shared",
     "ddp-ep2-moe-fp32-adamw",
 ]

@@ -90,6 +90,8 @@ SCHEDULES = {
 }
 SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank
 V_SHAPED = ("zbv",)  # rank r owns stages r and 2p - 1 - r
+# the backward split in two (autograd.grad): "I", the stage input's gradient, and later "W", the weights'
+SPLIT_BACKWARD = ("zero_bubble", "zbv")
 
 
 def stage_layers(n_layers: int, n_stages: int) -> list[range]:
@@ -129,6 +131,34 @@ def stage_ids(rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[i
 def stage_owners(pp: int, stages_per_rank: int, schedule: str) -> dict[int, int]:
     """Pipeline rank of every stage index (the inverse of :func:`stage_ids`)."""
     return {s: r for r in range(pp) for s in stage_ids(r, pp, stages_per_rank, schedule)}
+
+
+def schedule_order(pp: int, schedule: str, microbatches: int, stages_per_rank: int) -> dict[int, list[tuple]]:
+    """Each pipeline rank's compute actions, ``(stage index, kind, micro-batch)`` in the order torch's
+    multi-stage schedule runs them; ``kind``: ``F`` forward, ``B`` a whole backward, ``I`` the backward to
+    the stage's input only, ``W`` the weights' backward of an earlier ``I``. Read from the schedule
+    class's own table (its ``pipeline_order``, ``_calculate_single_rank_operations`` in torch 2.13),
+    computed here without stages or a process group, for the planner (``plan/estimate.py``). ValueError
+    for a one-stage schedule (``gpipe``, ``1f1b``) or a torch whose schedules no longer compute it so."""
+    if schedule in SINGLE_STAGE or schedule not in SCHEDULES:
+        raise ValueError(f"schedule_order: {schedule!r} is not a multi-stage schedule")
+    cls = SCHEDULES[schedule]
+    table = cls.__new__(cls)  # the table's inputs only: no stages, no process group
+    rounds = max(1, microbatches // pp)
+    table.pp_group_size, table._n_microbatches, table.n_local_stages = pp, microbatches, stages_per_rank
+    table.num_stages = table._num_stages = pp * stages_per_rank
+    table.number_of_rounds, table.microbatches_per_round = rounds, microbatches // rounds
+    out: dict[int, list[tuple]] = {}
+    try:
+        for rank in range(pp):
+            table.rank = rank
+            ops = table._calculate_single_rank_operations(rank)
+            out[rank] = [(a.stage_index, str(a.computation_type.value), a.microbatch_index) for a in ops if a]
+    except AttributeError as exc:  # torch's schedules changed how they compute their table
+        raise ValueError(
+            f"schedule_order: torch's {cls.__name__} table is not computable here: {exc}"
+        ) from exc
+    return out
 
 
 def check_pipeline(

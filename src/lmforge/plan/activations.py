@@ -513,3 +513,54 @@ def activation_bytes(
         biases = _cast(D, bias=True) * layers if uses_bias(model) else 0
         forward_casts = D.c * (cached + biases)
     return ActivationBytes(**parts, recompute=recompute, forward_casts=forward_casts)
+
+
+def split_backward_bytes(
+    model: ModelConfig,
+    vocab_size: int,
+    seq_len: int,
+    micro_batch: int,
+    compute_bytes: int,
+    tp: int = 1,
+    layers: int | None = None,
+    first_layer: int = 0,
+    loss: str = "fused",
+    fsdp_mixed_precision: bool = False,
+) -> tuple[int, int]:
+    """``(retained, input_backward)`` of one micro-batch on a pipeline stage of a split-backward schedule
+    (``zero_bubble``, ``zbv``: ``parallel/pipeline.py::SPLIT_BACKWARD``), whose backward runs in two
+    actions: ``I``, the gradient of the stage's input only, then later ``W``, the weights'.
+
+    ``retained``: what ``I`` leaves alive until its ``W`` on top of the saved activations (which stay too:
+    ``I`` runs ``autograd.grad`` with ``retain_graph=True``). torch's ``stage_backward_input`` keeps the
+    gradient arriving at every op of the stage that reads a weight (its "intermediates", the nodes ``W``
+    starts from). Per block, in the notation of the module docstring: the two norms' outputs (``r``-byte:
+    4, FSDP2 mp ``c``) and the outputs of q, k, v, o and the MLP's projections (``c``-byte)::
+
+        r 2 n d + c N ((h + 2 g) e + (k_mlp - 1) f + 2 d)
+
+    (the down projection's gradient is the block output's: on a stage's last block that is the gradient
+    received from the next stage, a buffer that stays alive with it); the stage with the head adds the
+    final norm's output ``r n d``, the fused loss's scalar gradient (4 bytes; ``chunked``: each chunk's
+    logits' gradient, ``c N V / tp`` in all). The stage holding block 0 retains nothing: its input (token
+    ids) needs no gradient, so its ``I`` runs nothing and its ``W`` the whole backward.
+
+    ``input_backward``: what ``I`` holds beyond that at its largest, in the MLP's backward: the
+    gradient of the element-wise product ``4 N f`` and the FP32 gradient arriving from the block above,
+    ``4 N d`` (one block's backward working set, ``plan/memory.py::block_backward_temporary``, less the
+    retained projection gradients and the weight gradient ``W`` makes), 0 on the first stage.
+
+    Measured (FP32, Llama GQA, 2 gloo processes, torch 2.13, ``zero_bubble`` and ``zbv``: every
+    ``I``'s growth and peak, action by action, under ``probes/step_memory.py::StoragePeak``) exact; the
+    16-bit, tensor-parallel and MoE forms (an MoE block taken as its dense shape) are derived, not
+    measured."""
+    layers = model.n_layers if layers is None else layers
+    if first_layer == 0:
+        return 0, 0
+    D = _dims(model, vocab_size, seq_len, micro_batch, compute_bytes, tp, "cpu", fsdp_mixed_precision)
+    N, n, d, c = D.N, D.n, D.d, D.c
+    block = D.r * 2 * n * d + c * N * ((D.h + 2 * D.g) * D.e + (D.k_mlp - 1) * D.f + 2 * d)
+    retained = layers * block
+    if first_layer + layers == model.n_layers:
+        retained += D.r * n * d + (c * N * D.V // tp if loss == "chunked" else 4)
+    return retained, 4 * N * D.f + 4 * N * d

@@ -15,7 +15,10 @@ stayed under 80% of device memory.
 
 Activations: ``plan/activations.py`` for the rank's blocks, times the micro-batches in flight (GPipe
 ``m``; 1F1B and the others ``min(m, p - rank)``, Narayanan et al. 2021; interleaved schedules hold
-somewhat more on the first rank, not modelled), plus one checkpointed block's recomputation.
+somewhat more on the first rank, not modelled), plus one checkpointed block's recomputation. The
+split-backward schedules (``zero_bubble``, ``zbv``) are walked action by action in torch's own order
+instead (:func:`split_backward_peak`): an input backward keeps its micro-batch's activations and the
+gradients its weight backward needs until that runs, and several wait at once.
 
 Peak: the largest of the step's phases (:func:`step_phases`: the loss's forward and backward, the last
 and the first block's backward, the end of backward, the optimizer step), each the bytes alive in it as
@@ -57,13 +60,15 @@ from dataclasses import asdict, dataclass, field, replace
 
 from lmforge.config import Config, ModelConfig
 from lmforge.parallel.pipeline import (
+    SPLIT_BACKWARD,
     V_SHAPED,
     bubble_fraction,
     pipeline_settings,
+    schedule_order,
     stage_ids,
     stage_layers,
 )
-from lmforge.plan.activations import TRANSIENT, activation_bytes
+from lmforge.plan.activations import TRANSIENT, activation_bytes, split_backward_bytes
 from lmforge.plan.comm import (
     CommVolume,
     all_reduce,
@@ -518,6 +523,110 @@ def interleaved_held(
     return best, with_grads, best_done, with_grads_done
 
 
+@dataclass(frozen=True)
+class SplitStage:
+    """One local stage of a split-backward schedule (:func:`split_backward_peak`), per micro-batch:
+    ``saved`` its saved activations (with its input and output), ``retained`` what its input backward
+    ``I`` adds until its weight backward ``W``, ``left`` what a finished micro-batch leaves alive until
+    the step ends; ``tensors`` the names of its parameters (whose gradients its first ``W`` makes);
+    ``first``, ``last``: it holds block 0 (its ``I`` runs nothing, its ``W`` the whole backward), the
+    head and the loss."""
+
+    saved: float
+    retained: float
+    left: float
+    tensors: frozenset[str]
+    first: bool = False
+    last: bool = False
+
+
+def split_backward_peak(
+    actions: list[tuple],
+    stages: dict[int, SplitStage],
+    grad_bytes: dict[str, float],
+    transients: dict[str, float],
+    gradients_from_start: bool = False,
+    constant: dict[str, float] | None = None,
+) -> tuple[str, float, float, dict[str, float]]:
+    """The largest moment of one pipeline rank's split-backward schedule (``zero_bubble``, ``zbv``), action
+    by action in torch's order (``actions``: :func:`~lmforge.parallel.pipeline.schedule_order`'s for the
+    rank): ``(name, gradients, activations, temporaries)``.
+
+    Each micro-batch of a stage is in one of three states: forwarded (``saved``), input gradient made
+    and its weight backward waiting (``saved + retained``: ``I`` keeps the graph for ``W``), or finished
+    (``left``: its sends and receive buffers, alive until the step ends). A stage's gradients exist from
+    its first ``W`` (``B`` where the table has a whole backward) on; with ``gradients_from_start``
+    (accumulation over micro-batches of ``train.tokens_per_step``) from the start. ``grad_bytes``: each
+    parameter's gradient bytes. The bytes of a moment, for the action::
+
+        F   after it, + the loss's forward buffers on the stage with the loss
+        I   before it, + the loss's backward buffers (the stage with the loss); after it, + the input
+              backward's working set + a checkpointed block's recomputation
+        W   before it (nothing freed yet), + the gradients it makes the first time, + on the first stage
+              the whole backward's working set and a recomputation
+        B   as W, then the micro-batch is finished
+
+    ``transients``: ``loss_forward``, ``loss_backward``, ``input_backward``, ``block_backward`` (one
+    block's whole backward), ``recompute``; ``constant``: temporaries alive throughout, by
+    :class:`~lmforge.plan.memory.Temporaries` field (DDP's buckets, FSDP2's gathered copies). Measured against ``StoragePeak`` action by action (``tests/test_split_backward.py``,
+    ``benchmarks/planner_accuracy.py``'s ``pp2-zero-bubble-*`` and ``pp2-zbv-*``)."""
+    forwarded = dict.fromkeys(stages, 0)
+    waiting = dict.fromkeys(stages, 0)
+    finished = dict.fromkeys(stages, 0)
+    made: set[str] = set(grad_bytes) if gradients_from_start else set()
+    t = transients
+
+    def held() -> float:
+        return sum(
+            forwarded[s] * st.saved + waiting[s] * (st.saved + st.retained) + finished[s] * st.left
+            for s, st in stages.items()
+        )
+
+    def grads(names: set[str]) -> float:
+        return sum(grad_bytes.get(n, 0.0) for n in names)
+
+    best: tuple[str, float, float, dict[str, float]] = ("", 0.0, 0.0, {})
+
+    def moment(name: str, g: float, acts: float, temps: dict[str, float]) -> None:
+        nonlocal best
+        temps = {k: v for k, v in ((constant or {}) | temps).items() if v}
+        if g + acts + sum(temps.values()) > best[1] + best[2] + sum(best[3].values()):
+            best = (name, g, acts, temps)
+
+    for stage, kind, mb in actions:
+        st = stages[stage]
+        if kind == "F":
+            forwarded[stage] += 1
+            loss = {"loss_forward": t.get("loss_forward", 0.0)} if st.last else {}
+            moment(f"forward: stage {stage}, micro-batch {mb}", grads(made), held(), loss)
+        elif kind == "I":
+            name = f"backward: stage {stage}'s input gradient, micro-batch {mb}"
+            if st.last:  # the loss's backward comes first, before the stage's retained gradients exist
+                moment(
+                    f"{name}, the loss", grads(made), held(), {"loss_backward": t.get("loss_backward", 0.0)}
+                )
+            forwarded[stage] -= 1
+            waiting[stage] += 1
+            work = 0.0 if st.first else t.get("input_backward", 0.0)
+            recompute = 0.0 if st.first else t.get("recompute", 0.0)
+            moment(f"{name}, {sum(waiting.values())} weight backward(s) waiting", grads(made), held() + recompute,
+                   {"block_backward": work})  # fmt: skip
+        else:  # W, or B: a whole backward
+            made |= st.tensors
+            whole = st.first or kind == "B"
+            temps = {"block_backward": t.get("block_backward", 0.0) if whole else 0.0}
+            if kind == "B" and st.last and t.get("loss_backward", 0.0) > temps["block_backward"]:
+                temps = {"loss_backward": t["loss_backward"]}
+            recompute = t.get("recompute", 0.0) if whole else 0.0
+            what = "weight gradients" if kind == "W" else "backward"
+            moment(
+                f"backward: stage {stage}'s {what}, micro-batch {mb}", grads(made), held() + recompute, temps
+            )
+            (waiting if kind == "W" else forwarded)[stage] -= 1
+            finished[stage] += 1
+    return best
+
+
 def _pipeline(workload: Workload, layout: Layout) -> _Pipeline:
     m, v, bubble = 1, 1, 0.0
     if layout.pp > 1:
@@ -762,6 +871,77 @@ def step_phases(
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _schedule_actions(pp: int, schedule: str, m: int, v: int, rank: int) -> tuple[tuple, ...]:
+    """:func:`~lmforge.parallel.pipeline.schedule_order` of one rank, once per shape (a search plans
+    hundreds of layouts)."""
+    return tuple(schedule_order(pp, schedule, m, v)[rank])
+
+
+def _split_phases(
+    workload: Workload,
+    layout: Layout,
+    pipe: _Pipeline,
+    rank: int,
+    mine: list[ParamTensor],
+    temps: Temporaries,
+    accumulating: float,
+    accum: int,
+    recompute: float,
+) -> tuple[Phase, float]:
+    """The largest moment of pipeline rank ``rank``'s split-backward schedule (:func:`split_backward_peak`
+    over torch's own action table) as a :class:`Phase`, and what the step's finished micro-batches leave
+    alive at its end. A stage's micro-batch leaves, until the step ends, every residual-stream-sized
+    tensor that crossed to or from another stage (its received input, its sent output, the received
+    gradient of its output, the sent gradient of its input) and, on the last stage, its output, which the
+    schedule keeps to merge the outputs (measured: 1, 4 and 3 of them on the first, a middle and the last
+    stage); ``I`` sends its input's gradient."""
+    c = compute_bytes(workload.precision)
+    fsdp_mp = layout.kind in ("zero2", "zero3") and c < 4
+    n_layers = workload.model.n_layers
+    out = (c if fsdp_mp else 4) * pipe.micro_batch * workload.seq_len * workload.model.d_model / layout.tp
+    stages: dict[int, SplitStage] = {}
+    owned = pipe.owned(layout, rank)
+    ids = stage_ids(rank, layout.pp, pipe.v, layout.pp_schedule)
+    whole = _param_tensors(workload.model.model_dump_json(), workload.vocab_size, workload.seq_len)
+    for s, r in zip(ids, owned, strict=True):
+        first, last = r.start == 0, r.stop == n_layers
+        kw = {"tp": layout.tp, "layers": len(r), "first_layer": r.start, "loss": workload.loss}
+        a = activation_bytes(
+            workload.model, workload.vocab_size, workload.seq_len, pipe.micro_batch,
+            layout.activation_checkpointing, c, workload.attention, workload.loss_chunk,
+            device_type=workload.device_type, fsdp_mixed_precision=fsdp_mp,
+            fp8=workload.precision == "fp8", ep=layout.ep, **kw,
+        )  # fmt: skip
+        retained, _ = split_backward_bytes(
+            workload.model, workload.vocab_size, workload.seq_len, pipe.micro_batch, c,
+            fsdp_mixed_precision=fsdp_mp, **kw,
+        )  # fmt: skip
+        saved = a.total + (0.0 if last else out)
+        names = frozenset(t.name for t in stage_tensors(whole, r, n_layers))
+        left = out * (1 if first else 3 if last else 4)
+        stages[s] = SplitStage(saved, retained + (0.0 if first else out), left, names, first, last)
+    _, input_backward = split_backward_bytes(
+        workload.model, workload.vocab_size, workload.seq_len, pipe.micro_batch, c, layout.tp,
+        1, min(1, n_layers - 1),
+    )  # fmt: skip
+    local = {t.name: math.prod(tp_shape(t, layout.tp)) for t in mine}
+    total = max(sum(local.values()), 1)
+    grad_bytes = {name: accumulating * n / total for name, n in local.items()}
+    constant = _alive(temps, fsdp_gathered=_gathered(temps, layout.kind, True)[0])
+    transients = {
+        "loss_forward": temps.loss_forward,
+        "loss_backward": temps.loss_backward,
+        "input_backward": input_backward,
+        "block_backward": temps.block_backward,
+        "recompute": recompute,
+    }
+    actions = _schedule_actions(layout.pp, layout.pp_schedule, pipe.m, pipe.v, rank)
+    name, g, acts, alive = split_backward_peak(actions, stages, grad_bytes, transients, accum > 1, constant)
+    suffix = ", gradients accumulating" if accum > 1 else ""
+    return Phase(name + suffix, g, acts, alive), pipe.m * sum(st.left for st in stages.values())
+
+
 def _rank_memory(
     workload: Workload,
     layout: Layout,
@@ -820,6 +1000,12 @@ def _rank_memory(
         with_gradients,
         sends,
     )
+    if layout.pp > 1 and layout.pp_schedule in SPLIT_BACKWARD:  # the schedule's own order, action by action
+        split, left = _split_phases(
+            workload, layout, pipe, rank, mine, temps, accumulating, accum, parts.get("recompute", 0.0)
+        )
+        ends = [replace(ph, activations=left) if ph.name == "end of backward" else ph for ph in phases[-2:]]
+        phases = [split, *ends]
     at_peak = max(phases, key=lambda ph: ph.total)  # the first of equal phases
     buffers = model_buffer_bytes(workload.model, workload.seq_len)
     base = states.total - states.grads + buffers
