@@ -170,3 +170,13 @@ def test_ppo_trains_resumes_exactly_with_its_value_head_and_exports_without_it(p
     lm = export_run(pretrained, tmp_path / "hf-base")  # a plain language model's names
     with safe_open(str(lm / "model.safetensors"), "pt") as f:
         assert exported == set(f.keys())
+
+
+def test_ppo_with_lora_is_one_line_exit_2_before_any_write(pretrained, tmp_path, capsys, cli_logging):
+    prompts = _prompts(tmp_path / "p.jsonl", ["def f(x):"])
+    argv = ["rl", "--from", str(pretrained), "--run-dir", str(tmp_path / "r")]
+    flags = [f'--posttrain.train_files=["{prompts}"]', "--rl.algorithm=ppo", "--lora.rank=4"]
+    assert _exit([*argv, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lora.rank" in err[0] and "value head" in err[0], err
+    assert not (tmp_path / "r").exists()
