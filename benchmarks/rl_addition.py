@@ -1,4 +1,4 @@
-"""The RL demonstration of docs/post-training.md: GRPO and RLOO teaching a tiny model two-digit addition
+"""The RL demonstration of docs/post-training.md: GRPO, RLOO and PPO teaching a tiny model two-digit addition
 from a verifiable reward (``lmforge.posttrain.rewards:addition``: 1 for the exact sum, else 0).
 
 1. ``posttrain/rewards.py::write_addition``: ``--lines`` documents ``"12+34=46"`` for the base model,
@@ -8,16 +8,21 @@ from a verifiable reward (``lmforge.posttrain.rewards:addition``: 1 for the exac
 3. for each algorithm and seed: ``lmforge rl --from BASE`` (``rl.template = "none"``: the prompt is the
    text after ``<|endoftext|>``, a completion stops at ``<|endoftext|>``) for ``--steps`` steps; the mean
    reward of the sampled completions per step (``rl/reward_mean``) and the greedy held-out reward
-   (``val_reward``) at step 0 and every ``--eval-every`` steps.
+   (``val_reward``) at step 0 and every ``--eval-every`` steps;
+4. per algorithm, over the seeds: the sampled reward of the first and of the last quarter of the steps
+   (``start``, ``end``), their difference and the held-out greedy reward at the last step, each as the
+   mean and the sample standard deviation over the seeds.
 
-Usage: ``python benchmarks/rl_addition.py --out DIR [--seeds 0 1 2] [--algorithms grpo rloo]``; prints
-the report and writes ``DIR/report-ALGORITHMS-REWARD.json``. Every step runs the real commands in subprocesses.
+Usage: ``python benchmarks/rl_addition.py --out DIR [--seeds 0 1 2] [--algorithms grpo rloo ppo]``;
+prints the report and writes ``DIR/report-ALGORITHMS-REWARD.json``. Every step runs the real commands in
+subprocesses.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -90,11 +95,22 @@ def step0_val(out: Path, base: Path, files: dict, reward: str) -> float:
     return evaluate_run(run, torch.device("cpu"))["val_reward"]
 
 
+def seed_summary(per_seed: list[tuple[float, ...]]) -> dict[str, str]:
+    """``start``, ``end``, ``rise`` (end - start) and ``held_out`` over the seeds as ``"mean +- std"``
+    (the sample standard deviation; 0 for one seed)."""
+    out = {}
+    for i, name in enumerate(("start", "end", "rise", "held_out")):
+        xs = [row[i] for row in per_seed]
+        std = statistics.stdev(xs) if len(xs) > 1 else 0.0
+        out[name] = f"{statistics.fmean(xs):.3f} +- {std:.3f}"
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--algorithms", nargs="+", default=["grpo", "rloo"])
+    p.add_argument("--algorithms", nargs="+", default=["grpo", "rloo", "ppo"])
     p.add_argument("--lines", type=int, default=3000)
     p.add_argument("--val", type=int, default=200)
     p.add_argument("--base-steps", type=int, default=150)
@@ -116,15 +132,23 @@ def main() -> None:
     }
     print(f"base: {report['base_seconds']:.0f} s, held-out greedy reward {report['val_reward_step0']:.3f}")
     for algorithm in args.algorithms:
+        per_seed = []
         for seed in args.seeds:
             r = rl_run(out, base, files, algorithm, seed, args)
             report[f"{algorithm}-{seed}"] = r
             w = max(1, len(r["reward"]) // 4)
             first, last = sum(r["reward"][:w]) / w, sum(r["reward"][-w:]) / w
+            held = r["val_reward"].get(args.steps, float("nan"))
+            per_seed.append((first, last, last - first, held))
             print(
                 f"{algorithm} seed {seed}: sampled reward, first {w} steps {first:.3f} -> last {w} {last:.3f}; "
                 f"held-out {r['val_reward']}; {r['seconds']:.0f} s"
             )
+        report[algorithm] = summary = seed_summary(per_seed)
+        print(
+            f"{algorithm} over {len(args.seeds)} seeds (mean +- sample std): start {summary['start']}, "
+            f"end {summary['end']}, rise {summary['rise']}, held-out at step {args.steps} {summary['held_out']}"
+        )
     (out / f"report-{'-'.join(args.algorithms)}-{args.reward}.json").write_text(json.dumps(report, indent=1))
 
 

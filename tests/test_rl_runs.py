@@ -136,3 +136,47 @@ def test_bad_rl_input_is_one_line_exit_2_before_any_write(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0], err
     assert not (tmp_path / "r").exists()
+
+
+def test_ppo_trains_resumes_exactly_with_its_value_head_and_exports_without_it(pretrained, tmp_path):
+    from safetensors import safe_open
+
+    from lmforge.hf.export import export_run
+
+    over = _overrides(tmp_path, **{"rl.algorithm": "ppo", "rl.group_size": 2})
+    cfg, step0 = start("rl", pretrained, tmp_path / "a", overrides=over)
+    start_head = load_checkpoint(step0)["model"]["value_head.weight"]
+    train(cfg, tmp_path / "a", resume=True, progress_bar=False)
+    steps = [r for r in _records(tmp_path / "a") if "rl/kl" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert steps[0]["rl/kl"] == 0.0 and steps[-1]["rl/kl"] > 0.0  # policy = reference before the first update
+    for key in ("rl/value_loss", "rl/explained_variance", "rl/clip_fraction", "rl/entropy", "rl/reward_std"):
+        assert key in steps[-1], key
+    assert steps[0]["rl/clip_fraction"] == 0.0 and steps[0]["rl/value_loss"] > 0.0
+
+    cfg_b, _ = start("rl", pretrained, tmp_path / "b", overrides=over)
+    train(cfg_b, tmp_path / "b", resume=True, progress_bar=False, callbacks=[StopAfter(2)])
+    train(cfg_b, tmp_path / "b", resume=True, progress_bar=False)
+    a = load_checkpoint(latest_checkpoint(tmp_path / "a"))["model"]
+    b = load_checkpoint(latest_checkpoint(tmp_path / "b"))["model"]
+    assert not torch.equal(a["value_head.weight"], start_head)  # the value head trains
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
+    after = [r for r in _records(tmp_path / "b") if "rl/kl" in r]
+    assert [r["rl/value_loss"] for r in after] == [r["rl/value_loss"] for r in steps]
+
+    out = export_run(tmp_path / "a", tmp_path / "hf")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        exported = set(f.keys())
+    lm = export_run(pretrained, tmp_path / "hf-base")  # a plain language model's names
+    with safe_open(str(lm / "model.safetensors"), "pt") as f:
+        assert exported == set(f.keys())
+
+
+def test_ppo_with_lora_is_one_line_exit_2_before_any_write(pretrained, tmp_path, capsys, cli_logging):
+    prompts = _prompts(tmp_path / "p.jsonl", ["def f(x):"])
+    argv = ["rl", "--from", str(pretrained), "--run-dir", str(tmp_path / "r")]
+    flags = [f'--posttrain.train_files=["{prompts}"]', "--rl.algorithm=ppo", "--lora.rank=4"]
+    assert _exit([*argv, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lora.rank" in err[0] and "value head" in err[0], err
+    assert not (tmp_path / "r").exists()

@@ -827,10 +827,11 @@ class RLConfig(_Section):
     """RL from rewards (``posttrain/rl.py``, docs/post-training.md): completions sampled per prompt, scored by
     a reward, a clipped policy-gradient loss with a KL penalty to the starting model."""
 
-    algorithm: Literal["grpo", "rloo"] = Field(
+    algorithm: Literal["grpo", "rloo", "ppo"] = Field(
         "grpo",
         description="grpo: group-normalised advantages (r - mean) / (std + eps); rloo: leave-one-out baseline "
-        "r_i - mean of the other G-1, on whole sequences",
+        "r_i - mean of the other G-1, on whole sequences; ppo: a value head, per-token rewards with the KL "
+        "penalty, GAE advantages (posttrain/ppo.py)",
     )
     loss: Literal["grpo", "dr_grpo", "dapo"] = Field(
         "grpo",
@@ -842,8 +843,28 @@ class RLConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the completions")
     top_k: int = Field(0, ge=0, description="sample among the k most likely tokens (0: all)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (1: off)")
-    beta: float = Field(0.04, ge=0, description="weight of KL(policy || reference), k3 estimator")
+    beta: float = Field(
+        0.04,
+        ge=0,
+        description="weight of KL(policy || reference): k3 estimator in the loss; ppo: k1 per token in the reward",
+    )
     clip_epsilon: float = Field(0.2, gt=0, description="PPO clip range of the importance ratio: 1 +- eps")
+    gae_gamma: float = Field(
+        1.0, ge=0, le=1, description="ppo: discount gamma of the per-token rewards in GAE"
+    )
+    gae_lambda: float = Field(
+        0.95,
+        ge=0,
+        le=1,
+        description="ppo: GAE's lambda (1: Monte-Carlo returns minus values, 0: one-step TD)",
+    )
+    value_coef: float = Field(0.1, ge=0, description="ppo: weight of the value loss added to the policy loss")
+    value_clip: float = Field(
+        0.2, gt=0, description="ppo: the values' clip range around those at sampling: V_old +- value_clip"
+    )
+    whiten_advantages: bool = Field(
+        True, description="ppo: advantages shifted and scaled to mean 0, variance 1 over a batch's tokens"
+    )
     reward: str = Field(
         "lmforge.posttrain.rewards:addition",
         description="module:function called on (prompt, completion) text, returning a number; run:PATH (a "

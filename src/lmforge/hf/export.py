@@ -25,6 +25,7 @@ from lmforge.hf.moe import pick_class
 from lmforge.hf.peft import adapter_files, hf_names
 from lmforge.model.lora import dense_base, merged_state
 from lmforge.model.transformer import Transformer
+from lmforge.posttrain.ppo import language_model_state
 from lmforge.posttrain.template import ChatTemplate, read_template
 from lmforge.recipe import load_saved_config
 from lmforge.train.checkpoint import load_checkpoint
@@ -98,7 +99,7 @@ def export_run(
         }
     if adapter:
         hf_names(arch, cfg, list(shapes))  # refused before anything is written
-    state = load_checkpoint(ckpt)["model"]
+    state = language_model_state(load_checkpoint(ckpt)["model"])  # a PPO run's value head is not exported
     template = read_template(run_dir)
     if not cfg.lora.rank:
         out = Path(out) if out is not None else run_dir / "hf"

@@ -128,6 +128,10 @@ def start(
         from lmforge.posttrain.reward import start_state
 
         state = start_state(state, run.model)
+    if kind == "rl" and cfg.rl.algorithm == "ppo":  # the value head: its own initial values
+        from lmforge.posttrain.ppo import with_value_head
+
+        state = with_value_head(state, run.model)
     with torch.no_grad():  # a LoRA run keeps its adapters' initial values (model/lora.py: B = 0)
         missing, unexpected = run.model.load_state_dict(
             {k: v.to(run.device) for k, v in state.items()}, False

@@ -24,6 +24,7 @@ from lmforge.errors import ConfigError, DataError
 from lmforge.model.lora import dense_base
 from lmforge.posttrain.dpo import DPOObjective, SequenceLogps, check_dpo
 from lmforge.posttrain.dpo_data import PairLoader, pair_eval_batches, reference_logps, tokenize_pairs
+from lmforge.posttrain.ppo import PPOObjective
 from lmforge.posttrain.records import BadRecord, Turn, read_examples, read_pairs
 from lmforge.posttrain.reward import RewardPairLoader, reward_eval_batches, reward_pairs
 from lmforge.posttrain.reward_pool import check_reward, open_reward
@@ -87,10 +88,15 @@ def check_rl(cfg: Config) -> None:
     """What an RL run must hold, checked before any work: the group, the room for completions, a reward
     that resolves, a batch in prompts, a layout where each process holds the whole policy to sample."""
     rl, p = cfg.rl, cfg.parallel
-    if rl.group_size < 2:
+    if rl.group_size < 2 and rl.algorithm != "ppo":  # PPO's baseline is its value head
         raise ConfigError(
             f"rl.group_size: {rl.group_size} completion per prompt gives no baseline to compare with; set 2 "
             "or more (e.g. 8)"
+        )
+    if rl.algorithm == "ppo" and cfg.lora.rank:
+        raise ConfigError(
+            "lora.rank: LoRA freezes every weight but the adapters, the value head of rl.algorithm = ppo "
+            "included; use grpo or rloo with LoRA, or --lora.rank=0"
         )
     if rl.max_new_tokens >= cfg.data.seq_len:
         raise ConfigError(
@@ -273,7 +279,8 @@ def rl_objective(
     template = ChatTemplate(tok)
     rl = cfg.rl
     reward = open_reward(rl.reward, rl.reward_timeout, rl.reward_workers, rl.failed_reward)
-    objective = RLObjective(
+    kind = PPOObjective if rl.algorithm == "ppo" else RLObjective
+    objective = kind(
         policy, model, rl, reward, stop_id(template, rl.template), tok.decode, tok.eot_id, cfg.train.seed
     )
     if run_dir is not None and (run_dir / REFERENCE_MODEL).is_file():

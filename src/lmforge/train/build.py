@@ -58,6 +58,7 @@ from lmforge.parallel.tensor import check_tensor_parallel
 from lmforge.plan.limit import check_run_memory
 from lmforge.plan.micro_batch import auto_candidates
 from lmforge.posttrain.dpo import SequenceLogps
+from lmforge.posttrain.ppo import PolicyValueModel, TokenLogpsValues
 from lmforge.posttrain.reward import RewardModel, RewardObjective, RewardScores
 from lmforge.posttrain.rl import TokenLogps
 from lmforge.posttrain.run import (
@@ -149,7 +150,10 @@ def build_model(
 
 
 def model_class(cfg: Config) -> type[Transformer]:
-    """The network of ``train.objective``: a reward model (``posttrain/reward.py``) or the transformer."""
+    """The network of ``train.objective``: a reward model (``posttrain/reward.py``), PPO's policy with its
+    value head (``posttrain/ppo.py``) or the transformer."""
+    if cfg.train.objective == "rl" and cfg.rl.algorithm == "ppo":
+        return PolicyValueModel
     return RewardModel if cfg.train.objective == "reward" else Transformer
 
 
@@ -178,6 +182,8 @@ def training_module(
     init = Init(device, tuple(model.init_plan()), t.seed)
     ctx = ApplyContext(t, device, layout, compute_dtype, init, cfg.lora, comm)
     loss = {"dpo": SequenceLogps, "rl": TokenLogps, "reward": RewardScores}.get(t.objective, NextTokenLoss)
+    if t.objective == "rl" and cfg.rl.algorithm == "ppo":
+        loss = TokenLogpsValues  # the policy's log-probabilities and its value head's values
     arg = run_pad_id(cfg) if t.objective == "reward" else t.loss_chunk  # RewardScores: the padding id
     train_fn = apply(loss(model, arg), model, ctx)
     # evaluation eager where training is compiled (too rare to pay for a second graph); FSDP2's root

@@ -1,0 +1,192 @@
+"""PPO (``rl.algorithm = "ppo"``): the policy with a value head, and the objective a training step runs
+through ``train/modules.py::RLModule`` (the formulas: ``posttrain/ppo_loss.py``).
+
+**The value head** (:class:`PolicyValueModel`): a scalar ``value_head = Linear(d_model, 1)`` on the
+policy's own last hidden state (after the final norm), ``V_t = value_head(h_t)`` at the position whose
+next token is completion token ``t``. Why a head on the shared network rather than a separate value model
+initialised from the policy: one forward gives both the log-probabilities and the values, so a step costs
+what GRPO's costs, with no second network's weights, gradients and optimizer state (lmforge's RL runs on
+small machines), and the value head is one more parameter of the model, so the optimizer, the
+checkpoints (resume) and data parallelism cover it with no extra machinery. The cost: the value loss's
+gradient shapes the shared network too; ``rl.value_coef`` weighs it against the policy loss. The head is
+initialised as any linear layer of the model (weight ~ N(0, init_std^2), bias 0): its values start near 0.
+The head is no part of the language model: ``lmforge export`` drops it (:func:`language_model_state`).
+
+**A step** (:class:`PPOObjective`), per micro-batch of ``k`` prompts:
+
+1. sample ``G = rl.group_size`` completions per prompt and score them, as GRPO (``posttrain/rl.py``);
+2. one forward of the policy gives ``log p``, the entropy and ``V`` on the completion tokens; the frozen
+   reference's ``log p_ref`` (``rl.beta > 0``);
+3. per-token rewards (sequence reward on the last token, ``-beta (log q - log p_ref)`` on every token),
+   GAE advantages and returns from the detached values (``rl.gae_gamma``, ``rl.gae_lambda``), whitened
+   over the micro-batch's completion tokens (``rl.whiten_advantages``);
+4. the clipped policy loss plus ``rl.value_coef`` times the clipped value loss, backward.
+
+lmforge takes one optimizer step per batch of rollouts (as for GRPO; no PPO epochs over a stored batch):
+``log q`` is ``log p`` detached and ``V^old`` is ``V`` detached, so at the update the ratio is exactly 1,
+the clip never binds (clip fraction 0) and the clipped value loss equals the plain one; the gradients are
+the policy gradient with GAE advantages and the value regression's.
+
+Metrics: GRPO's (``rl/reward_mean``, ``rl/reward_std``, ``rl/kl`` as the k3 estimate per completion
+token, ``rl/clip_fraction`` of tokens, ``rl/entropy``, ``rl/response_length``, ``rl/failed_rewards``) and
+``rl/value_loss`` (the mean of ``l^V`` per completion token) and ``rl/explained_variance`` (of the returns
+by the values at sampling, over every completion token since the last record).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.config import ModelConfig
+from lmforge.model.loss import head_loss
+from lmforge.model.transformer import Transformer
+from lmforge.posttrain.ppo_loss import (
+    explained_variance,
+    explained_variance_sums,
+    gae,
+    ppo_loss,
+    token_rewards,
+    whiten,
+)
+from lmforge.posttrain.rl import RLObjective
+from lmforge.posttrain.rl_data import PromptBatch, rollout_rows
+from lmforge.posttrain.rl_loss import k3
+from lmforge.precision import PrecisionPolicy
+
+VALUE_HEAD = "value_head"
+
+
+class PolicyValueModel(Transformer):
+    """The transformer (language-model head and all) plus ``value_head = Linear(d_model, 1)``; its
+    parameter names are the transformer's plus ``value_head.weight`` and ``value_head.bias``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        vocab_size: int,
+        max_seq_len: int,
+        attention: str = "auto",
+        moe_kernel: str = "auto",
+    ):
+        super().__init__(cfg, vocab_size, max_seq_len, attention, moe_kernel)
+        self.value_head = nn.Linear(cfg.d_model, 1)
+
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``(..., d_model)`` -> values ``(...)``."""
+        return self.value_head(hidden).squeeze(-1)
+
+
+def language_model_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` without the value head's tensors: the language model's weights alone."""
+    return {k: v for k, v in state.items() if not k.startswith(VALUE_HEAD + ".")}
+
+
+def with_value_head(base: dict[str, torch.Tensor], model: PolicyValueModel) -> dict[str, torch.Tensor]:
+    """A PPO run's starting weights: ``base`` (a language model's state) and ``model``'s own initialised
+    value head."""
+    own = model.state_dict()
+    return {**base, **{k: v.detach().cpu() for k, v in own.items() if k.startswith(VALUE_HEAD + ".")}}
+
+
+class TokenLogpsValues(nn.Module):
+    """``model``, its head and value head: ``(inputs, targets, doc_ids) -> (logp, entropy, values)``, each
+    ``(B, L)`` float32: ``rl.py::TokenLogps``'s two and ``V`` at every position (with gradient; the
+    caller masks it)."""
+
+    def __init__(self, model: PolicyValueModel, chunk: int = 1024):
+        super().__init__()
+        self.model, self.chunk = model, chunk
+
+    def forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.model(inputs, doc_ids)
+        logp = -head_loss(self.model, hidden, targets, self.chunk, reduction="none").float()
+        entropy = torch.zeros_like(logp)
+        with torch.no_grad():
+            where = targets != -100
+            lp = self.model.logits(hidden.detach()[where]).float().log_softmax(-1)
+            entropy[where] = -(lp.exp() * lp).sum(-1)
+        return logp, entropy, self.model.values(hidden).float()
+
+
+# per micro-batch, after rl.py's sums: value-loss sum, then explained_variance_sums' five
+_PPO_SUMS = 6
+
+
+class PPOObjective(RLObjective):
+    """PPO for a training module (module docstring): ``policy`` a :class:`TokenLogpsValues` (or it
+    transformed); sampling, rewards, the reference and evaluation as :class:`RLObjective`'s."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._ppo_sums: torch.Tensor | None = None
+
+    def forward_backward(
+        self, batch: PromptBatch, n_targets: int, dp: int, precision: PrecisionPolicy
+    ) -> torch.Tensor:
+        """Sample, score and backward of ``sum(group losses) / n_targets * dp``; returns ``sum(group
+        losses) / n_targets``, detached (as :meth:`RLObjective.forward_backward`)."""
+        c, device = self.cfg, precision.device
+        rows, completions = self.sample(batch)
+        scores, failed = self.rewards(batch, completions, c.group_size)
+        inputs, targets, docs = (t.to(device) for t in rollout_rows(rows, completions, self.pad_id))
+        with precision.autocast():
+            logp, entropy, values = self.policy(inputs, targets, docs)
+        logp, values = logp.float(), values.float()
+        ref = None
+        if c.beta:
+            if self.reference is None:
+                raise RuntimeError("rl.beta > 0 but no reference model was set (RLObjective.set_reference)")
+            with torch.no_grad(), precision.autocast():
+                ref = self.reference(inputs, targets, docs)[0].float()
+        mask = targets != -100
+        old_logp, old_values = logp.detach(), values.detach()
+        with torch.no_grad():
+            per_token = token_rewards(scores.to(device), old_logp, ref, mask, c.beta)
+            adv, returns = gae(per_token, old_values, mask, c.gae_gamma, c.gae_lambda)
+            if c.whiten_advantages:
+                adv = whiten(adv, mask)
+        parts = ppo_loss(
+            logp, old_logp, values, old_values, returns, adv, mask, c.group_size,
+            c.clip_epsilon, c.value_clip, c.value_coef,
+        )  # fmt: skip
+        loss = parts.groups.sum() / n_targets
+        precision.backward(loss * dp if dp != 1 else loss)
+        with torch.no_grad():
+            m = mask.float()
+            kl = (k3(old_logp, ref) * m).sum() if ref is not None else torch.zeros((), device=device)
+            k = len(batch.prompts)
+            stats = torch.stack(
+                [
+                    torch.tensor(float(k)), torch.tensor(float(len(rows))), scores.sum(), (scores**2).sum(),
+                    kl.cpu(), parts.clipped.cpu(), parts.tokens.cpu(), m.sum().cpu(),
+                    (entropy * m).sum().cpu(), torch.tensor(float(failed)),
+                ]
+            )  # fmt: skip
+            extra = torch.cat(
+                [
+                    parts.value_loss_sum.double().cpu()[None],
+                    explained_variance_sums(returns, old_values, mask).cpu(),
+                ]
+            )
+        self._sums = stats if self._sums is None else self._sums + stats
+        self._ppo_sums = extra if self._ppo_sums is None else self._ppo_sums + extra
+        return loss.detach()
+
+    def take_metrics(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        """:meth:`RLObjective.take_metrics` and ``rl/value_loss``, ``rl/explained_variance``."""
+        extra, self._ppo_sums = self._ppo_sums, None
+        out = super().take_metrics(group)
+        if extra is None:
+            return out
+        if group is not None:
+            dist.all_reduce(extra, group=group)
+        tokens = max(float(extra[1]), 1.0)
+        return {
+            **out,
+            "rl/value_loss": float(extra[0]) / tokens,
+            "rl/explained_variance": explained_variance(extra[1:]),
+        }
