@@ -104,7 +104,7 @@ def check_rl(cfg: Config) -> None:
             "parallel: lmforge rl samples with the whole policy in each process; use one process or "
             "--parallel.dp_replicate (DDP), not pp, tp, ep or dp_shard"
         )
-    check_reward(rl.reward)
+    check_reward(rl.reward, cfg.data.tokenizer)
 
 
 def check_reward_run(cfg: Config) -> None:
@@ -265,14 +265,25 @@ def rl_objective(
     model: torch.nn.Module,
     new_model: Callable[[], torch.nn.Module],
     run_dir: Path | None,
+    device: torch.device | None = None,
 ) -> RLObjective:
     """The RL objective over ``policy`` (the transformed :class:`TokenLogps`), sampling from ``model``; the
     reference: a frozen whole copy (``new_model()``) of ``RUN/reference_model.pt`` when it exists (written
-    when the run starts, :func:`write_reference`)."""
+    when the run starts, :func:`write_reference`); a reward model (``rl.reward = "run:PATH"``) loaded on
+    ``device`` (default: ``model``'s)."""
     tok = Tokenizer(cfg.data.tokenizer)
     template = ChatTemplate(tok)
     rl = cfg.rl
-    reward = open_reward(rl.reward, rl.reward_timeout, rl.reward_workers, rl.failed_reward)
+    device = device if device is not None else next(model.parameters()).device
+    reward = open_reward(
+        rl.reward,
+        rl.reward_timeout,
+        rl.reward_workers,
+        rl.failed_reward,
+        device,
+        rl.template,
+        cfg.data.tokenizer,
+    )
     objective = RLObjective(
         policy, model, rl, reward, stop_id(template, rl.template), tok.decode, tok.eot_id, cfg.train.seed
     )
