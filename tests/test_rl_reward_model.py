@@ -131,13 +131,13 @@ def other_tokenizer_run(reward_run, corpus_dir, tmp_path) -> Path:
     ],
 )
 def test_bad_reward_run_is_one_line_exit_2_before_any_write(
-    base,
+    base,  # noqa: F811
     other_tokenizer_run,
     tmp_path,
     capsys,
     cli_logging,
     which,
-    named,  # noqa: F811
+    named,
 ):
     path = {"base": base, "missing": tmp_path / "nowhere", "other_tokenizer": other_tokenizer_run}[which]
     prompts = _prompts(tmp_path / "p.jsonl", ["Describe f."])

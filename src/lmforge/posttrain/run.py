@@ -85,7 +85,8 @@ def check_posttrain(cfg: Config) -> None:
 
 def check_rl(cfg: Config) -> None:
     """What an RL run must hold, checked before any work: the group, the room for completions, a reward
-    that resolves, a batch in prompts, a layout where each process holds the whole policy to sample."""
+    that resolves (a reward run with the policy's tokenizer), a batch in prompts, a data-parallel layout
+    (DDP, ZeRO-1, FSDP2 and hybrid sharding; not pipeline, tensor or expert parallelism, nor offload)."""
     rl, p = cfg.rl, cfg.parallel
     if rl.group_size < 2:
         raise ConfigError(
@@ -99,10 +100,17 @@ def check_rl(cfg: Config) -> None:
         )
     if cfg.train.micro_batch_size == "auto":
         raise ConfigError("train.micro_batch_size: auto sizes next-token batches; give a number of prompts")
-    if p.pp > 1 or p.tp > 1 or p.dp_shard > 1 or p.ep > 1:
+    refused = [(k, v) for k, v in (("pp", p.pp), ("tp", p.tp), ("ep", p.ep)) if v > 1]
+    if refused:
+        key, value = refused[0]
         raise ConfigError(
-            "parallel: lmforge rl samples with the whole policy in each process; use one process or "
-            "--parallel.dp_replicate (DDP), not pp, tp, ep or dp_shard"
+            f"parallel.{key}: {value} is not a layout of lmforge rl (each process samples from a whole copy of "
+            "the policy); use --parallel.dp_replicate (DDP) or --parallel.dp_shard (ZeRO-1, FSDP2) instead"
+        )
+    if p.offload:
+        raise ConfigError(
+            "parallel.offload: not with lmforge rl (each rollout gathers the policy's weights on the device); "
+            "remove --parallel.offload"
         )
     check_reward(rl.reward, cfg.data.tokenizer)
 
@@ -266,11 +274,13 @@ def rl_objective(
     new_model: Callable[[], torch.nn.Module],
     run_dir: Path | None,
     device: torch.device | None = None,
+    refresh_sampler: Callable[[], object] | None = None,
 ) -> RLObjective:
     """The RL objective over ``policy`` (the transformed :class:`TokenLogps`), sampling from ``model``; the
     reference: a frozen whole copy (``new_model()``) of ``RUN/reference_model.pt`` when it exists (written
     when the run starts, :func:`write_reference`); a reward model (``rl.reward = "run:PATH"``) loaded on
-    ``device`` (default: ``model``'s)."""
+    ``device`` (default: ``model``'s); ``refresh_sampler``: what brings ``model`` up to date before a
+    rollout (FSDP2: the gather of ``parallel/whole_copy.py``)."""
     tok = Tokenizer(cfg.data.tokenizer)
     template = ChatTemplate(tok)
     rl = cfg.rl
@@ -285,8 +295,9 @@ def rl_objective(
         cfg.data.tokenizer,
     )
     objective = RLObjective(
-        policy, model, rl, reward, stop_id(template, rl.template), tok.decode, tok.eot_id, cfg.train.seed
-    )
+        policy, model, rl, reward, stop_id(template, rl.template), tok.decode, tok.eot_id, cfg.train.seed,
+        refresh_sampler=refresh_sampler,
+    )  # fmt: skip
     if run_dir is not None and (run_dir / REFERENCE_MODEL).is_file():
         objective.set_reference(frozen_reference(new_model, run_dir, cfg.train.loss_chunk))
     return objective
