@@ -304,9 +304,11 @@ def rl_objective(
 
 
 def frozen_reference(new_model: Callable[[], torch.nn.Module], run_dir: Path, chunk: int) -> TokenLogps:
-    """A :class:`TokenLogps` of the weights in ``RUN/reference_model.pt``."""
+    """A :class:`TokenLogps` of the weights in ``RUN/reference_model.pt`` (a LoRA run's: its base, the
+    adapters dropped; they start at ``B = 0``, so the base is the starting policy)."""
     frozen = new_model()
-    frozen.load_state_dict(torch.load(run_dir / REFERENCE_MODEL, map_location="cpu", weights_only=True))
+    saved = torch.load(run_dir / REFERENCE_MODEL, map_location="cpu", weights_only=True)
+    frozen.load_state_dict(dense_base(saved, {k: v.shape for k, v in frozen.state_dict().items()}))
     return TokenLogps(frozen, chunk)
 
 
