@@ -68,6 +68,9 @@ EXCEPTIONS = {
     ("lmforge.corpus.lm_scorer", "lmforge.evaluate.run_loading"),
     # the sweep counts the tokens each level kept with training's tokenizer (the one `lmforge data` shards with)
     ("lmforge.corpus.sweep", "lmforge.data.tokenizer"),
+    # rl.reward = "run:PATH" finds and reads the reward run's checkpoint with training's own checkpoint code
+    # (evaluate/run_loading.py, the eval loader, would close a cycle: it builds RL objectives itself)
+    ("lmforge.posttrain.reward_model_reward", "lmforge.train.checkpoint"),
 }
 
 

@@ -180,3 +180,17 @@ def test_ppo_with_lora_is_one_line_exit_2_before_any_write(pretrained, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "lora.rank" in err[0] and "value head" in err[0], err
     assert not (tmp_path / "r").exists()
+
+
+def test_lora_rl_run_trains_the_adapters_against_the_base_as_reference(pretrained, tmp_path):
+    over = _overrides(tmp_path, **{"train.steps": 2, "lora.rank": 4, "lora.targets": "all-linear"})
+    over.pop("posttrain.val_files")
+    cfg, step0 = start("rl", pretrained, tmp_path / "lora", overrides=over)
+    train(cfg, tmp_path / "lora", resume=True, progress_bar=False)
+    steps = [r for r in _records(tmp_path / "lora") if "rl/kl" in r]
+    assert steps[0]["rl/kl"] == 0.0 and steps[1]["rl/kl"] > 0.0  # the reference is the start: base, B = 0
+    before = load_checkpoint(step0)["model"]
+    after = load_checkpoint(latest_checkpoint(tmp_path / "lora"))["model"]
+    adapters = [k for k in after if k.endswith(".lora_B")]
+    assert adapters and all(torch.equal(before[k], after[k]) for k in after if ".lora_" not in k)
+    assert any(not torch.equal(before[k], after[k]) for k in adapters)

@@ -867,8 +867,8 @@ class RLConfig(_Section):
     )
     reward: str = Field(
         "lmforge.posttrain.rewards:addition",
-        description="module:function called on (prompt, completion) text, returning a number; run:PATH (a "
-        "reward-model run) is reserved for reward models",
+        description="module:function called on (prompt, completion) text, returning a number; or run:PATH, a "
+        "reward run of lmforge reward (with the policy's tokenizer) scoring prompt + completion",
     )
     reward_timeout: float = Field(5.0, gt=0, description="seconds one reward call may take")
     reward_workers: int = Field(2, ge=1, description="processes of the reward sandbox")

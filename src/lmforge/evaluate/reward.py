@@ -8,54 +8,24 @@
 
 A text is encoded whole by the run's tokenizer, as the exported Hugging Face tokenizer encodes it (a chat
 marker's text is the marker); a longer one keeps its first ``data.seq_len`` ids. It is scored at its last
-real token (``posttrain/reward.py``), in the run's precision, in eval mode.
+real token (``posttrain/reward.py``), in the run's precision, in eval mode. :class:`RewardScorer` (the
+scoring itself) lives in ``posttrain/reward_model_reward.py``, where ``rl.reward = "run:PATH"`` scores RL
+completions with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
 from lmforge.evaluate.run_loading import load_run
-from lmforge.posttrain.records import Turn
-from lmforge.posttrain.reward import RewardModel
-from lmforge.posttrain.template import ChatTemplate
+from lmforge.posttrain.reward_model_reward import SCORE_BATCH, RewardScorer
 from lmforge.precision import PrecisionPolicy
 
-
-@dataclass
-class RewardScorer:
-    """A reward-model run loaded for scoring: its model, tokenizer, context length and precision."""
-
-    model: RewardModel
-    tokenizer: Tokenizer
-    seq_len: int
-    precision: PrecisionPolicy
-
-    def ids(self, texts: Sequence[str]) -> list[list[int]]:
-        """Each text's ids, at most ``seq_len`` (the end cut)."""
-        return [ids[: self.seq_len] for ids in self.tokenizer.encode_batch(list(texts))]
-
-    @torch.no_grad()
-    def score_ids(self, rows: Sequence[Sequence[int]], batch_size: int = 16) -> list[float]:
-        """The rewards of token-id sequences, in order (right-padded with ``<|endoftext|>`` in batches)."""
-        pad, out = self.tokenizer.eot_id, []
-        device = self.precision.device
-        self.model.eval()
-        for start in range(0, len(rows), batch_size):
-            chunk = rows[start : start + batch_size]
-            width = max(len(r) for r in chunk)
-            inputs = torch.full((len(chunk), width), pad, dtype=torch.long)
-            for i, r in enumerate(chunk):
-                inputs[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
-            with self.precision.autocast():
-                out += self.model.rewards(inputs.to(device), pad).float().cpu().tolist()
-        return out
+__all__ = ["RewardScorer", "load_reward_model", "score", "score_chats"]
 
 
 def load_reward_model(
@@ -73,7 +43,7 @@ def load_reward_model(
     return RewardScorer(model, tok, cfg.data.seq_len, PrecisionPolicy.resolve(cfg.train.precision, device))
 
 
-def score(run: str | Path | RewardScorer, texts: Sequence[str], batch_size: int = 16) -> list[float]:
+def score(run: str | Path | RewardScorer, texts: Sequence[str], batch_size: int = SCORE_BATCH) -> list[float]:
     """One reward per text of ``texts``, in order (``run``: a reward run folder, or a
     :class:`RewardScorer` from :func:`load_reward_model` to load it once). Empty texts are refused."""
     scorer = run if isinstance(run, RewardScorer) else load_reward_model(run)
@@ -85,11 +55,9 @@ def score(run: str | Path | RewardScorer, texts: Sequence[str], batch_size: int 
 
 
 def score_chats(
-    run: str | Path | RewardScorer, chats: Sequence[tuple[str, str]], batch_size: int = 16
+    run: str | Path | RewardScorer, chats: Sequence[tuple[str, str]], batch_size: int = SCORE_BATCH
 ) -> list[float]:
     """One reward per ``(prompt, response)`` of ``chats``: the prompt as a user turn, the response as the
     assistant's, rendered into ids by the run's chat template exactly as training rendered its pairs."""
     scorer = run if isinstance(run, RewardScorer) else load_reward_model(run)
-    template = ChatTemplate(scorer.tokenizer)
-    rows = [template.render((Turn("user", p), Turn("assistant", r)))[0][: scorer.seq_len] for p, r in chats]
-    return scorer.score_ids(rows, batch_size)
+    return scorer.score_ids(scorer.chat_ids(chats), batch_size)

@@ -116,8 +116,8 @@ def start(
         tok = add_chat_tokens(from_run / "tokenizer.json", Path(tmp) / "tokenizer.json")
         cfg = posttrain_config(kind, source, run_dir, recipe, overrides or {}, tok.vocab_size)
         here = cfg.model_copy(update={"parallel": ParallelConfig()})  # step 0 is written by one process
-        validate(here)
         data = here.data.model_copy(update={"tokenizer": str(tok.path)})
+        validate(here.model_copy(update={"data": data}))  # with the tokenizer the run will have (rl.reward)
         read_posttrain(here.model_copy(update={"data": data}))  # bad records stop it before any write
         run_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(tok.path, run_dir / "tokenizer.json")

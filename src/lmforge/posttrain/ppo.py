@@ -50,7 +50,7 @@ from lmforge.posttrain.ppo_loss import (
     token_rewards,
     whiten,
 )
-from lmforge.posttrain.rl import RLObjective
+from lmforge.posttrain.rl import RLObjective, at_least_fp32
 from lmforge.posttrain.rl_data import PromptBatch, rollout_rows
 from lmforge.posttrain.rl_loss import k3
 from lmforge.precision import PrecisionPolicy
@@ -103,13 +103,13 @@ class TokenLogpsValues(nn.Module):
         self, inputs: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden = self.model(inputs, doc_ids)
-        logp = -head_loss(self.model, hidden, targets, self.chunk, reduction="none").float()
+        logp = at_least_fp32(-head_loss(self.model, hidden, targets, self.chunk, reduction="none"))
         entropy = torch.zeros_like(logp)
         with torch.no_grad():
             where = targets != -100
-            lp = self.model.logits(hidden.detach()[where]).float().log_softmax(-1)
+            lp = at_least_fp32(self.model.logits(hidden.detach()[where])).log_softmax(-1)
             entropy[where] = -(lp.exp() * lp).sum(-1)
-        return logp, entropy, self.model.values(hidden).float()
+        return logp, entropy, at_least_fp32(self.model.values(hidden))
 
 
 # per micro-batch, after rl.py's sums: value-loss sum, then explained_variance_sums' five
@@ -135,13 +135,13 @@ class PPOObjective(RLObjective):
         inputs, targets, docs = (t.to(device) for t in rollout_rows(rows, completions, self.pad_id))
         with precision.autocast():
             logp, entropy, values = self.policy(inputs, targets, docs)
-        logp, values = logp.float(), values.float()
+        logp, values = at_least_fp32(logp), at_least_fp32(values)
         ref = None
         if c.beta:
             if self.reference is None:
                 raise RuntimeError("rl.beta > 0 but no reference model was set (RLObjective.set_reference)")
             with torch.no_grad(), precision.autocast():
-                ref = self.reference(inputs, targets, docs)[0].float()
+                ref = at_least_fp32(self.reference(inputs, targets, docs)[0])
         mask = targets != -100
         old_logp, old_values = logp.detach(), values.detach()
         with torch.no_grad():

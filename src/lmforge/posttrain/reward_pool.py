@@ -8,9 +8,9 @@ the function when it is up (``SIGALRM``); a worker that dies or does not answer 
 allowance is replaced. A call that raises, times out, or returns no finite number scores
 ``rl.failed_reward`` and is counted as failed; the run goes on.
 
-``rl.reward = "run:PATH"`` is reserved for a reward model trained by lmforge: :func:`open_reward` is the
-one place that turns the setting into a :class:`RewardFn`; a reward-model scorer is another class with
-the same ``score`` / ``close``.
+``rl.reward = "run:PATH"`` names a reward model trained by ``lmforge reward``
+(``posttrain/reward_model_reward.py``: loaded once in lmforge's process, no sandbox). :func:`open_reward`
+is the one place that turns the setting into a :class:`RewardFn`.
 """
 
 from __future__ import annotations
@@ -21,27 +21,19 @@ import multiprocessing
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lmforge.errors import ConfigError
+from lmforge.posttrain.reward_fn import RewardFn, Scores
 
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["RewardFn", "RewardPool", "Scores", "check_reward", "open_reward", "resolve"]
+
+RUN = "run:"  # rl.reward = "run:PATH": a reward-model run
 _FUNCTIONS: dict[str, Callable] = {}  # a worker's resolved rewards
-
-
-@dataclass
-class Scores:
-    rewards: list[float]
-    failed: int  # calls that raised, timed out or returned no finite number
-    first_error: str | None = None
-
-
-class RewardFn(Protocol):
-    """What an RL objective scores completions with."""
-
-    def score(self, prompts: Sequence[str], completions: Sequence[str]) -> Scores: ...
-
-    def close(self) -> None: ...
 
 
 def resolve(spec: str) -> Callable:
@@ -66,19 +58,32 @@ def resolve(spec: str) -> Callable:
     return fn
 
 
-def check_reward(spec: str) -> None:
-    """``rl.reward`` checked before any work."""
-    if spec.startswith("run:"):
-        raise ConfigError(
-            "rl.reward: reward-model runs (run:PATH) are not supported yet; name a Python function "
-            "module:function"
-        )
+def check_reward(spec: str, policy_tokenizer: str | Path | None = None) -> None:
+    """``rl.reward`` checked before any work (``run:PATH``: a reward run whose tokenizer is
+    ``policy_tokenizer``'s, ``posttrain/reward_model_reward.py``)."""
+    if spec.startswith(RUN):
+        from lmforge.posttrain.reward_model_reward import check_reward_run  # the sandbox's workers skip torch
+
+        check_reward_run(spec, policy_tokenizer)
+        return
     resolve(spec)
 
 
-def open_reward(spec: str, timeout: float, workers: int, failed_value: float) -> RewardFn:
-    """The scorer ``rl.reward`` names: a function in a :class:`RewardPool` (``run:PATH``: the hook of a
-    reward-model scorer, refused by :func:`check_reward` until one exists)."""
+def open_reward(
+    spec: str,
+    timeout: float,
+    workers: int,
+    failed_value: float,
+    device: torch.device | str = "cpu",
+    template: str = "chat",
+    policy_tokenizer: str | Path | None = None,
+) -> RewardFn:
+    """The scorer ``rl.reward`` names: a function in a :class:`RewardPool`, or (``run:PATH``) the reward
+    model loaded on ``device`` scoring as ``template`` (``rl.template``) renders."""
+    if spec.startswith(RUN):
+        from lmforge.posttrain.reward_model_reward import open_reward_model
+
+        return open_reward_model(spec, device, template, policy_tokenizer)
     check_reward(spec)
     return RewardPool(spec, timeout, workers, failed_value)
 

@@ -4,12 +4,14 @@ Each micro-batch of ``k`` prompts (:class:`~lmforge.posttrain.rl_data.PromptBatc
 
 1. **sample** ``G = rl.group_size`` completions per prompt with the current policy
    (``model/sampling.py::generate_batch``, key/value cache), seeded from ``train.seed`` and the batch's
-   first prompt number, so a resumed run draws what the uninterrupted one drew;
+   first prompt number, so a resumed run draws what the uninterrupted one drew (under FSDP2 from a whole
+   copy of the weights gathered first, ``parallel/whole_copy.py``);
 2. **score** them with the reward (``posttrain/reward_pool.py``: a sandboxed function; failed calls
    score ``rl.failed_reward`` and are counted);
 3. **advantages** per group and the **loss** of ``posttrain/rl_loss.py`` (formulas there), the policy's
    per-token log-probabilities with gradient (:class:`TokenLogps`), the sampling policy's the same
-   detached (one update per batch: ratio 1), the frozen reference's without gradient.
+   detached (one update per batch: ratio 1), the frozen reference's without gradient. Log-probabilities
+   and losses are FP32, FP64 under ``train.precision = "fp64"``.
 
 Metrics (means since the last record, each over what it names): ``rl/reward_mean``, ``rl/reward_std``
 (over every completion), ``rl/kl`` (k3 per completion token), ``rl/clip_fraction`` (share of tokens,
@@ -22,7 +24,7 @@ policy on the sampled completions, nats), ``rl/response_length`` (tokens, the st
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -42,11 +44,16 @@ from lmforge.precision import PrecisionPolicy
 _SUMS = ("groups", "n", "r", "r2", "kl", "clipped", "clip_n", "tokens", "entropy", "failed")
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in FP32 at least (FP64 stays FP64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class TokenLogps(nn.Module):
     """``model`` and its head: ``(inputs, targets, doc_ids) -> (logp, entropy)``, both ``(B, L)`` float32:
     ``log p(targets[i, t] | inputs[i, :t+1])`` (0 where the target is -100; through the fused head and
     cross-entropy, as the training loss) and, without gradient, the entropy of the model's next-token
-    distribution at the target positions (0 elsewhere)."""
+    distribution at the target positions (0 elsewhere); FP64 for a float64 model."""
 
     def __init__(self, model: Transformer, chunk: int = 1024):
         super().__init__()
@@ -56,11 +63,11 @@ class TokenLogps(nn.Module):
         self, inputs: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(inputs, doc_ids)
-        logp = -head_loss(self.model, hidden, targets, self.chunk, reduction="none").float()
+        logp = at_least_fp32(-head_loss(self.model, hidden, targets, self.chunk, reduction="none"))
         entropy = torch.zeros_like(logp)
         with torch.no_grad():
             where = targets != -100
-            logits = self.model.logits(hidden.detach()[where]).float()
+            logits = at_least_fp32(self.model.logits(hidden.detach()[where]))
             lp = logits.log_softmax(-1)
             entropy[where] = -(lp.exp() * lp).sum(-1)
         return logp, entropy
@@ -71,7 +78,8 @@ class RLObjective:
     evaluation. ``policy``: a :class:`TokenLogps` (or it transformed) that training calls; ``sampler``: the
     plain model completions are drawn from; ``reference``: a frozen :class:`TokenLogps` of the starting
     weights (None: set later, or ``rl.beta = 0``); ``stop``: the token that ends a completion;
-    ``decode``: ids -> text."""
+    ``decode``: ids -> text; ``refresh_sampler``: called before each rollout, every rank in step (under
+    FSDP2: ``sampler``'s whole weights gathered from the shards, ``parallel/whole_copy.py``)."""
 
     def __init__(
         self,
@@ -84,8 +92,10 @@ class RLObjective:
         pad_id: int,
         seed: int,
         reference: nn.Module | None = None,
+        refresh_sampler: Callable[[], object] | None = None,
     ):
         self.policy, self.sampler, self.cfg, self.reward = policy, sampler, cfg, reward
+        self.refresh_sampler = refresh_sampler
         self.stop, self.decode, self.pad_id, self.seed = stop, decode, pad_id, seed
         self.reference = None
         self.set_reference(reference)
@@ -111,6 +121,8 @@ class RLObjective:
         rows = [p for p in batch.prompts for _ in range(g)]
         seed = (self.seed * 1_000_003 + batch.position) % (1 << 62)
         temperature = 0.0 if greedy else c.temperature
+        if self.refresh_sampler is not None:
+            self.refresh_sampler()
         out = generate_batch(
             self.sampler, rows, c.max_new_tokens, temperature, c.top_k, c.top_p, (self.stop,), seed
         )
@@ -141,13 +153,14 @@ class RLObjective:
             if self.reference is None:
                 raise RuntimeError("rl.beta > 0 but no reference model was set (RLObjective.set_reference)")
             with torch.no_grad(), precision.autocast():
-                ref = self.reference(inputs, targets, docs)[0].float()
+                ref = at_least_fp32(self.reference(inputs, targets, docs)[0])
         mask = targets != -100
         k = len(batch.prompts)
         adv_kind = "dr_grpo" if c.algorithm == "grpo" and c.loss == "dr_grpo" else c.algorithm
         adv = group_advantages(rewards.view(k, c.group_size), adv_kind).flatten().to(device)
+        logp = at_least_fp32(logp)
         parts = policy_loss(
-            logp.float(), logp.detach().float(), ref, mask, adv, c.group_size, self.variant,
+            logp, logp.detach(), ref, mask, adv, c.group_size, self.variant,
             c.clip_epsilon, c.beta, c.max_new_tokens,
         )  # fmt: skip
         loss = parts.groups.sum() / n_targets

@@ -86,7 +86,8 @@ def check_posttrain(cfg: Config) -> None:
 
 def check_rl(cfg: Config) -> None:
     """What an RL run must hold, checked before any work: the group, the room for completions, a reward
-    that resolves, a batch in prompts, a layout where each process holds the whole policy to sample."""
+    that resolves (a reward run with the policy's tokenizer), a batch in prompts, a data-parallel layout
+    (DDP, ZeRO-1, FSDP2 and hybrid sharding; not pipeline, tensor or expert parallelism, nor offload)."""
     rl, p = cfg.rl, cfg.parallel
     if rl.group_size < 2 and rl.algorithm != "ppo":  # PPO's baseline is its value head
         raise ConfigError(
@@ -98,6 +99,11 @@ def check_rl(cfg: Config) -> None:
             "lora.rank: LoRA freezes every weight but the adapters, the value head of rl.algorithm = ppo "
             "included; use grpo or rloo with LoRA, or --lora.rank=0"
         )
+    if rl.algorithm == "ppo" and p.dp_replicate * p.dp_shard > 1:
+        raise ConfigError(
+            "rl.algorithm: ppo runs in one process of lmforge rl (its value head under DDP and FSDP2 is not "
+            "tested yet); use grpo or rloo with --parallel.dp_replicate / --parallel.dp_shard, or one process"
+        )
     if rl.max_new_tokens >= cfg.data.seq_len:
         raise ConfigError(
             f"rl.max_new_tokens: {rl.max_new_tokens} leaves no room for a prompt within data.seq_len = "
@@ -105,12 +111,19 @@ def check_rl(cfg: Config) -> None:
         )
     if cfg.train.micro_batch_size == "auto":
         raise ConfigError("train.micro_batch_size: auto sizes next-token batches; give a number of prompts")
-    if p.pp > 1 or p.tp > 1 or p.dp_shard > 1 or p.ep > 1:
+    refused = [(k, v) for k, v in (("pp", p.pp), ("tp", p.tp), ("ep", p.ep)) if v > 1]
+    if refused:
+        key, value = refused[0]
         raise ConfigError(
-            "parallel: lmforge rl samples with the whole policy in each process; use one process or "
-            "--parallel.dp_replicate (DDP), not pp, tp, ep or dp_shard"
+            f"parallel.{key}: {value} is not a layout of lmforge rl (each process samples from a whole copy of "
+            "the policy); use --parallel.dp_replicate (DDP) or --parallel.dp_shard (ZeRO-1, FSDP2) instead"
         )
-    check_reward(rl.reward)
+    if p.offload:
+        raise ConfigError(
+            "parallel.offload: not with lmforge rl (each rollout gathers the policy's weights on the device); "
+            "remove --parallel.offload"
+        )
+    check_reward(rl.reward, cfg.data.tokenizer)
 
 
 def check_reward_run(cfg: Config) -> None:
@@ -271,27 +284,43 @@ def rl_objective(
     model: torch.nn.Module,
     new_model: Callable[[], torch.nn.Module],
     run_dir: Path | None,
+    device: torch.device | None = None,
+    refresh_sampler: Callable[[], object] | None = None,
 ) -> RLObjective:
     """The RL objective over ``policy`` (the transformed :class:`TokenLogps`), sampling from ``model``; the
     reference: a frozen whole copy (``new_model()``) of ``RUN/reference_model.pt`` when it exists (written
-    when the run starts, :func:`write_reference`)."""
+    when the run starts, :func:`write_reference`); a reward model (``rl.reward = "run:PATH"``) loaded on
+    ``device`` (default: ``model``'s); ``refresh_sampler``: what brings ``model`` up to date before a
+    rollout (FSDP2: the gather of ``parallel/whole_copy.py``)."""
     tok = Tokenizer(cfg.data.tokenizer)
     template = ChatTemplate(tok)
     rl = cfg.rl
-    reward = open_reward(rl.reward, rl.reward_timeout, rl.reward_workers, rl.failed_reward)
+    device = device if device is not None else next(model.parameters()).device
+    reward = open_reward(
+        rl.reward,
+        rl.reward_timeout,
+        rl.reward_workers,
+        rl.failed_reward,
+        device,
+        rl.template,
+        cfg.data.tokenizer,
+    )
     kind = PPOObjective if rl.algorithm == "ppo" else RLObjective
     objective = kind(
-        policy, model, rl, reward, stop_id(template, rl.template), tok.decode, tok.eot_id, cfg.train.seed
-    )
+        policy, model, rl, reward, stop_id(template, rl.template), tok.decode, tok.eot_id, cfg.train.seed,
+        refresh_sampler=refresh_sampler,
+    )  # fmt: skip
     if run_dir is not None and (run_dir / REFERENCE_MODEL).is_file():
         objective.set_reference(frozen_reference(new_model, run_dir, cfg.train.loss_chunk))
     return objective
 
 
 def frozen_reference(new_model: Callable[[], torch.nn.Module], run_dir: Path, chunk: int) -> TokenLogps:
-    """A :class:`TokenLogps` of the weights in ``RUN/reference_model.pt``."""
+    """A :class:`TokenLogps` of the weights in ``RUN/reference_model.pt`` (a LoRA run's: its base, the
+    adapters dropped; they start at ``B = 0``, so the base is the starting policy)."""
     frozen = new_model()
-    frozen.load_state_dict(torch.load(run_dir / REFERENCE_MODEL, map_location="cpu", weights_only=True))
+    saved = torch.load(run_dir / REFERENCE_MODEL, map_location="cpu", weights_only=True)
+    frozen.load_state_dict(dense_base(saved, {k: v.shape for k, v in frozen.state_dict().items()}))
     return TokenLogps(frozen, chunk)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,12 +56,13 @@ from lmforge.parallel.model_layout import check_model_layout
 from lmforge.parallel.pipeline import Pipeline, pipeline_settings, rank_model
 from lmforge.parallel.reduce import StepReduce
 from lmforge.parallel.tensor import check_tensor_parallel
+from lmforge.parallel.whole_copy import WholeCopy
 from lmforge.plan.limit import check_run_memory
 from lmforge.plan.micro_batch import auto_candidates
 from lmforge.posttrain.dpo import SequenceLogps
 from lmforge.posttrain.ppo import PolicyValueModel, TokenLogpsValues
 from lmforge.posttrain.reward import RewardModel, RewardObjective, RewardScores
-from lmforge.posttrain.rl import TokenLogps
+from lmforge.posttrain.rl import RLObjective, TokenLogps
 from lmforge.posttrain.run import (
     PostTrainData,
     check_posttrain,
@@ -201,11 +203,33 @@ def training_module(
         return RewardModule(model, RewardObjective(train_fn, eval_fn), sync, group, whole)
     if t.objective not in ("dpo", "rl"):
         return LanguageModelModule(model, train_fn, eval_fn, sync, whole)
-    fresh = lambda: build_model(cfg, vocab_size, device, init=False, adapters=False)  # noqa: E731
+
+    def fresh(adapters: bool = False) -> Transformer:  # a whole plain model, unfilled (fp64: float64 too)
+        plain = build_model(cfg, vocab_size, device, init=False, adapters=adapters)
+        return plain.to(torch.float64) if compute_dtype == torch.float64 else plain
+
     if t.objective == "rl":
-        return RLModule(model, rl_objective(cfg, train_fn, model, fresh, run_dir), sync, group)
+        objective = rl_module_objective(cfg, train_fn, model, fresh, layout, device, run_dir)
+        return RLModule(model, objective, sync, group)
     objective = dpo_objective(cfg, train_fn, fresh, run_dir, eval_policy=eval_fn)
     return DPOModule(model, objective, sync, group, whole)
+
+
+def rl_module_objective(
+    cfg: Config,
+    policy: nn.Module,
+    model: Transformer,
+    fresh: Callable[..., Transformer],
+    layout: Layout,
+    device: torch.device,
+    run_dir: Path | None,
+) -> RLObjective:
+    """The RL objective of a training module: completions sampled from ``model`` itself where this process
+    holds it whole, else (FSDP2) from a whole copy gathered before each rollout (``parallel/whole_copy.py``)."""
+    if layout.kind != "fsdp":
+        return rl_objective(cfg, policy, model, fresh, run_dir, device)
+    whole = WholeCopy(model, fresh(adapters=True))
+    return rl_objective(cfg, policy, whole.copy, fresh, run_dir, device, whole.refresh)
 
 
 @dataclass

@@ -1,0 +1,51 @@
+"""A whole, plain copy of a sharded model in each process, refreshed from the shards on demand.
+
+Under FSDP2 (``parallel.dp_shard > 1``, ZeRO-2/3, hybrid sharding) a process holds a shard of every
+parameter, and a forward gathers each block's parameters through FSDP2's hooks: a collective that every
+rank of the mesh must enter the same number of times. Autoregressive sampling does not fit that: each
+rank draws other completions, which stop after other numbers of tokens, so the ranks' forwards would not
+pair up (and the root's embedding and head are gathered only around the root's own forward). RL
+(``posttrain/rl.py``) therefore samples from a :class:`WholeCopy`: before each rollout every rank gathers
+the current weights into a plain model of its own (:meth:`WholeCopy.refresh`: one all-gather per sharded
+tensor, ``DTensor.full_tensor``, in the same order on every rank, the only collective), then samples
+from it with no collective at all, as one process would.
+
+Cost: the memory of one more whole model per process (as RL's frozen reference, also whole), and one
+all-gather of the weights per rollout, the bytes of one ZeRO-3 forward's gathers. A tensor that is not
+sharded (DDP, ZeRO-1, a buffer, a parameter FSDP2 holds gathered between micro-batches of a ZeRO-2 step)
+is copied as it is.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(itertools.chain(module.named_parameters(), module.named_buffers()))
+
+
+class WholeCopy:
+    """``copy`` (a plain model of ``source``'s class and names, on this process's device) kept equal to
+    ``source`` (sharded or not) by :meth:`refresh`."""
+
+    def __init__(self, source: nn.Module, copy: nn.Module):
+        ours, theirs = _tensors(source), _tensors(copy)
+        if ours.keys() != theirs.keys():
+            missing = sorted(ours.keys() ^ theirs.keys())[:3]
+            raise ValueError(f"WholeCopy: the copy's tensors are not the source's ({missing} ...)")
+        self.source, self.copy = source, copy.requires_grad_(False)
+
+    @torch.no_grad()
+    def refresh(self) -> nn.Module:
+        """Gather ``source``'s current values into ``copy`` and return it; every rank must call it, in
+        step (the gathers are collectives)."""
+        mine = _tensors(self.copy)
+        for name, value in _tensors(self.source).items():
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            mine[name].copy_(whole)
+        return self.copy

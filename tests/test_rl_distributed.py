@@ -1,0 +1,95 @@
+"""``lmforge rl`` under FSDP2 (``parallel.dp_shard = 2``, two processes, gloo) trains as one process does:
+the same rollouts, rewards (a reward-model run, ``rl.reward = "run:PATH"``), losses and weights, in
+float64. The run folder is started in one process (``--prepare-only`` equivalent), then resumed under
+torchrun; the one-process run takes the same 4 prompts a step as 2 micro-batches of 2. The layouts RL
+does not run (pipeline, tensor, expert parallelism, offload) are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmforge.errors import ConfigError
+from lmforge.posttrain.finetune import start
+from lmforge.posttrain.run import check_rl
+from lmforge.recipe import load_config
+from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
+from lmforge.train.launch import train
+from tests.test_reward import reward_overrides
+from tests.test_rl_runs import _prompts, pretrained  # noqa: F401 (fixture)
+from tests.torchrun import torchrun
+
+
+def _records(run) -> dict[int, dict]:
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {x["step"]: x for x in lines if "loss" in x}
+
+
+@pytest.mark.distributed
+def test_fsdp2_rl_trains_like_one_process(pretrained, tmp_path):  # noqa: F811
+    # an untrained reward head on the base (step 0 of lmforge reward): a reward any completion gets a spread of
+    start("reward", pretrained, tmp_path / "rm", overrides=reward_overrides(tmp_path, 1))
+    seq_len = 64
+    over = {
+        "posttrain.train_files": [_prompts(tmp_path / "p.jsonl", [f"def f{i}(x):" for i in range(8)])],
+        "posttrain.val_files": [_prompts(tmp_path / "v.jsonl", ["class A:", "import os"])],
+        "rl.reward": f"run:{tmp_path / 'rm'}",
+        "rl.group_size": 4,
+        "rl.max_new_tokens": 6,
+        "rl.loss": "dapo",  # a token-level mean: a loss value that is not 0 at ratio 1 (grpo's would be)
+        "train.steps": 3,
+        "train.micro_batch_size": 2,
+        "train.tokens_per_step": 4 * seq_len,  # 4 prompts a step: 2 micro-batches here, 1 a rank there
+        "train.precision": "fp64",
+        "train.compile": False,
+        "train.eval_interval": 0,
+        "train.checkpoint_interval": 3,
+        "train.log_interval": 1,
+        "train.sample_tokens": 0,
+        "optim.lr": 3e-3,
+        "schedule.warmup": 1,
+    }
+    one = tmp_path / "one"
+    cfg, _ = start("rl", pretrained, one, overrides=over)
+    single = train(cfg, one, resume=True, progress_bar=False)
+    two = tmp_path / "two"
+    start("rl", pretrained, two, overrides={**over, "parallel.dp_shard": 2})
+    done = torchrun(2, ["-m", "lmforge", "rl", "--resume", "--run-dir", str(two)])
+    assert done.returncode == 0, done.stderr[-4000:]
+    got, want = _records(two), _records(one)
+    assert sorted(got) == sorted(want) == [1, 2, 3]
+    # float64 throughout (weights, log-probabilities, losses, gradient reductions): the layouts differ at
+    # most in how two micro-batches' gradients are summed and averaged, a relative 2^-53 ~ 1e-16 per
+    # element, which 3 Adam steps carry into the next rollouts' losses at about that size (measured on
+    # 2 CPU cores: 0, bitwise equal). 1e-9 is that with ample room, and 60x below one FP32 rounding (6e-8):
+    # an FP32 step or one other sampled token would exceed it.
+    for step in want:
+        for key in ("loss", "rl/reward_mean", "rl/kl", "rl/entropy", "rl/response_length"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-9, abs=1e-12), (step, key)
+    assert want[3]["rl/kl"] > 0 and want[1]["loss"] != 0  # the policy moved; the loss is not trivially 0
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["layout"] == "2 processes: dp_shard=2 (FSDP2, ZeRO-3)"
+    assert summary["val_reward"] == pytest.approx(single["val_reward"], rel=1e-9)  # greedy, gathered copy
+    a = load_checkpoint(latest_checkpoint(one))["model"]
+    b = load_checkpoint(latest_checkpoint(two))["model"]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-12  # same room as above, absolute
+
+
+@pytest.mark.parametrize(
+    ("over", "named"),
+    [
+        ({"parallel.tp": 2}, "parallel.tp"),
+        ({"parallel.pp": 2}, "parallel.pp"),
+        ({"parallel.ep": 2}, "parallel.ep"),
+        ({"parallel.dp_shard": 2, "parallel.offload": True}, "parallel.offload"),
+        ({"rl.algorithm": "ppo", "parallel.dp_replicate": 2}, "rl.algorithm"),
+    ],
+)
+def test_layouts_rl_does_not_run_are_refused_by_name(over, named):
+    cfg = load_config(
+        None, {"train.objective": "rl", "train.micro_batch_size": 2, "data.seq_len": 64, **over}
+    )
+    with pytest.raises(ConfigError, match=rf"^{named}: .*lmforge rl"):
+        check_rl(cfg)
+    check_rl(load_config(None, {"train.micro_batch_size": 2, "data.seq_len": 64, "parallel.dp_shard": 2}))
