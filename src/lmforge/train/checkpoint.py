@@ -687,8 +687,14 @@ def _read_whole(path: Path, only: frozenset[str] | None = None) -> dict[str, Any
 
 def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The whole training state of the checkpoint at ``path`` for this process, in the current layout
-    (model and optimizer resharded by DCP), ready for ``Trainer.load_state_dict``."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    (model and optimizer resharded by DCP), ready for ``Trainer.load_state_dict``.
+
+    A checkpoint without optimizer entries (a post-training run's step 0) builds no optimizer template:
+    making one initialises the states with a zero-rate step, and Adam's first real update would then be
+    bias-corrected as its second."""
+    if not any(k.startswith("optimizer.") for k in saved_keys(path)):
+        optim_template = {}
+    elif isinstance(optimizer, ZeroRedundancyOptimizer):
         optim_template = _zero_template(path, model, optimizer)
     else:
         optim_template = optimizer_state(model, optimizer, template=True)
