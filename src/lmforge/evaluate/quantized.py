@@ -70,6 +70,7 @@ def load_quantized(folder: str | Path, device: torch.device) -> tuple[Config, To
     tok = Tokenizer(folder / "tokenizer.json")
     model = build_model(cfg, tok.vocab_size, torch.device("cpu"), init=False, adapters=False).float()
     quantize_model(model, scheme, group_size)
+    # weights_only: torchao (imported by quantize_model) allow-lists its tensor types for torch.load
     state = torch.load(folder / WEIGHTS, map_location="cpu", weights_only=True)
     model.load_state_dict(state, assign=True)
     return cfg, tok, model.to(device).eval(), int(info["step"])
