@@ -82,6 +82,7 @@ def test_pipeline_stages_run_their_blocks_and_compose_to_the_whole_model():
 def test_transformations_have_one_fixed_order_and_compile_wraps_without_replacing():
     assert [name for name, _ in STAGES] == [
         "lora",
+        "qat",
         "convert",
         "tensor_parallel",
         "expert_parallel",

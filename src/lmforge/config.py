@@ -931,6 +931,28 @@ class LoraConfig(_Section):
     )
 
 
+class QATConfig(_Section):
+    """Quantization-aware training (``model/qat.py``, docs/memory.md): the linear layers of the blocks
+    fake-quantize their weights (and activations) in every forward from ``start_step`` on, so training
+    sees the error of the integer model ``lmforge export --quantize`` writes."""
+
+    enabled: bool = Field(False, description="fake-quantize the blocks' linear layers during training")
+    scheme: Literal["int8da-int4w", "int4w", "int8da-int8w", "int8w"] = Field(
+        "int8da-int4w",
+        description="int8da-int4w: int8 dynamic per-token activations + int4 per-group weights; int4w: "
+        "int4 weights only; int8da-int8w / int8w: the same with int8 weights (torchao, runs on CPU)",
+    )
+    group_size: int = Field(
+        32,
+        ge=0,
+        description="input columns sharing one weight scale; every linear layer's input width must be a "
+        "multiple of it; 0: one scale per output row",
+    )
+    start_step: int = Field(
+        0, ge=0, description="the first optimizer step that trains fake-quantized (before it: full precision)"
+    )
+
+
 class Config(_Section):
     """A training recipe. Each field is a section (``[model]``, ...); a section's settings that belong to
     one choice (a schedule, an optimizer, a clipping mode) sit in a sub-table named after the choice."""
@@ -982,6 +1004,10 @@ class Config(_Section):
     )
     reward: RewardConfig = Field(
         default_factory=RewardConfig, description="the reward model of lmforge reward: its loss's margin"
+    )
+    qat: QATConfig = Field(
+        default_factory=QATConfig,
+        description="quantization-aware training: fake-quantized linear layers for an INT8 / INT4 export",
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from lmforge.errors import UserError
 from lmforge.recipe import parse_overrides
 
 
@@ -17,6 +18,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="a LoRA run as a PEFT adapter folder (default RUN/hf-adapter, its base in base/) instead of "
         "merged weights",
+    )
+    p.add_argument(
+        "--quantize",
+        metavar="SCHEME",
+        help="write the model with integer linear layers instead (torchao; default RUN/quantized-SCHEME): "
+        "int8da-int4w, int4w, int8da-int8w or int8w; loads with lmforge generate / eval",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        help="--quantize: input columns sharing one weight scale (default: the run's qat.group_size; 0: "
+        "one scale per row)",
     )
     p.set_defaults(func=cmd_export)
 
@@ -33,6 +46,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.quantize is not None:
+        from lmforge.evaluate.quantized_export import export_quantized
+
+        if args.adapter:
+            raise UserError("--adapter: a PEFT adapter cannot be quantized; drop --adapter or --quantize")
+        out = export_quantized(args.run, args.quantize, args.group_size, args.out, args.step)
+        print(f"exported to {out}")
+        return 0
     from lmforge.hf.export import export_run
 
     print(f"exported to {export_run(args.run, args.out, args.step, args.adapter)}")

@@ -14,6 +14,7 @@ from lmforge.data.loader import TokenStream
 from lmforge.data.prepare import prepare_data
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import DataError, UserError
+from lmforge.evaluate.quantized import is_quantized_export, load_quantized
 from lmforge.evaluate.validation import evaluate, perplexity
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
@@ -40,8 +41,10 @@ def load_run(
     run_dir: str | Path, device: torch.device, step: int | None = None
 ) -> tuple[Config, Tokenizer, Transformer, int]:
     """(config, tokenizer, model with the weights of checkpoint ``step`` (None: the newest), step) of
-    ``run_dir``."""
+    ``run_dir``. An ``export --quantize`` folder loads as its quantized model (``evaluate/quantized.py``)."""
     run_dir = Path(run_dir)
+    if is_quantized_export(run_dir):
+        return load_quantized(run_dir, device)
     ckpt = pick_checkpoint(run_dir, step)
     cfg = load_saved_config(ckpt / "config.toml")
     tok = Tokenizer(run_dir / "tokenizer.json")

@@ -1,6 +1,6 @@
 """The model transformations of a run, applied from outside the model in one fixed order.
 
-    lora -> convert -> tensor parallel -> expert parallel -> activation checkpointing -> compile
+    lora -> qat -> convert -> tensor parallel -> expert parallel -> activation checkpointing -> compile
          -> data-parallel sharding -> materialize
 
 Each stage is a function ``(module, model, ctx) -> module`` (``module``: what the training step will call,
@@ -16,6 +16,10 @@ values. The order is forced by what each stage needs to see:
    adapters with their block; the materialize stage initialises them) and which train (DDP and FSDP2
    register gradient hooks and reduce only for parameters that require grad, so freezing must precede
    them). QLoRA's quantisation of the frozen weights needs their values, so it happens in ``materialize``.
+0b. ``qat`` (``[qat]``, ``lmforge/model/qat.py``) makes the blocks' linear layers fake-quantize their
+   weights and inputs, in place (same parameters): compile must trace the quantize-dequantize and FSDP2
+   gathers the whole weight before a layer's forward, so the groups of a row are all there. It refuses
+   to meet LoRA's layers, FP8's conversion and tensor parallelism (``train/build.py::validate``).
 1. ``convert`` swaps module types (FP8 linear layers, lmforge/precision): every later stage must see the
    final modules, and tensor parallelism must shard the converted weights.
 2. ``tensor_parallel`` (``parallelize_module``) shards the weights of each block across the TP mesh;
@@ -64,9 +68,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lmforge.config import LoraConfig, TrainConfig, check_activation_checkpointing
+from lmforge.config import LoraConfig, QATConfig, TrainConfig, check_activation_checkpointing
 from lmforge.model.lora import adapter_plan, apply_lora, quantize_base
 from lmforge.model.moe import expert_params
+from lmforge.model.qat import apply_qat
 from lmforge.parallel.comm_hooks import CommHook
 from lmforge.parallel.data_parallel import apply_ddp, apply_fsdp
 from lmforge.parallel.layout import SINGLE, Layout
@@ -88,6 +93,7 @@ class ApplyContext:
     init: Init | None = None
     lora: LoraConfig | None = None
     comm: CommHook | None = None  # DDP's gradient compression (parallel.ddp_comm_hook)
+    qat: QATConfig | None = None
 
 
 def can_compile(enabled: bool, device: torch.device) -> bool:
@@ -107,6 +113,19 @@ def lora(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
         return module
     names = apply_lora(model, ctx.lora)
     log.info("lora: rank %d on %d layers (%s), the rest frozen", ctx.lora.rank, len(names), ctx.lora.targets)
+    return module
+
+
+def qat(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
+    """``qat.enabled``: the target linear layers fake-quantize (``lmforge/model/qat.py``); else unchanged.
+    They start switched off; ``train/callbacks/qat.py`` switches them on from ``qat.start_step``."""
+    if ctx.qat is None or not ctx.qat.enabled:
+        return module
+    from lmforge.model.qat import set_fake_quant
+
+    names = apply_qat(model, ctx.qat.scheme, ctx.qat.group_size)
+    set_fake_quant(model, ctx.qat.start_step == 0)
+    log.info("qat: %s (group size %d) on %d layers", ctx.qat.scheme, ctx.qat.group_size, len(names))
     return module
 
 
@@ -312,6 +331,7 @@ def materialize(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Mo
 
 STAGES: tuple[tuple[str, Callable[[nn.Module, ApplyContext], nn.Module]], ...] = (
     ("lora", lora),
+    ("qat", qat),
     ("convert", convert),
     ("tensor_parallel", tensor_parallel),
     ("expert_parallel", expert_parallel),

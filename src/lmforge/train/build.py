@@ -114,6 +114,7 @@ def validate(cfg: Config) -> torch.device:
     check_precision(cfg.train, cfg.parallel, device, optimizer=cfg.optim.name)
     check_layout(cfg, launch_env()[2])
     check_model_layout(cfg)
+    check_qat(cfg)
     if cfg.train.micro_batch_size == "auto":
         auto_candidates(cfg)
     else:
@@ -125,6 +126,26 @@ def validate(cfg: Config) -> torch.device:
     else:
         check_posttrain(cfg)
     return device
+
+
+def check_qat(cfg: Config) -> None:
+    """``[qat]``: refused beside LoRA, FP8 and tensor parallelism (each owns the linear layers' forward or
+    their weights' layout), and its group size must divide every target layer's input width."""
+    if not cfg.qat.enabled:
+        return
+    for clash, why in (
+        (cfg.lora.rank > 0, "lora.rank: LoRA's layers"),
+        (cfg.train.precision == "fp8", "train.precision = fp8: torchao's float8 layers"),
+        (cfg.train.precision == "fp64", "train.precision = fp64: torchao quantizes 32- and 16-bit floats"),
+        (cfg.parallel.tp > 1, "parallel.tp: tensor-parallel shards (a group would span ranks)"),
+    ):
+        if clash:
+            raise ConfigError(f"qat.enabled: fake quantization cannot wrap {why}; turn one of them off")
+    from lmforge.model.qat import check_group_size
+
+    with torch.device("meta"):  # widths only: the vocabulary does not matter (the head is not quantized)
+        model = model_class(cfg)(cfg.model, 256, cfg.data.seq_len)
+    check_group_size(model, cfg.qat.group_size)
 
 
 def build_model(
@@ -182,7 +203,7 @@ def training_module(
         model = model_class(cfg)(cfg.model, vocab_size, cfg.data.seq_len, t.attention, t.moe_kernel)
     seed_all(t.seed)  # Python's and numpy's generators as one process's build leaves them
     init = Init(device, tuple(model.init_plan()), t.seed)
-    ctx = ApplyContext(t, device, layout, compute_dtype, init, cfg.lora, comm)
+    ctx = ApplyContext(t, device, layout, compute_dtype, init, cfg.lora, comm, cfg.qat)
     loss = {"dpo": SequenceLogps, "rl": TokenLogps, "reward": RewardScores}.get(t.objective, NextTokenLoss)
     if t.objective == "rl" and cfg.rl.algorithm == "ppo":
         loss = TokenLogpsValues  # the policy's log-probabilities and its value head's values
@@ -370,7 +391,7 @@ def build_pipeline(
     if p.pp_schedule in ("zero_bubble", "zbv") and train.compile:
         log.warning("train.compile: the zero-bubble schedules run eager stages (torch refuses compiled ones)")
         train = train.model_copy(update={"compile": False})
-    ctx = ApplyContext(train, device, layout, precision.compute_dtype)
+    ctx = ApplyContext(train, device, layout, precision.compute_dtype, qat=cfg.qat)
     seed_all(cfg.train.seed)
     pipeline = Pipeline(
         build,

@@ -25,6 +25,7 @@ from lmforge.train.callbacks.evaluation import BestTaskCheckpoint, EarlyStopping
 from lmforge.train.callbacks.guard import StabilityGuard
 from lmforge.train.callbacks.metrics import StepMetrics
 from lmforge.train.callbacks.profile import Profile
+from lmforge.train.callbacks.qat import QATSwitch
 from lmforge.train.callbacks.sample import Sample
 from lmforge.train.callbacks.sinks import Console, MetricsFile, WandbSink, require_wandb
 from lmforge.train.checkpoint import (
@@ -141,6 +142,7 @@ def default_callbacks(
     sinks = [MetricsFile(run_dir), Console(progress_bar)] if main else []
     sinks += [WandbSink(run_dir, cfg)] if main and cfg.metrics.wandb else []
     return [
+        *([QATSwitch(cfg.qat.start_step)] if cfg.qat.enabled else []),
         StopOnSignal(),
         StabilityGuard(cfg.guard),
         StepMetrics(),
