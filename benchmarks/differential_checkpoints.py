@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 
 from lmforge.recipe import load_config, parse_overrides
-from lmforge.train.checkpoint import list_checkpoints, load_checkpoint
-from lmforge.train.differential import read_differential
+from lmforge.train.checkpoint import list_checkpoints, load_checkpoint, read_differential
 from lmforge.train.launch import train
 
 CASES = {

@@ -83,7 +83,7 @@ def test_ddp_compression_hooks(tmp_path):
     assert got["comm_files"] == ["rank_00000.pt", "rank_00001.pt"]
     assert got["resume"]["diff"] == 0.0 and losses["resumed"] == losses["powersgd"], got["resume"]
     assert got["resume"]["relaid"] >= 1 and got["resume"]["without_state"] > 1e-3, got["resume"]
-    # differential checkpoints over 2 ranks (train/differential.py): a key is unchanged only if no rank saw
+    # differential checkpoints over 2 ranks (train/checkpoint.py): a key is unchanged only if no rank saw
     # it change; after one matrix changed only it is written, and the state is restored bitwise
     diff = got["differential"]
     assert diff["agreed"] == ["a", "c"] and diff["written"] == ["blocks.0.attn.q_proj.weight"], diff

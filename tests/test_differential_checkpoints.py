@@ -1,4 +1,4 @@
-"""Differential checkpoints (``train.checkpoint_full_every``, ``train/differential.py``): restored bitwise,
+"""Differential checkpoints (``train.checkpoint_full_every``, ``train/checkpoint.py``): restored bitwise,
 smaller where tensors stay unchanged, never left without their base, and a resume from one continues as
 the uninterrupted run."""
 
@@ -12,15 +12,18 @@ import torch
 from lmforge.errors import UserError
 from lmforge.train.callbacks.control import StopAfter
 from lmforge.train.checkpoint import (
+    Differential,
     checkpoint_dir,
+    digests,
     list_checkpoints,
     load_checkpoint,
     load_tensors,
     newest_valid_checkpoint,
     prune,
+    read_differential,
     save_checkpoint,
+    unchanged_keys,
 )
-from lmforge.train.differential import Differential, digests, read_differential, unchanged_keys
 from lmforge.train.launch import train
 from lmforge.train.runtime import rng_state
 

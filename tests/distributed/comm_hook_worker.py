@@ -38,12 +38,14 @@ from lmforge.parallel.comm_hooks import CommHook, comm_hook
 from lmforge.parallel.data_parallel import apply_ddp
 from lmforge.parallel.layout import init_layout
 from lmforge.train.checkpoint import (
+    Differential,
+    digests,
     load_training_state,
     model_state,
     optimizer_state,
     save_checkpoint,
+    unchanged_keys,
 )
-from lmforge.train.differential import Differential, digests, unchanged_keys
 from lmforge.train.runtime import rng_state
 
 CPU = torch.device("cpu")

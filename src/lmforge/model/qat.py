@@ -32,7 +32,7 @@ The layers are transformed from outside (``parallel/apply.py``'s ``qat`` stage, 
 target ``nn.Linear`` becomes a :class:`QATLinear` in place, keeping its ``weight`` / ``bias`` (no new
 parameters or buffers: checkpoints, optimizer state and export maps are those of the plain model). The
 fake quantizers are switched on from ``qat.start_step`` on by :func:`set_fake_quant`, which the
-training callback ``train/callbacks/qat.py`` calls from the step count alone, so a resume restores it.
+training callback ``train/callbacks/control.py`` calls from the step count alone, so a resume restores it.
 Targets: every ``nn.Linear`` of the model but the output head (and a reward model's ``score``).
 """
 

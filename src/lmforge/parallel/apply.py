@@ -118,7 +118,7 @@ def lora(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
 
 def qat(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module:
     """``qat.enabled``: the target linear layers fake-quantize (``lmforge/model/qat.py``); else unchanged.
-    They start switched off; ``train/callbacks/qat.py`` switches them on from ``qat.start_step``."""
+    They start switched off; ``train/callbacks/control.py`` switches them on from ``qat.start_step``."""
     if ctx.qat is None or not ctx.qat.enabled:
         return module
     from lmforge.model.qat import set_fake_quant

@@ -19,13 +19,12 @@ from lmforge.recipe import load_config
 from lmforge.train.build import Run, build_run, validate
 from lmforge.train.callbacks import Callback
 from lmforge.train.callbacks.checkpointing import Checkpointing
-from lmforge.train.callbacks.control import StopOnSignal
+from lmforge.train.callbacks.control import QATSwitch, StopOnSignal
 from lmforge.train.callbacks.detail import DetailMetrics
 from lmforge.train.callbacks.evaluation import BestTaskCheckpoint, EarlyStopping, Evaluation, TaskEvaluation
 from lmforge.train.callbacks.guard import StabilityGuard
 from lmforge.train.callbacks.metrics import StepMetrics
 from lmforge.train.callbacks.profile import Profile
-from lmforge.train.callbacks.qat import QATSwitch
 from lmforge.train.callbacks.sample import Sample
 from lmforge.train.callbacks.sinks import Console, MetricsFile, WandbSink, require_wandb
 from lmforge.train.checkpoint import (

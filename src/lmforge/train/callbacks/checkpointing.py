@@ -6,7 +6,7 @@ metrics line ``{"event": "checkpoint", "step": S, "completed_during_step": T}`` 
 overlapped. A new save, a stop and the end of the run first wait for a pending one.
 
 With ``train.checkpoint_full_every = N`` (N > 1) the callback writes one full checkpoint, then N - 1
-differential ones against it (``train/differential.py``), and so on; the first checkpoint of a process
+differential ones against it (``train/checkpoint.py``), and so on; the first checkpoint of a process
 (a fresh run or a resume) is full, as is a re-save of the base's own step. Each checkpoint's metrics line
 ``{"event": "checkpoint_written", "step", "kind": "full" | "differential", "written_fraction"}`` gives the
 share of the state's tensor bytes it wrote (whole tensors' sizes, not this rank's shards).
@@ -20,8 +20,14 @@ import torch
 
 from lmforge.config import Config
 from lmforge.train.callbacks import Callback
-from lmforge.train.checkpoint import TENSOR_KEYS, PendingSave, save_checkpoint
-from lmforge.train.differential import Differential, digests, unchanged_keys
+from lmforge.train.checkpoint import (
+    TENSOR_KEYS,
+    Differential,
+    PendingSave,
+    digests,
+    save_checkpoint,
+    unchanged_keys,
+)
 from lmforge.train.step import Action, StepResult
 from lmforge.train.trainer import Trainer
 

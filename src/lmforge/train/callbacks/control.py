@@ -1,5 +1,6 @@
-"""Stopping a run early and resumably: on a signal (:class:`StopOnSignal`) or after a given step
-(:class:`StopAfter`, for tests and budgets). Either stop loses nothing.
+"""What follows the step count alone: stopping a run early and resumably, on a signal
+(:class:`StopOnSignal`) or after a given step (:class:`StopAfter`, for tests and budgets), and
+quantization-aware training's switch (:class:`QATSwitch`). Either stop loses nothing.
 
 SIGINT (Ctrl-C) and SIGTERM (a scheduler's notice before preemption): the first signal lets the current
 step finish; the run then stops as a callback's ``request_stop`` would: a checkpoint of that step is
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.errors import Interrupted
+from lmforge.model.qat import set_fake_quant
 from lmforge.train.callbacks import Callback
 from lmforge.train.step import StepResult
 from lmforge.train.trainer import Trainer
@@ -93,3 +95,25 @@ class StopAfter(Callback):
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         if trainer.progress.step >= self.step:
             trainer.request_stop()
+
+
+class QATSwitch(Callback):
+    """Quantization-aware training's switch (``[qat]``, ``model/qat.py``): the fake quantizers are on for
+    step ``s`` (counting completed optimizer steps from 0) exactly when ``s >= qat.start_step``.
+
+    It holds no state of its own: the switch follows from the step count, which the checkpoint restores,
+    so a resumed run trains each step as the uninterrupted one did. It is set before the first step and
+    after every step (before that step's evaluation, which therefore scores the model as the next step
+    trains it)."""
+
+    def __init__(self, start_step: int):
+        self.start_step = start_step
+
+    def _set(self, trainer: Trainer) -> None:
+        set_fake_quant(trainer.run.model, trainer.progress.step >= self.start_step)
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self._set(trainer)
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        self._set(trainer)
