@@ -124,3 +124,75 @@ def test_expert_parallel_resume_in_another_layout(first, second, one_process, tm
             done = launch(nproc, run, step_over, *flags)
             assert f"ep={layout['parallel.ep']}" in done.stdout + done.stderr  # the experts were split
     assert_same_run(run, ref)
+
+
+# -- MoE under pipeline and tensor parallelism -------------------------------------------------------------
+
+# every balance term on, a shared expert, a dense first block (pp = 2: stage 0 holds blocks 0-1, one dense
+# and one MoE; stage 1 blocks 2-3)
+MOE_ALL = {
+    **MOE,
+    "model.moe.aux_loss": 0.01,
+    "model.moe.seq_aux_loss": 0.01,
+    "model.moe.z_loss": 0.001,
+    "model.moe.shared_experts": 1,
+    "model.moe.first_dense": 1,
+}
+# The pipeline runs each micro-batch of 4 rows as 2 microbatches of 2: every MoE forward (its balance
+# losses, which are not linear in the tokens) sees 2 rows, as one process does with micro-batches of 2.
+CHUNKED = {"train.micro_batch_size": 2}
+MOE_LAYOUTS = {
+    "pp2": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch_size": 4}, CHUNKED),
+    "pp2-ep2": (
+        4,
+        {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.ep": 2, "train.micro_batch_size": 4},
+        CHUNKED,
+    ),
+    "tp2": (2, {"parallel.tp": 2}, {}),
+    "tp2-ep2": (4, {"parallel.dp_shard": 2, "parallel.tp": 2, "parallel.ep": 2}, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def one_process_moe(corpus_dir, tmp_path_factory):
+    """The references of :data:`MOE_LAYOUTS`: one process, float64, 10 steps, by micro-batch size."""
+    from tests.test_distributed import _overrides
+
+    root, runs = tmp_path_factory.mktemp("moe-one"), {}
+
+    def run(reference: dict) -> tuple:
+        key = tuple(sorted(reference.items()))
+        if key not in runs:
+            over = _overrides(corpus_dir, root / "cache", **MOE_ALL, **reference)
+            run_dir = root / f"run{len(runs)}"
+            train(load_config(None, over), run_dir, progress_bar=False)
+            runs[key] = run_dir, over
+        return runs[key]
+
+    return run
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_moe_under_pipeline_and_tensor_parallel_equals_one_process(name, one_process_moe, tmp_path):
+    """MoE blocks split over 2 pipeline stages (1F1B), with tensor parallelism, and each with expert
+    parallelism: losses, gradient norms, parameters (1e-10, float64), every step's expert load and balance
+    losses, and the balancing bias equal one process's."""
+    from tests.test_distributed import assert_same_run, launch, losses
+
+    nproc, layout, reference = MOE_LAYOUTS[name]
+    ref, over = one_process_moe(reference)
+    run = tmp_path / name
+    launch(nproc, run, {**over, **layout})
+    assert_same_run(run, ref)
+    for key in ("moe/layer.1/load", "moe/layer.3/load"):
+        assert losses(run, key) == losses(ref, key)
+    for key in ("moe/aux_loss", "moe/seq_aux_loss", "moe/z_loss"):
+        got, want = losses(run, key), losses(ref, key)
+        # float64 sums in another order (the pipeline gathers the layers' records): 1e-10 as above
+        assert all(got[s] == pytest.approx(want[s], rel=1e-10) for s in want) and len(got) == len(want)
+    last = {
+        k: load_checkpoint(latest_checkpoint(r))["model"]["blocks.3.mlp.expert_bias"]
+        for k, r in (("a", run), ("b", ref))
+    }
+    assert last["b"].abs().sum() > 0 and torch.equal(last["a"], last["b"])

@@ -74,14 +74,22 @@ def check_moe(cfg: Config) -> None:
             f"parallel.ep: {ep} does not divide model.moe.experts ({m.experts}); choose an ep that divides the "
             "number of experts"
         )
-    if ep > 1 and cfg.parallel.pp > 1:
+    dp = cfg.parallel.dp_replicate * cfg.parallel.dp_shard
+    if ep > 1 and cfg.parallel.pp > 1 and dp % ep:
         raise ConfigError(
-            f"parallel.ep: the expert groups of {ep} ranks would be split by parallel.pp = {cfg.parallel.pp} "
-            "pipeline stages, which do not run MoE layers yet; use parallel.pp = 1 with expert parallelism"
+            f"parallel.ep: an expert group of {ep} ranks would span pipeline stages (each of the "
+            f"parallel.pp = {cfg.parallel.pp} stages has dp_replicate x dp_shard = {dp} ranks); set "
+            f"--parallel.dp_shard to a multiple of {ep} so every expert group sits inside one stage"
+        )
+    if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in ("zero_bubble", "zbv"):
+        raise ConfigError(
+            f"parallel.pp_schedule: {cfg.parallel.pp_schedule} splits the backward into input and weight "
+            "gradients, which MoE balance losses are not verified under; use gpipe, 1f1b or "
+            "interleaved_1f1b with model.moe"
         )
     mbs = cfg.train.micro_batch_size
     if m.capacity_factor and mbs != "auto":
-        tokens = mbs * cfg.data.seq_len
+        tokens = mbs * cfg.data.seq_len // forward_chunks(cfg)
         least = min_capacity_factor(tokens, m.top_k, m.experts)
         if m.capacity_factor < least:
             raise ConfigError(
@@ -90,14 +98,6 @@ def check_moe(cfg: Config) -> None:
                 f"{least:.4g} (experts / (tokens x top_k)), or 0 for dropless routing"
             )
     refused = {
-        "parallel.tp": (
-            cfg.parallel.tp > 1,
-            "tensor parallelism does not shard MoE layers yet; use parallel.tp = 1",
-        ),
-        "parallel.pp": (
-            cfg.parallel.pp > 1,
-            "pipeline stages do not carry MoE balance losses yet; use parallel.pp = 1",
-        ),
         "train.precision": (
             cfg.train.precision == "fp8",
             "fp8 converts linear layers, not the experts' grouped weights; use bf16 with model.moe",
@@ -110,6 +110,18 @@ def check_moe(cfg: Config) -> None:
     for key, (bad, fix) in refused.items():
         if bad:
             raise ConfigError(f"{key}: with model.moe.experts > 0, {fix}")
+
+
+def forward_chunks(cfg: Config) -> int:
+    """Parts one training micro-batch runs as: the pipeline's microbatches under ``parallel.pp > 1``
+    (each MoE forward, its capacity and its balance losses, sees ``micro_batch_size / chunks`` rows), else
+    1."""
+    from lmforge.parallel.pipeline import pipeline_settings  # the pipeline imports the model
+
+    p = cfg.parallel
+    if p.pp == 1:
+        return 1
+    return pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)[0]
 
 
 # -- routing (pure) ----------------------------------------------------------------------------------
@@ -398,13 +410,36 @@ def take_aux_loss(model: nn.Module) -> torch.Tensor | None:
     return torch.stack(terms).sum() if terms else None
 
 
+class _CarryAuxLoss(torch.autograd.Function):
+    """``hidden`` unchanged in forward; in backward ``hidden``'s gradient passes through and ``aux`` gets
+    the gradient 1, so one backward from a pipeline stage's output also differentiates ``aux``."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype, ctx.aux_device = aux.dtype, aux.device
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
+
+
+def carry_aux_loss(hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """``hidden`` with ``aux`` (a scalar graph tensor) riding on it: the value is ``hidden``'s, and a
+    backward through it adds ``d aux / d theta`` to the gradients. Pipeline stages use it: the schedule
+    runs backward from each stage's output (the next stage's input gradient), not from a loss that could
+    include the balance losses of the stage's MoE layers."""
+    return _CarryAuxLoss.apply(hidden, aux)
+
+
 @torch.no_grad()
 def after_optimizer_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """After each optimizer step: each layer's load summed over the data-parallel ``group`` (when a
-    process group is up) and, with ``bias_update_rate``, its bias moved by :func:`update_bias` (the same
-    on every rank)."""
+    """After each optimizer step: each layer's load summed over the data-parallel ``group`` (None: one
+    data-parallel rank, nothing to sum; the tensor- and pipeline-parallel ranks of a data-parallel rank
+    route the same tokens, or hold other layers) and, with ``bias_update_rate``, its bias moved by
+    :func:`update_bias` (the same on every rank)."""
     for _, layer in moe_layers(model):
-        if dist.is_available() and dist.is_initialized():
+        if group is not None:
             dist.all_reduce(layer.load, group=group)
         if layer.bias_rate:
             update_bias(layer.expert_bias, layer.load, layer.bias_rate)
@@ -419,26 +454,41 @@ def register_balance_step(optimizer: torch.optim.Optimizer, model: nn.Module, gr
     return True
 
 
+def layer_records(model: nn.Module) -> list[tuple[str, list[float], list[float], dict[str, float]]]:
+    """``(block index, load, sums, coefficients)`` of every MoE layer of ``model``: what
+    :func:`moe_metrics` reads, as plain values that can be gathered from other ranks."""
+    return [
+        (index, layer.load.tolist(), layer.sums.tolist(), dict(layer.coefficients))
+        for index, layer in moe_layers(model)
+    ]
+
+
 @torch.no_grad()
-def moe_metrics(model: nn.Module) -> dict[str, float | list[float]]:
+def moe_metrics(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, float | list[float]]:
     """The last step's figures per MoE layer ``i``: ``moe/layer.<i>/load`` (tokens routed to each expert,
     all data-parallel ranks), ``/imbalance`` (max / mean load), ``/dropped`` (assignments over capacity),
     ``/entropy`` (router entropy, mean over micro-batches); over the layers: ``moe/imbalance`` (the
-    largest), and each balance loss that is on, raw (no coefficient), mean over layers and micro-batches."""
+    largest), and each balance loss that is on, raw (no coefficient), mean over layers and micro-batches.
+    ``group``: the pipeline group, whose ranks hold other layers (their records are gathered, a
+    collective every rank of it calls); None: this rank's layers are all of them."""
+    records = layer_records(model)
+    if group is not None:
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, records, group=group)
+        records = sorted((r for part in gathered for r in part), key=lambda r: int(r[0]))
     out: dict[str, float | list[float]] = {}
     losses = {n: [] for n in LOSSES}
     worst = 0.0
-    for index, layer in moe_layers(model):
-        sums = layer.sums.tolist()
+    for index, load, sums, coefficients in records:
         n = max(sums[5], 1.0)
-        ratio = float(imbalance(layer.load))
+        ratio = float(imbalance(torch.tensor(load, dtype=torch.float64)))
         worst = max(worst, ratio)
-        out[f"moe/layer.{index}/load"] = [round(v, 3) for v in layer.load.tolist()]
+        out[f"moe/layer.{index}/load"] = [round(v, 3) for v in load]
         out[f"moe/layer.{index}/imbalance"] = ratio
         out[f"moe/layer.{index}/dropped"] = sums[4]
         out[f"moe/layer.{index}/entropy"] = sums[3] / n
         for i, name in enumerate(LOSSES):
-            if layer.coefficients[name]:
+            if coefficients[name]:
                 losses[name].append(sums[i] / n)
     if out:
         out["moe/imbalance"] = worst
