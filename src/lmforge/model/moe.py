@@ -324,8 +324,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, flat = x.shape, x.reshape(-1, x.shape[-1])
         t, k, e = flat.shape[0], self.top_k, self.n_experts
+        router = self.router.weight  # under tensor parallelism a Replicate DTensor: the whole matrix here
+        router = router.to_local() if isinstance(router, DTensor) else router
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(flat.float(), self.router.weight.float())
+            logits = F.linear(flat.float(), router.float())
         scores = router_scores(logits, self.score)
         experts, weights = route(scores, k, self.normalize, self.expert_bias if self.bias_rate else None)
         capacity = expert_capacity(t, k, e, self.capacity_factor if self.training else 0.0)
