@@ -13,7 +13,9 @@ projection is one grouped matrix product over the groups (``torch._grouped_mm``:
 FP16 with rows of a multiple of 16 bytes; torch 2.13), or a loop of one matmul per expert where that
 kernel is missing (``train.moe_kernel``); both give the same numbers (``tests/test_moe.py``). Under
 expert parallelism (``parallel.ep``) the rows go to the experts' ranks and back through the layer's
-``exchange`` (``parallel/expert.py::ExpertExchange``, set from outside); routing stays here.
+``exchange`` (``parallel/expert.py::ExpertExchange``, set from outside); routing stays here. Under tensor
+parallelism the router and the routed experts are replicated over the TP ranks and the layer gets the
+whole gathered input (``parallel/tensor.py::_moe_plan``): the forward reads their local tensors.
 
 Capacity (``capacity_factor > 0``, training only: evaluation and generation are dropless): each expert
 takes at most ``C = floor(factor * T * k / E)`` assignments of a micro-batch, in priority order: every
@@ -21,7 +23,8 @@ token's first choice before any second choice, then by token position; the rest 
 keeps its other experts and the residual) and counted.
 
 Balancing, each term's coefficient in ``model.moe`` (the losses are averaged over the step's micro-batches
-by the training module and added to the loss; formulas in the functions below): the Switch/GShard loss
+by the training module and added to the loss; a pipeline stage carries its layers' losses on its output,
+:func:`carry_aux_loss`; formulas in the functions below): the Switch/GShard loss
 (:func:`switch_aux_loss`), DeepSeek-V3's sequence-wise loss (:func:`sequence_aux_loss`), the router
 z-loss (:func:`router_z_loss`), and auxiliary-loss-free balancing (:func:`update_bias`, run after each
 optimizer step by :func:`register_balance_step`).
@@ -59,8 +62,9 @@ def min_capacity_factor(tokens: int, k: int, experts: int) -> float:
 
 def check_moe(cfg: Config) -> None:
     """An MoE recipe against what the layer supports, before any work (one line naming the key):
-    ``parallel.ep`` dividing the experts, capacity for at least one token per expert, and no layout or
-    mode it does not handle yet (tensor or pipeline parallelism, FP8, DPO)."""
+    ``parallel.ep`` dividing the experts, expert groups inside one pipeline stage, capacity for at least
+    one token per expert (of a pipeline's microbatch under ``parallel.pp``), and no mode it does not
+    handle yet (the zero-bubble pipeline schedules, FP8, DPO)."""
     m, ep = cfg.model.moe, cfg.parallel.ep
     if ep > 1 and not m.experts:
         raise ConfigError(
