@@ -28,7 +28,16 @@ def test_bad_expert_parallel_layouts_are_refused_in_one_line(tmp_path):
     cases = {
         r"parallel\.ep: 3 does not divide model\.moe\.experts \(4\)": {**MOE, "parallel.ep": 3},
         r"parallel\.ep: 2 splits the experts of MoE layers, and this model has none": {"parallel.ep": 2},
-        r"parallel\.ep: the expert groups .* parallel\.pp = 2": {**MOE, "parallel.ep": 2, "parallel.pp": 2},
+        r"parallel\.ep: an expert group of 2 ranks would span pipeline stages": {
+            **MOE,
+            "parallel.ep": 2,
+            "parallel.pp": 2,
+        },
+        r"parallel\.pp_schedule: zbv splits the backward": {
+            **MOE,
+            "parallel.pp": 2,
+            "parallel.pp_schedule": "zbv",
+        },
     }
     for message, over in cases.items():
         with pytest.raises(ConfigError, match=message):
@@ -58,6 +67,10 @@ def test_bad_expert_parallel_layouts_are_refused_in_one_line(tmp_path):
     )
     assert r.returncode == 2 and "parallel.ep" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+    # an expert group the pipeline stages would cut (the planner's one line: tests/test_moe_plan.py)
+    layout = {**MOE, "parallel.ep": 2, "parallel.pp": 2}
+    with pytest.raises(ConfigError, match="would span pipeline stages"):
+        check_layout(load_config(None, layout), 2, {"WORLD_SIZE": "2", "RANK": "0"})
 
 
 EP_LAYOUTS = {
@@ -124,3 +137,84 @@ def test_expert_parallel_resume_in_another_layout(first, second, one_process, tm
             done = launch(nproc, run, step_over, *flags)
             assert f"ep={layout['parallel.ep']}" in done.stdout + done.stderr  # the experts were split
     assert_same_run(run, ref)
+
+
+# -- MoE under pipeline and tensor parallelism -------------------------------------------------------------
+
+# every balance term on, a shared expert, a dense first block (pp = 2: stage 0 holds blocks 0-1, one dense
+# and one MoE; stage 1 blocks 2-3)
+MOE_ALL = {
+    **MOE,
+    "model.moe.aux_loss": 0.01,
+    "model.moe.seq_aux_loss": 0.01,
+    "model.moe.z_loss": 0.001,
+    "model.moe.shared_experts": 1,
+    "model.moe.first_dense": 1,
+}
+MOE_STEPS = 4  # a few steps keep the four launches near a minute on 2 cores
+# The pipeline runs each micro-batch of 4 rows as 2 microbatches of 2: every MoE forward (its balance
+# losses, which are not linear in the tokens) sees 2 rows, as one process does with micro-batches of 2.
+CHUNKED = {"train.micro_batch_size": 2}
+MOE_LAYOUTS = {
+    "pp2": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch_size": 4}, CHUNKED),
+    "pp2-ep2": (
+        4,
+        {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.ep": 2, "train.micro_batch_size": 4},
+        CHUNKED,
+    ),
+    "tp2": (2, {"parallel.tp": 2}, {}),
+    "tp2-ep2": (4, {"parallel.dp_shard": 2, "parallel.tp": 2, "parallel.ep": 2}, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def one_process_moe(corpus_dir, tmp_path_factory):
+    """The references of :data:`MOE_LAYOUTS`: one process, float64, 10 steps, by micro-batch size."""
+    from tests.test_distributed import _overrides
+
+    root, runs = tmp_path_factory.mktemp("moe-one"), {}
+
+    def run(reference: dict) -> tuple:
+        key = tuple(sorted(reference.items()))
+        if key not in runs:
+            over = _overrides(
+                corpus_dir, root / "cache", **MOE_ALL, **reference, **{"train.steps": MOE_STEPS}
+            )
+            run_dir = root / f"run{len(runs)}"
+            train(load_config(None, over), run_dir, progress_bar=False)
+            runs[key] = run_dir, over
+        return runs[key]
+
+    return run
+
+
+# pp2-ep2 covers the pipeline (1F1B, the default) and tp2 tensor parallelism within the distributed set's
+# time; pp2 alone and tp2-ep2 repeat those paths and are marked slow too
+MOE_SLOW = {"pp2", "tp2-ep2"}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in MOE_SLOW else n for n in MOE_LAYOUTS]
+)
+def test_moe_under_pipeline_and_tensor_parallel_equals_one_process(name, one_process_moe, tmp_path):
+    """MoE blocks split over 2 pipeline stages (1F1B), with tensor parallelism, and each with expert
+    parallelism: losses, gradient norms and parameters (1e-10, float64) of 4 steps, every step's expert
+    load and the balancing bias equal one process's; with one data-parallel rank the balance losses too
+    (with two, rank 0 reports those of its own micro-batches)."""
+    from tests.test_distributed import assert_same_run, launch, losses
+
+    nproc, layout, reference = MOE_LAYOUTS[name]
+    ref, over = one_process_moe(reference)
+    run = tmp_path / name
+    launch(nproc, run, {**over, **layout})
+    assert_same_run(run, ref, steps=range(1, MOE_STEPS + 1))
+    for key in ("moe/layer.1/load", "moe/layer.3/load"):
+        assert losses(run, key) == losses(ref, key)
+    if layout.get("parallel.dp_shard", 1) == 1:
+        for key in ("moe/aux_loss", "moe/seq_aux_loss", "moe/z_loss"):
+            got, want = losses(run, key), losses(ref, key)
+            # the same float64 sums; the pipeline gathers the layers' records: 1e-10 as for the losses
+            assert len(got) == len(want) and all(got[s] == pytest.approx(want[s], rel=1e-10) for s in want)
+    bias = [load_checkpoint(latest_checkpoint(r))["model"]["blocks.3.mlp.expert_bias"] for r in (run, ref)]
+    assert bias[1].abs().sum() > 0 and torch.equal(bias[0], bias[1])

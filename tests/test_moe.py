@@ -284,9 +284,12 @@ def test_bad_moe_settings_are_refused_before_work(tmp_path):
     check_moe(load_config(None, over | {"model.moe.capacity_factor": 0.0625}))
     with pytest.raises(ConfigError, match=r"model.moe.capacity_factor: .* at least 0.0625"):
         check_moe(load_config(None, over | {"model.moe.capacity_factor": 0.06}))
-    for key, value in (("parallel.tp", 2), ("parallel.pp", 2), ("train.precision", "fp8")):
+    # a pipeline runs the micro-batch as pp_microbatches (default pp = 2) parts of 64 tokens: f >= 8 / 64
+    with pytest.raises(ConfigError, match=r"model.moe.capacity_factor: .* 64 tokens .* at least 0.125"):
+        check_moe(load_config(None, over | {"model.moe.capacity_factor": 0.0625, "parallel.pp": 2}))
+    for key, value in (("train.precision", "fp8"), ("parallel.pp_schedule", "zero_bubble")):
         with pytest.raises(ConfigError, match=key):
-            check_moe(load_config(None, over | {key: value}))
+            check_moe(load_config(None, over | {key: value, "parallel.pp": 2}))
     r = subprocess.run(
         [
             sys.executable,

@@ -188,3 +188,39 @@ def test_estimate_plans_an_moe_recipe_and_shows_total_and_active_parameters(esti
     code, out, err = estimate_command(*flags, "--train.activation_checkpointing=selective")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "train.activation_checkpointing: the memory planner does not model selective" in err
+
+
+def test_model_states_under_tensor_parallelism_split_only_what_the_plan_splits():
+    """``tp = 2`` (``parallel/tensor.py``): the attention, the dense MLP, the shared experts, the embedding
+    and the head are halved; the norms, the routers and the routed experts stay whole on every TP rank
+    (they are replicated there). Expected by name from that plan, against the planner's shapes."""
+    cfg = ModelConfig(
+        n_layers=2, d_model=64, n_heads=4, moe=dict(experts=4, top_k=2, shared_experts=1, first_dense=1)
+    )
+    tensors = param_tensors(cfg, 512, 64)
+    halved = (
+        "attn.",
+        ".mlp.gate_proj",
+        ".mlp.up_proj",
+        ".mlp.down_proj",
+        "mlp.shared.",
+        "embed.",
+        "lm_head.",
+    )
+    split = [t for t in tensors if any(h in t.name for h in halved)]
+    whole = [t for t in tensors if t not in split]
+    assert {t.name for t in whole} >= {"blocks.1.mlp.router.weight", "blocks.1.mlp.experts.gate_proj"}
+    expected = sum(t.numel for t in whole) + sum(t.numel for t in split) // 2
+    assert model_states(tensors, "none", 1, 2, "adamw").params == 4 * expected
+
+
+def test_estimate_accepts_moe_under_pipeline_and_tensor_parallelism(estimate_command):
+    args = ["--gpus=4", "--model.moe.experts=4", "--model.moe.shared_experts=1", "--parallel.tp=2"]
+    code, out, err = estimate_command(*args, "--parallel.pp=2")
+    assert code == 0, err
+    assert "tp 2, pp 2" in out
+    # an expert group the stages would cut: one line, exit 2
+    code, out, err = estimate_command(
+        "--gpus=2", "--model.moe.experts=4", "--parallel.ep=2", "--parallel.pp=2"
+    )
+    assert code == 2 and "would span pipeline stages" in err and len(err.strip().splitlines()) == 1

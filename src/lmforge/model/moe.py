@@ -13,7 +13,9 @@ projection is one grouped matrix product over the groups (``torch._grouped_mm``:
 FP16 with rows of a multiple of 16 bytes; torch 2.13), or a loop of one matmul per expert where that
 kernel is missing (``train.moe_kernel``); both give the same numbers (``tests/test_moe.py``). Under
 expert parallelism (``parallel.ep``) the rows go to the experts' ranks and back through the layer's
-``exchange`` (``parallel/expert.py::ExpertExchange``, set from outside); routing stays here.
+``exchange`` (``parallel/expert.py::ExpertExchange``, set from outside); routing stays here. Under tensor
+parallelism the router and the routed experts are replicated over the TP ranks and the layer gets the
+whole gathered input (``parallel/tensor.py::_moe_plan``): the forward reads their local tensors.
 
 Capacity (``capacity_factor > 0``, training only: evaluation and generation are dropless): each expert
 takes at most ``C = floor(factor * T * k / E)`` assignments of a micro-batch, in priority order: every
@@ -21,7 +23,8 @@ token's first choice before any second choice, then by token position; the rest 
 keeps its other experts and the residual) and counted.
 
 Balancing, each term's coefficient in ``model.moe`` (the losses are averaged over the step's micro-batches
-by the training module and added to the loss; formulas in the functions below): the Switch/GShard loss
+by the training module and added to the loss; a pipeline stage carries its layers' losses on its output,
+:func:`carry_aux_loss`; formulas in the functions below): the Switch/GShard loss
 (:func:`switch_aux_loss`), DeepSeek-V3's sequence-wise loss (:func:`sequence_aux_loss`), the router
 z-loss (:func:`router_z_loss`), and auxiliary-loss-free balancing (:func:`update_bias`, run after each
 optimizer step by :func:`register_balance_step`).
@@ -59,8 +62,9 @@ def min_capacity_factor(tokens: int, k: int, experts: int) -> float:
 
 def check_moe(cfg: Config) -> None:
     """An MoE recipe against what the layer supports, before any work (one line naming the key):
-    ``parallel.ep`` dividing the experts, capacity for at least one token per expert, and no layout or
-    mode it does not handle yet (tensor or pipeline parallelism, FP8, DPO)."""
+    ``parallel.ep`` dividing the experts, expert groups inside one pipeline stage, capacity for at least
+    one token per expert (of a pipeline's microbatch under ``parallel.pp``), and no mode it does not
+    handle yet (the zero-bubble pipeline schedules, FP8, DPO)."""
     m, ep = cfg.model.moe, cfg.parallel.ep
     if ep > 1 and not m.experts:
         raise ConfigError(
@@ -74,14 +78,22 @@ def check_moe(cfg: Config) -> None:
             f"parallel.ep: {ep} does not divide model.moe.experts ({m.experts}); choose an ep that divides the "
             "number of experts"
         )
-    if ep > 1 and cfg.parallel.pp > 1:
+    dp = cfg.parallel.dp_replicate * cfg.parallel.dp_shard
+    if ep > 1 and cfg.parallel.pp > 1 and dp % ep:
         raise ConfigError(
-            f"parallel.ep: the expert groups of {ep} ranks would be split by parallel.pp = {cfg.parallel.pp} "
-            "pipeline stages, which do not run MoE layers yet; use parallel.pp = 1 with expert parallelism"
+            f"parallel.ep: an expert group of {ep} ranks would span pipeline stages (each of the "
+            f"parallel.pp = {cfg.parallel.pp} stages has dp_replicate x dp_shard = {dp} ranks); set "
+            f"--parallel.dp_shard to a multiple of {ep} so every expert group sits inside one stage"
+        )
+    if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in ("zero_bubble", "zbv"):
+        raise ConfigError(
+            f"parallel.pp_schedule: {cfg.parallel.pp_schedule} splits the backward into input and weight "
+            "gradients, which MoE balance losses are not verified under; use gpipe, 1f1b or "
+            "interleaved_1f1b with model.moe"
         )
     mbs = cfg.train.micro_batch_size
     if m.capacity_factor and mbs != "auto":
-        tokens = mbs * cfg.data.seq_len
+        tokens = mbs * cfg.data.seq_len // forward_chunks(cfg)
         least = min_capacity_factor(tokens, m.top_k, m.experts)
         if m.capacity_factor < least:
             raise ConfigError(
@@ -90,14 +102,6 @@ def check_moe(cfg: Config) -> None:
                 f"{least:.4g} (experts / (tokens x top_k)), or 0 for dropless routing"
             )
     refused = {
-        "parallel.tp": (
-            cfg.parallel.tp > 1,
-            "tensor parallelism does not shard MoE layers yet; use parallel.tp = 1",
-        ),
-        "parallel.pp": (
-            cfg.parallel.pp > 1,
-            "pipeline stages do not carry MoE balance losses yet; use parallel.pp = 1",
-        ),
         "train.precision": (
             cfg.train.precision == "fp8",
             "fp8 converts linear layers, not the experts' grouped weights; use bf16 with model.moe",
@@ -110,6 +114,18 @@ def check_moe(cfg: Config) -> None:
     for key, (bad, fix) in refused.items():
         if bad:
             raise ConfigError(f"{key}: with model.moe.experts > 0, {fix}")
+
+
+def forward_chunks(cfg: Config) -> int:
+    """Parts one training micro-batch runs as: the pipeline's microbatches under ``parallel.pp > 1``
+    (each MoE forward, its capacity and its balance losses, sees ``micro_batch_size / chunks`` rows), else
+    1."""
+    from lmforge.parallel.pipeline import pipeline_settings  # the pipeline imports the model
+
+    p = cfg.parallel
+    if p.pp == 1:
+        return 1
+    return pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)[0]
 
 
 # -- routing (pure) ----------------------------------------------------------------------------------
@@ -312,8 +328,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, flat = x.shape, x.reshape(-1, x.shape[-1])
         t, k, e = flat.shape[0], self.top_k, self.n_experts
+        router = self.router.weight  # under tensor parallelism a Replicate DTensor: the whole matrix here
+        router = router.to_local() if isinstance(router, DTensor) else router
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(flat.float(), self.router.weight.float())
+            logits = F.linear(flat.float(), router.float())
         scores = router_scores(logits, self.score)
         experts, weights = route(scores, k, self.normalize, self.expert_bias if self.bias_rate else None)
         capacity = expert_capacity(t, k, e, self.capacity_factor if self.training else 0.0)
@@ -398,13 +416,36 @@ def take_aux_loss(model: nn.Module) -> torch.Tensor | None:
     return torch.stack(terms).sum() if terms else None
 
 
+class _CarryAuxLoss(torch.autograd.Function):
+    """``hidden`` unchanged in forward; in backward ``hidden``'s gradient passes through and ``aux`` gets
+    the gradient 1, so one backward from a pipeline stage's output also differentiates ``aux``."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype, ctx.aux_device = aux.dtype, aux.device
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
+
+
+def carry_aux_loss(hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """``hidden`` with ``aux`` (a scalar graph tensor) riding on it: the value is ``hidden``'s, and a
+    backward through it adds ``d aux / d theta`` to the gradients. Pipeline stages use it: the schedule
+    runs backward from each stage's output (the next stage's input gradient), not from a loss that could
+    include the balance losses of the stage's MoE layers."""
+    return _CarryAuxLoss.apply(hidden, aux)
+
+
 @torch.no_grad()
 def after_optimizer_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """After each optimizer step: each layer's load summed over the data-parallel ``group`` (when a
-    process group is up) and, with ``bias_update_rate``, its bias moved by :func:`update_bias` (the same
-    on every rank)."""
+    """After each optimizer step: each layer's load summed over the data-parallel ``group`` (None: one
+    data-parallel rank, nothing to sum; the tensor- and pipeline-parallel ranks of a data-parallel rank
+    route the same tokens, or hold other layers) and, with ``bias_update_rate``, its bias moved by
+    :func:`update_bias` (the same on every rank)."""
     for _, layer in moe_layers(model):
-        if dist.is_available() and dist.is_initialized():
+        if group is not None:
             dist.all_reduce(layer.load, group=group)
         if layer.bias_rate:
             update_bias(layer.expert_bias, layer.load, layer.bias_rate)
@@ -419,26 +460,41 @@ def register_balance_step(optimizer: torch.optim.Optimizer, model: nn.Module, gr
     return True
 
 
+def layer_records(model: nn.Module) -> list[tuple[str, list[float], list[float], dict[str, float]]]:
+    """``(block index, load, sums, coefficients)`` of every MoE layer of ``model``: what
+    :func:`moe_metrics` reads, as plain values that can be gathered from other ranks."""
+    return [
+        (index, layer.load.tolist(), layer.sums.tolist(), dict(layer.coefficients))
+        for index, layer in moe_layers(model)
+    ]
+
+
 @torch.no_grad()
-def moe_metrics(model: nn.Module) -> dict[str, float | list[float]]:
+def moe_metrics(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, float | list[float]]:
     """The last step's figures per MoE layer ``i``: ``moe/layer.<i>/load`` (tokens routed to each expert,
     all data-parallel ranks), ``/imbalance`` (max / mean load), ``/dropped`` (assignments over capacity),
     ``/entropy`` (router entropy, mean over micro-batches); over the layers: ``moe/imbalance`` (the
-    largest), and each balance loss that is on, raw (no coefficient), mean over layers and micro-batches."""
+    largest), and each balance loss that is on, raw (no coefficient), mean over layers and micro-batches.
+    ``group``: the pipeline group, whose ranks hold other layers (their records are gathered, a
+    collective every rank of it calls); None: this rank's layers are all of them."""
+    records = layer_records(model)
+    if group is not None:
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, records, group=group)
+        records = sorted((r for part in gathered for r in part), key=lambda r: int(r[0]))
     out: dict[str, float | list[float]] = {}
     losses = {n: [] for n in LOSSES}
     worst = 0.0
-    for index, layer in moe_layers(model):
-        sums = layer.sums.tolist()
+    for index, load, sums, coefficients in records:
         n = max(sums[5], 1.0)
-        ratio = float(imbalance(layer.load))
+        ratio = float(imbalance(torch.tensor(load, dtype=torch.float64)))
         worst = max(worst, ratio)
-        out[f"moe/layer.{index}/load"] = [round(v, 3) for v in layer.load.tolist()]
+        out[f"moe/layer.{index}/load"] = [round(v, 3) for v in load]
         out[f"moe/layer.{index}/imbalance"] = ratio
         out[f"moe/layer.{index}/dropped"] = sums[4]
         out[f"moe/layer.{index}/entropy"] = sums[3] / n
         for i, name in enumerate(LOSSES):
-            if layer.coefficients[name]:
+            if coefficients[name]:
                 losses[name].append(sums[i] / n)
     if out:
         out["moe/imbalance"] = worst

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from lmforge.model.moe import GroupedExperts, expert_params, moe_layers
 
@@ -95,14 +95,22 @@ class ExpertExchange:
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Shard every MoE layer's experts on dim 0 over ``ep_mesh["ep"]`` (the model may still be on the meta
-    device: nothing is sent) and give the layer its :class:`ExpertExchange`."""
-    mesh = ep_mesh["ep"]
+    device: nothing is sent) and give the layer its :class:`ExpertExchange`. Under tensor parallelism
+    (``tp > 1``; the experts arrive replicated over it, ``parallel/tensor.py``) they live on the 2-D
+    ``(ep, tp)`` mesh as ``[Shard(0), Replicate()]``: every TP rank of an expert group holds the same
+    experts and sends the same rows (each TP rank routes every token of its data-parallel rank)."""
+    tp = ep_mesh["tp"].size()
+    mesh, placements = (
+        (ep_mesh["ep", "tp"], [Shard(0), Replicate()]) if tp > 1 else (ep_mesh["ep"], [Shard(0)])
+    )
     for _, layer in moe_layers(model):
         experts = layer.experts
         for name, param in list(experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
+            whole = param.data.to_local() if isinstance(param.data, DTensor) else param.data
+            sharded = distribute_tensor(whole, mesh, placements, src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        layer.exchange = ExpertExchange(mesh.size(), mesh.get_group())
+        group = ep_mesh["ep"]
+        layer.exchange = ExpertExchange(group.size(), group.get_group())
 
 
 class ExpertGradSync:

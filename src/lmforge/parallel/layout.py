@@ -82,6 +82,12 @@ def check_layout(cfg: Config, world: int, env: dict[str, str] | None = None) -> 
             f"set {hint}"
         )
     kind = data_parallel_kind(cfg)
+    if p.ep > 1 and p.pp > 1 and (p.dp_replicate * p.dp_shard) % p.ep:
+        raise ConfigError(
+            f"parallel.ep: an expert group of {p.ep} ranks would span pipeline stages (each of the "
+            f"parallel.pp = {p.pp} stages has dp_replicate x dp_shard = {p.dp_replicate * p.dp_shard} ranks); "
+            f"set --parallel.dp_shard to a multiple of {p.ep} so every expert group sits inside one stage"
+        )
     if p.ep > 1 and (p.dp_replicate * p.dp_shard) % p.ep:
         raise ConfigError(
             f"parallel.ep: {p.ep} expert-parallel ranks are drawn from the data-parallel ranks, and "

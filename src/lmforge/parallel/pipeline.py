@@ -77,6 +77,7 @@ from torch.distributed.pipelining import (
 
 from lmforge.errors import ConfigError
 from lmforge.model.loss import head_loss
+from lmforge.model.moe import carry_aux_loss, moe_layers, take_aux_loss
 from lmforge.model.transformer import Transformer, keep_stage
 from lmforge.parallel.materialize import Init, materialize
 from lmforge.parallel.tied_embedding import TiedEmbedding, tie_stages
@@ -250,11 +251,14 @@ def _materialized(stage: Transformer, init: Init) -> Transformer:
 
 
 class _TimedStage(PipelineStage):
-    """A ``PipelineStage`` that adds the time of its forward and backward work to ``clock[0]``."""
+    """A ``PipelineStage`` that adds the time of its forward and backward work to ``clock[0]``, and knows
+    the weight of each microbatch's MoE balance losses (``aux_weights[i]`` for microbatch ``i``, set by
+    :meth:`Pipeline.step`; ``aux_weight``: the one of the forward running now)."""
 
-    def __init__(self, *args, clock: list[float], **kwargs):
+    def __init__(self, *args, clock: list[float], aux_weights: list[float], **kwargs):
         super().__init__(*args, **kwargs)
-        self.clock = clock
+        self.clock, self.aux_weights, self.aux_weight = clock, aux_weights, 0.0
+        self.in_chunk = False  # a forward of the schedule's microbatches (not its shape inference)
 
     def _timed(self, fn: Callable, *args, **kwargs):
         sync(self.device)
@@ -265,14 +269,49 @@ class _TimedStage(PipelineStage):
             sync(self.device)
             self.clock[0] += time.perf_counter() - start
 
-    def forward_one_chunk(self, *args, **kwargs):
-        return self._timed(super().forward_one_chunk, *args, **kwargs)
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        if self.aux_weights:
+            self.aux_weight = self.aux_weights[fwd_chunk_id]
+        self.in_chunk = True
+        try:
+            return self._timed(super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
+        finally:
+            self.in_chunk = False
 
     def backward_one_chunk(self, *args, **kwargs):
         return self._timed(super().backward_one_chunk, *args, **kwargs)
 
     def backward_weight_one_chunk(self, *args, **kwargs):
         return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
+
+def _moe_hooks(stage: _TimedStage, model: nn.Module, run: nn.Module) -> None:
+    """Hooks on the module a stage runs, for the stage's MoE layers (``model/moe.py``): after a forward of
+    a microbatch, the layers' balance losses (:func:`~lmforge.model.moe.take_aux_loss`), times the
+    microbatch's weight, ride on its output (:func:`~lmforge.model.moe.carry_aux_loss`), so that the
+    schedule's backward from that output trains them. The forward the schedule runs on its first step to
+    infer the stages' shapes (outside any microbatch, on the first one's inputs or on uninitialised
+    tensors of the right shape) counts nothing: the layers' counters are put back as they were."""
+    layers = [layer for _, layer in moe_layers(model)]
+    saved: list[torch.Tensor] = []
+
+    def before(module: nn.Module, args: tuple) -> None:
+        if not stage.in_chunk:
+            saved[:] = [b.clone() for layer in layers for b in (layer.load, layer.sums)]
+
+    def after(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        aux = take_aux_loss(model)
+        if not stage.in_chunk:
+            with torch.no_grad():
+                for buf, old in zip(
+                    (b for layer in layers for b in (layer.load, layer.sums)), saved, strict=True
+                ):
+                    buf.copy_(old)
+            return None
+        return output if aux is None else carry_aux_loss(output, aux * stage.aux_weight)
+
+    run.register_forward_pre_hook(before)
+    run.register_forward_hook(after)
 
 
 def sync(device: torch.device) -> None:
@@ -333,10 +372,24 @@ class Pipeline:
             first, last = local.get(0), local.get(n_stages - 1)
             self.tied = tie_stages(first, last, group, owner[0], owner[n_stages - 1])
         self._clock = [0.0]
+        self._aux_weights: list[float] = []
         self.stages = [
-            _TimedStage(module, s, n_stages, self.device, group=group, clock=self._clock)
+            _TimedStage(
+                module,
+                s,
+                n_stages,
+                self.device,
+                group=group,
+                clock=self._clock,
+                aux_weights=self._aux_weights,
+            )
             for s, module in zip(self.stage_ids, runs, strict=True)
         ]
+        self.has_moe = any(True for m in self.models for _ in moe_layers(m))  # on this rank
+        self.has_moe_anywhere = cfg.moe.experts > 0  # on some stage of the pipeline
+        for stage, model, run in zip(self.stages, self.models, runs, strict=True):
+            if any(True for _ in moe_layers(model)):
+                _moe_hooks(stage, model, run)
         self.has_first = 0 in self.stage_ids
         self.has_last = n_stages - 1 in self.stage_ids
         self._last = self.models[self.stage_ids.index(n_stages - 1)] if self.has_last else None
@@ -385,6 +438,9 @@ class Pipeline:
         if inputs.shape[0] % self.microbatches:
             raise ValueError(f"batch of {inputs.shape[0]} rows does not split into {self.microbatches}")
         self._scale, self._clock[0] = loss_scale, 0.0
+        if self.has_moe:  # each microbatch's balance losses weigh as its targets do in the loss
+            counts = [int((t != -100).sum()) for t in targets.tensor_split(self.microbatches)]
+            self._aux_weights[:] = [n * loss_scale for n in counts]
         args = (inputs.to(self.device),) if self.has_first else ()
         kwargs = {} if doc_ids is None else {"doc_ids": doc_ids.to(self.device)}
         target = targets.to(self.device) if self.has_last else None

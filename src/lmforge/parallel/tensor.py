@@ -83,6 +83,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -91,18 +92,24 @@ from torch.distributed.tensor.parallel import (
 
 from lmforge.config import ModelConfig
 from lmforge.errors import ConfigError
+from lmforge.model.moe import MoE
 from lmforge.model.transformer import Transformer, ff_width
 
 
 def sharded_sizes(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> dict[str, int]:
-    """Every size tensor parallelism splits into ``tp`` equal parts, by the config key that sets it."""
-    return {
+    """Every size tensor parallelism splits into ``tp`` equal parts, by the config key that sets it (MoE
+    with shared experts: their hidden width, ``shared_experts x d_expert``)."""
+    sizes = {
         "model.n_heads": model_cfg.n_heads,
         "model.n_kv_heads": model_cfg.n_kv_heads or model_cfg.n_heads,
         "model.d_ff": ff_width(model_cfg),
         "data.vocab_size": vocab_size,
         "data.seq_len": seq_len,
     }
+    m = model_cfg.moe
+    if m.experts and m.shared_experts:
+        sizes["model.moe.shared_experts"] = m.shared_experts * (m.d_expert or ff_width(model_cfg))
+    return sizes
 
 
 def valid_tp_sizes(model_cfg: ModelConfig, vocab_size: int, seq_len: int, limit: int = 64) -> list[int]:
@@ -133,6 +140,13 @@ def check_tensor_parallel(model_cfg: ModelConfig, vocab_size: int, seq_len: int,
         raise ConfigError(
             f"parallel.tp: {tp} does not divide the MLP width ({sizes['model.d_ff']}); use {other_tp}, "
             f"or set model.d_ff to a multiple of {tp}"
+        )
+    shared = sizes.get("model.moe.shared_experts", 0)
+    if shared % tp:
+        raise ConfigError(
+            f"parallel.tp: {tp} does not divide the shared experts' width (model.moe.shared_experts x d_expert "
+            f"= {shared}), which tensor parallelism splits; use {other_tp}, or set model.moe.d_expert to a "
+            f"multiple of {tp}"
         )
     if vocab_size % tp:
         raise ConfigError(
@@ -197,17 +211,17 @@ def _tensorwise_float8(layer: nn.Module) -> bool:
     return all(cast.scaling_granularity is ScalingGranularity.TENSORWISE for cast in casts)
 
 
-def _block_plan(model: Transformer, float8_comm: bool = True) -> dict[str, object]:
-    """Plan of one block, relative to the block: sequence-parallel norms, heads / channels split. Layers
-    converted to float8 (tensorwise) take torchao's float8 styles (:func:`_tp_styles`); ``float8_comm``:
-    whether the TP mesh's backend can all-gather float8 data. Every block has the same layer types (the
-    conversion filters by shape), so the first block's decide for all."""
+def _block_plan(
+    model: Transformer, float8_comm: bool = True, block: nn.Module | None = None
+) -> dict[str, object]:
+    """Plan of ``block`` (default: the first), relative to the block: sequence-parallel norms, heads /
+    channels split; an MoE block's feed-forward by :func:`_moe_plan`. Layers converted to float8
+    (tensorwise) take torchao's float8 styles (:func:`_tp_styles`); ``float8_comm``: whether the TP
+    mesh's backend can all-gather float8 data."""
     seq, full = Shard(1), Replicate()
-    block = next(iter(model.blocks.values()))
+    block = block if block is not None else next(iter(model.blocks.values()))
     attn = [block.attn.q_proj, block.attn.k_proj, block.attn.v_proj]
-    mlp_in = [block.mlp.gate_proj, block.mlp.up_proj] if model.cfg.arch == "llama" else [block.mlp.fc_in]
     attn_out = block.attn.o_proj
-    mlp_out = block.mlp.down_proj if model.cfg.arch == "llama" else block.mlp.fc_out
     col, _, prepare = _tp_styles(attn, float8_comm)
     _, row, _ = _tp_styles([attn_out], float8_comm)
     plan: dict[str, object] = {
@@ -221,12 +235,59 @@ def _block_plan(model: Transformer, float8_comm: bool = True) -> dict[str, objec
         "attn.o_proj": row(output_layouts=seq),
         "mlp_norm": SequenceParallel(),
     }
+    if isinstance(block.mlp, MoE):
+        return plan | _moe_plan(block.mlp)
+    mlp_in = [block.mlp.gate_proj, block.mlp.up_proj] if model.cfg.arch == "llama" else [block.mlp.fc_in]
+    mlp_out = block.mlp.down_proj if model.cfg.arch == "llama" else block.mlp.fc_out
     col, _, prepare = _tp_styles(mlp_in, float8_comm)
     _, row, _ = _tp_styles([mlp_out], float8_comm)
     plan["mlp"] = prepare(input_layouts=(seq,), desired_input_layouts=(full,))
     names = ("gate_proj", "up_proj", "down_proj") if model.cfg.arch == "llama" else ("fc_in", "fc_out")
     plan |= {f"mlp.{n}": col() for n in names[:-1]} | {f"mlp.{names[-1]}": row(output_layouts=seq)}
     return plan
+
+
+def _moe_plan(moe: MoE) -> dict[str, object]:
+    """An MoE block's feed-forward (``model/moe.py``) under TP, relative to the block. The layer's input
+    is all-gathered into the whole ``(b, t, d)`` tensor, as a dense MLP's is; the router and the routed
+    experts are replicated on every TP rank (:class:`ReplicateParameters`), so each rank routes every
+    token and runs the experts on all of them, the same work and numbers as one process; the output is
+    cut back to this rank's sequence shard (no communication; its gradient is all-gathered in backward).
+    The shared experts (one SwiGLU every token takes) are split like a dense MLP, column-parallel in and
+    row-parallel out, their partial sums all-reduced into the whole output."""
+    seq, full = Shard(1), Replicate()
+    plan: dict[str, object] = {
+        "mlp": PrepareModuleInputOutput(
+            input_layouts=(seq,),
+            desired_input_layouts=(full,),
+            use_local_input=True,
+            output_layouts=(full,),
+            desired_output_layouts=(seq,),
+            use_local_output=True,
+        ),
+        "mlp.router": ReplicateParameters(),
+        "mlp.experts": ReplicateParameters(),
+    }
+    if moe.shared is not None:
+        plan |= {
+            "mlp.shared.gate_proj": ColwiseParallel(),
+            "mlp.shared.up_proj": ColwiseParallel(),
+            "mlp.shared.down_proj": RowwiseParallel(output_layouts=full),
+        }
+    return plan
+
+
+class ReplicateParameters(ParallelStyle):
+    """Every parameter of the module a ``Replicate`` DTensor on the TP mesh (the same values on every
+    rank, one set of them in norms and checkpoints, FSDP2 shards it over the data-parallel ranks) and no
+    hook: the module's forward reads the local tensors (``model/moe.py``), and their gradients, computed
+    from every token on every rank, are whole on each."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            full = distribute_tensor(param.data, device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(full, requires_grad=param.requires_grad))
+        return module
 
 
 class VocabParallelHead(ParallelStyle):
@@ -263,7 +324,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transforme
     seq, full = Shard(1), Replicate()
 
     for block in model.blocks.values():
-        parallelize_module(block, tp_mesh, _block_plan(model, float8_collectives(tp_mesh)))
+        parallelize_module(block, tp_mesh, _block_plan(model, float8_collectives(tp_mesh), block))
 
     plan: dict[str, object] = {}
     if model.embed is not None:

@@ -378,7 +378,7 @@ def _moe_block(D: _Dims, plain: dict[str, int], model: ModelConfig, ep: int) -> 
     N, B, d, c = D.N, D.B, D.d, D.c
     e, k, el = m.experts, m.top_k, m.experts // ep
     fe = m.d_expert or ff_width(model)
-    fs = m.shared_experts * fe
+    fs = m.shared_experts * fe // D.tp  # TP splits the shared experts only (every rank routes all N tokens)
     R = N * k
     mlp = 4 * N * d + (4 * e * d if D.mp else 0)  # the router's FP32 input (FSDP2 mp: and weight copies)
     mlp += c * R * d + 4 * c * R * fe + 2 * 4 * R * d  # rows, the experts' SwiGLU, outputs, weighted rows
@@ -411,7 +411,7 @@ def _balance_losses(N: int, B: int, m) -> int:
 def _moe_forward_casts(D: _Dims, model: ModelConfig) -> int:
     """Values autocast's cache holds of one checkpointed MoE block: its attention weights and the
     shared experts' (the experts' own copies are ``.to`` casts, freed with the recomputed forward)."""
-    fs = model.moe.shared_experts * (model.moe.d_expert or ff_width(model))
+    fs = model.moe.shared_experts * (model.moe.d_expert or ff_width(model)) // D.tp
     return D.d * D.h * D.e + 2 * D.d * D.g * D.e + D.h * D.e * D.d + 3 * D.d * fs
 
 

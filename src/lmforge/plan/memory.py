@@ -151,7 +151,10 @@ def _moe_mlp(cfg: ModelConfig, i: int) -> list[ParamTensor]:
     """An MoE block's feed-forward (``model/moe.py::MoE``), in ``named_parameters`` order: the router
     ``E x d`` (FP32 logits, never cast by autocast), the routed experts' ``gate_proj`` and ``up_proj``
     ``[E, d, f_e]`` and ``down_proj`` ``[E, f_e, d]``, and the shared experts' SwiGLU of ``s f_e`` hidden
-    units (``s = shared_experts``; three ``nn.Linear`` weights)."""
+    units (``s = shared_experts``; three ``nn.Linear`` weights). Under tensor parallelism
+    (``parallel/tensor.py::_moe_plan``) the router and the routed experts are replicated (no ``tp_dim``)
+    and the shared experts split like a dense MLP (``gate_proj`` / ``up_proj`` by rows, ``down_proj`` by
+    columns)."""
     d, e, f = cfg.d_model, cfg.moe.experts, expert_width(cfg)
     pre = f"blocks.{i}.mlp."
     out = [ParamTensor(pre + "router.weight", (e, d), "block", i)]
@@ -159,8 +162,12 @@ def _moe_mlp(cfg: ModelConfig, i: int) -> list[ParamTensor]:
         out.append(ParamTensor(pre + "experts." + name, shape, "block", i, expert=True))
     if cfg.moe.shared_experts:
         fs = cfg.moe.shared_experts * f
-        for name, shape in (("gate_proj", (fs, d)), ("up_proj", (fs, d)), ("down_proj", (d, fs))):
-            out.append(ParamTensor(pre + "shared." + name + ".weight", shape, "block", i, linear=True))
+        for name, shape, cut in (
+            ("gate_proj", (fs, d), 0),
+            ("up_proj", (fs, d), 0),
+            ("down_proj", (d, fs), 1),
+        ):
+            out.append(ParamTensor(pre + "shared." + name + ".weight", shape, "block", i, cut, linear=True))
     return out
 
 

@@ -385,7 +385,10 @@ def build_pipeline(
     microbatches, v = pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)
 
     def build() -> Transformer:
-        return Transformer(cfg.model, vocab_size, cfg.data.seq_len, attention=cfg.train.attention)
+        t = cfg.train
+        return Transformer(
+            cfg.model, vocab_size, cfg.data.seq_len, attention=t.attention, moe_kernel=t.moe_kernel
+        )
 
     train = cfg.train
     if p.pp_schedule in ("zero_bubble", "zbv") and train.compile:
@@ -412,7 +415,13 @@ def build_pipeline(
         microbatches,
         pipeline.expected_bubble,
     )
-    return PipelineModule(pipeline, rank_model(pipeline.models))
+    model = rank_model(pipeline.models)
+    experts = None
+    if layout.ep > 1:  # each stage's experts: summed over the ranks of the stage holding the same ones
+        from lmforge.parallel.expert import ExpertGradSync
+
+        experts = ExpertGradSync(model, layout.ep_mesh, layout.dp)
+    return PipelineModule(pipeline, model, experts)
 
 
 def prepare_on_rank0(cfg: Config, layout: Layout) -> PreparedData:

@@ -38,6 +38,7 @@ from lmforge.evaluate.validation import token_loss_sum
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.moe import moe_metrics, start_step, take_aux_loss
 from lmforge.parallel.data_parallel import GradientSync
+from lmforge.parallel.expert import ExpertGradSync
 from lmforge.parallel.pipeline import Pipeline
 from lmforge.posttrain.dpo import DPOObjective
 from lmforge.posttrain.reward import RewardObjective
@@ -189,12 +190,18 @@ class LanguageModelModule(ModelState):
 class PipelineModule(ModelState):
     """The next-token loss through ``pipeline``'s schedule (``parallel/pipeline.py``): each micro-batch of
     the step is one schedule step over this rank's stages; ``model`` holds them under the whole model's
-    names. Figures are those of the last stage, summed over the pipeline group so every rank has them."""
+    names. Figures are those of the last stage, summed over the pipeline group so every rank has them.
 
-    def __init__(self, pipeline: Pipeline, model: nn.Module):
-        self.pipeline, self.model = pipeline, model
+    MoE layers: each stage's balance losses ride on its output (``parallel/pipeline.py``), weighted as
+    :class:`LanguageModelModule` weighs them; their routing figures are gathered over the pipeline group.
+    ``experts``: the expert-parallel gradient sum (``parallel/expert.py::ExpertGradSync``; None without)."""
+
+    def __init__(self, pipeline: Pipeline, model: nn.Module, experts: ExpertGradSync | None = None):
+        self.pipeline, self.model, self.experts = pipeline, model, experts
 
     def micro_batch(self, index: int, count: int) -> contextlib.AbstractContextManager:
+        if index == 0:
+            start_step(self.model)  # the MoE layers count this step's routing afresh
         return contextlib.nullcontext()  # the schedule runs FSDP2's controls within its own microbatches
 
     def forward_backward(
@@ -208,6 +215,8 @@ class PipelineModule(ModelState):
 
     def finish_backward(self) -> None:
         self.pipeline.reduce_tied_grads()  # the tied embedding's copies: one sum per step
+        if self.experts is not None:
+            self.experts.finish()
 
     def evaluate(self, batches: Iterable[Batch], precision: PrecisionPolicy) -> dict[str, float]:
         total = torch.zeros((), dtype=torch.float32, device=precision.device)
@@ -227,7 +236,8 @@ class PipelineModule(ModelState):
     def take_metrics(self) -> dict[str, float]:
         """The bubble of the step's last schedule step, measured on this rank, and the formula's."""
         p = self.pipeline
-        return {"pp_bubble": p.last_bubble, "pp_bubble_formula": p.expected_bubble}
+        moe = moe_metrics(self.model, p.group) if p.has_moe_anywhere else {}
+        return {"pp_bubble": p.last_bubble, "pp_bubble_formula": p.expected_bubble, **moe}
 
 
 class DPOModule(ModelState):
