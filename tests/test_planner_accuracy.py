@@ -2,7 +2,8 @@
 measured by ``probes/step_memory.py`` (one process, or gloo processes under torchrun) against the planner
 for the same flags. The planned tracked peak (``total - overhead``) must be within 5% of the measured one,
 and the model states (parameters with the buffers, gradients when the step's backward is done, optimizer
-states; every rank's largest, counted tensor by tensor) exact to a few bytes.
+states; every rank's largest, counted tensor by tensor) exact to a few bytes; under FSDP2 mixed precision
+(ZeRO-2/3, 16-bit) the activations row within 5% too.
 
 Also, in the default run: what the planner does not model (the matrix's ``NOT_MODELLED`` cases) is
 refused by ``lmforge estimate`` in one line, exit status 2, instead of a figure."""
