@@ -63,7 +63,13 @@ def test_memory_page_shows_lmforge_estimate(tmp_path: Path, serve, page, capsys,
     )
     # the seed's peak holds every activation: the note says so beside the activation table
     assert page.get_attribute("#memory-peak", "data-value") == seed["peak_phase"]
-    assert seed["activations_at_peak"] == seed["activations"] == figure(page, "activation.at_peak")
+    # the row adds the forward's buffers alive at the peak (the loss's), as PyTorch's trackers count them
+    forward_buffers = sum(seed["forward_buffers_alive"].values())
+    assert (
+        seed["activations_at_peak"]
+        == seed["activations"] + forward_buffers
+        == figure(page, "activation.at_peak")
+    )
     assert "all of them are alive in this phase" in page.text_content("#memory-peak")
     screenshot(page, "memory", tmp_path)
 

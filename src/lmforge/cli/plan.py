@@ -89,6 +89,8 @@ def _estimate_text(e, name: str, optimizer: str, hw) -> str:
     t, c = e.temporaries, e.comm
     temps = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in e.temporaries_alive.items())
     acts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in e.activation_parts.items() if v)
+    # buffers the forward made, alive at the peak: activations as PyTorch's trackers count them
+    acts += "".join(f", {k.replace('_', ' ')} {v / GIB:.2f}" for k, v in e.forward_buffers_alive.items())
     limit = e.margin * e.memory_bytes
     lines = [
         f"{name}: {e.n_params:,} parameters ({e.n_params / 1e9:.2f}B)"

@@ -29,8 +29,10 @@ phase's gradients, activations and temporaries::
 
 (measured against PyTorch's MemTracker and FSDPMemTracker on real runs: tests/test_estimate_phases.py,
 tests/test_estimate_fsdp_tracker.py). ``peak_phase`` names the phase of the peak; ``gradients_at_peak``,
-``activations_at_peak`` and ``temporaries_at_peak`` are its rows (they add up to the total),
-``temporaries_alive`` its temporaries by :class:`~lmforge.plan.memory.Temporaries` field and
+``activations_at_peak`` and ``temporaries_at_peak`` are its rows (they add up to the total; as PyTorch's
+trackers split them, the buffers the forward allocates, the loss's, are activations: :class:`Phase`),
+``temporaries_alive`` its temporaries by :class:`~lmforge.plan.memory.Temporaries` field,
+``forward_buffers_alive`` those of them counted as activations, and
 ``phase_totals`` every phase's bytes (overhead left out).
 
 Time (``mfu`` the model-FLOPs utilisation a plain layout reaches on this device, default 0.4 on GPUs: a
@@ -247,6 +249,8 @@ class Estimate:
     pp_rank_totals: list[float] = field(default_factory=list)  # the step's total per pipeline rank
     pp_rank_build_totals: list[float] = field(default_factory=list)  # the build's total per pipeline rank
     temporaries_alive: dict[str, float] = field(default_factory=dict)  # Temporaries fields alive at the peak
+    # Temporaries fields made in the forward and alive at the peak: in the activations row (Phase)
+    forward_buffers_alive: dict[str, float] = field(default_factory=dict)
     phase_totals: dict[str, float] = field(default_factory=dict)  # each phase's allocated bytes, no overhead
 
     @property
@@ -684,17 +688,26 @@ def accumulating_gradients(
 class Phase:
     """One moment of a training step on one rank: its gradient and activation bytes and the temporaries
     alive in it, by :class:`~lmforge.plan.memory.Temporaries` field (the model states' other rows are
-    alive throughout)."""
+    alive throughout). ``forward_buffers``: the temporaries (by field) the forward allocates and that are
+    alive in this phase, the loss's forward buffers; PyTorch's trackers count whatever is allocated
+    outside the backward and the optimizer step as an activation (``MemTracker``'s and
+    ``FSDPMemTracker``'s ACT), so :attr:`activations_row` holds them and the temporaries row does not."""
 
     name: str
     gradients: float
     activations: float
     temporaries: dict[str, float]
+    forward_buffers: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def activations_row(self) -> float:
+        """``activations + sum(forward_buffers)``: the activations row as the trackers count it."""
+        return self.activations + sum(self.forward_buffers.values())
 
     @property
     def total(self) -> float:
-        """``gradients + activations + sum(temporaries)``."""
-        return self.gradients + self.activations + sum(self.temporaries.values())
+        """``gradients + activations + sum(forward_buffers) + sum(temporaries)``."""
+        return self.gradients + self.activations_row + sum(self.temporaries.values())
 
 
 def _gathered(temps: Temporaries, kind: str, pipeline: bool) -> tuple[float, ...]:
@@ -740,7 +753,8 @@ def _head_and_last_block(
                 "forward: head and loss" + name,
                 g,
                 held + forward_casts,
-                _alive(temps, fsdp_gathered=fwd, loss_forward=temps.loss_forward),
+                _alive(temps, fsdp_gathered=fwd),
+                {"loss_forward": temps.loss_forward} if temps.loss_forward else {},
             ),
             Phase(
                 "backward: head and loss" + name,
@@ -803,7 +817,8 @@ def step_phases(
     whole step, alive until it ends (:func:`interleaved_held`)::
 
         forward: head and loss   G + A + autocast's cached weight casts + B + R + H + U (the last
-                                   all-gather's buffer) + loss forward buffers
+                                   all-gather's buffer) + loss forward buffers (in the activations
+                                   row, as the trackers count them: :class:`Phase`)
         backward: head and loss  G + A + B + R + H + U (the next block prefetched) + loss backward buffers
         backward: last block     G + A - (head + loss) / in_flight + recompute + B + R + 2 U
                                    + one block's backward working set W
@@ -1193,9 +1208,10 @@ def estimate(
         total=peak.total,
         peak_phase=peak.at_peak.name,
         gradients_at_peak=peak.at_peak.gradients,
-        activations_at_peak=peak.at_peak.activations,
+        activations_at_peak=peak.at_peak.activations_row,
         temporaries_at_peak=sum(peak.at_peak.temporaries.values()),
         temporaries_alive=dict(peak.at_peak.temporaries),
+        forward_buffers_alive=dict(peak.at_peak.forward_buffers),
         phase_totals=peak.phase_totals,
         flops_per_token=fpt,
         flops_per_step=flops_step,

@@ -95,6 +95,10 @@
         "activations row is 0.";
     } else if (p.activations_at_peak < p.activations) {
       acts = `${held}; ${lmf.gib(p.activations_at_peak)} GiB of them are alive in this phase.`;
+    } else if (p.activations_at_peak > p.activations) {
+      // the forward's own buffers (the loss's) are activations too, as PyTorch's trackers count them
+      acts = `${held}; all of them are alive in this phase, and the row adds the ` +
+        `${lmf.gib(p.activations_at_peak - p.activations)} GiB of buffers the forward made (the loss's).`;
     } else acts = `${held}; all of them are alive in this phase.`;
     const el = document.getElementById("memory-peak");
     el.dataset.key = "peak_phase";
