@@ -16,7 +16,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     helps = {
         "sft": "supervised fine-tuning on instruction / chat / prompt-completion records",
         "dpo": "direct preference optimisation on prompt / chosen / rejected pairs",
-        "rl": "RL from rewards (GRPO, RLOO) on prompt records, scored by [rl] reward",
+        "rl": "RL from rewards (GRPO, RLOO, PPO) on prompt records, scored by [rl] reward (a Python function or a reward run)",
         "reward": "a reward model (scalar head, Bradley-Terry loss) on prompt / chosen / rejected pairs",
     }
     for kind, text in helps.items():
