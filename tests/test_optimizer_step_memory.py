@@ -36,6 +36,10 @@ OPTIMS = {
     "muon": {"name": "muon"},
     "muon-plain": {"name": "muon", "muon": {"nesterov": False}},
     "muon-scale-none": {"name": "muon", "muon": {"scale": "none"}},
+    # a refresh at every step after the first (the measured second step refreshes: SOAP's largest); sides
+    # up to 128 get factors: the blocks' matrices both sides (gpt2's 48 x 192 MLP one), the 512-row
+    # embedding and head one side (a 512 x 512 eigh costs seconds on a loaded CPU)
+    "soap": {"name": "soap", "soap": {"precondition_frequency": 1, "max_precond_dim": 128}},
 }
 # bytes: the scalars a step makes besides (norms, step counters, learning-rate tensors: 4 or 8 bytes each,
 # up to 16 of them); tensor bytes, not rounding, so the same on every CPU
@@ -51,7 +55,7 @@ def planned(model_kw: dict, ocfg: OptimConfig, kind: str = "none", shards: int =
         shards,
         1,
         "fp32",
-        optimizer_key(ocfg.name, ocfg.sgd.momentum),
+        optimizer_key(ocfg.name, ocfg.sgd.momentum, ocfg.soap.max_precond_dim),
         VOCAB,
         0,
         nesterov=nesterov,
@@ -79,6 +83,8 @@ def lingering(model_kw: dict, ocfg: OptimConfig, kind: str) -> int:
 @pytest.mark.parametrize("optim", list(OPTIMS))
 @pytest.mark.parametrize("shape", list(MODELS))
 def test_step_scratch_one_process(shape: str, optim: str) -> None:
+    if optim == "soap":  # eigh and QR of the factors: with 2 threads ~50x slower on a loaded 2-core CPU
+        torch.set_num_threads(1)  # (conftest resets it)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**MODELS[shape]), VOCAB, SEQ)
     ocfg = OptimConfig(**OPTIMS[optim])

@@ -196,6 +196,7 @@ class SOAP(torch.optim.Optimizer):
                     order = refresh_order(state[factor], state[basis])
                     whole_v = whole_v[order] if i == 0 else whole_v[:, order]
                     state[basis].copy_(subspace_step(state[factor], state[basis][:, order]))
+                    del order
             v.copy_(shard_like(whole_v, p))
             del whole_v
         ql, qr = (state[basis] if sides[i] else None for i, (_, basis) in enumerate(SIDES))
