@@ -100,8 +100,9 @@ def test_8bit_states_are_quantised_where_the_planner_says():
 def test_sharded_state_bytes_equal_the_real_tensors_on_every_layout(tmp_path):
     """Two real processes (``tests/distributed/plan_worker.py``): under ZeRO-1 (DDP +
     ZeroRedundancyOptimizer's whole-tensor partition), ZeRO-2 and ZeRO-3 (FSDP2, uneven shards of a
-    301-row embedding, 8-bit moments of shards, Adafactor's whole-matrix statistics, Muon's routes), the
-    largest rank's parameter, gradient and optimizer-state bytes are the planner's, exactly."""
+    301-row embedding, 8-bit moments of shards, Adafactor's whole-matrix statistics, Muon's routes, SOAP's
+    whole factors and bases beside sharded moments), the largest rank's parameter, gradient and
+    optimizer-state bytes are the planner's, exactly."""
     from tests.distributed.plan_worker import CASES, SEQ
     from tests.torchrun import torchrun, worker
 

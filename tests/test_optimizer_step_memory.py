@@ -66,17 +66,19 @@ def planned(model_kw: dict, ocfg: OptimConfig, kind: str = "none", shards: int =
 
 def lingering(model_kw: dict, ocfg: OptimConfig, kind: str) -> int:
     """What may still be alive of the matrix stepped before, beyond the plan, where the step gathers each
-    matrix whole (FSDP2: Muon's update, Adafactor's parameter and gradient): gloo's worker thread frees a
+    matrix whole (FSDP2: Muon's update, Adafactor's parameter and gradient, SOAP's step): gloo's worker thread frees a
     finished all-gather's tensors only once it gets the GIL, so on a loaded machine the previous matrix's
     gathered copy can outlive its step and meet the next one's. Seen on the 2-core EPYC with other jobs
     running: one 48 x 48 (or 32 x 32) FP32 update, 9,216 (4,096) bytes over the plan, in 3 of 36 runs of
     the test, each measurement the least of two; never with the machine otherwise idle. Bounded here by
     the largest gathered matrix's copy (0 where nothing is gathered)."""
-    if kind != "zero3" or ocfg.name not in ("muon", "adafactor"):
+    if kind != "zero3" or ocfg.name not in ("muon", "adafactor", "soap"):
         return 0
     tensors = param_tensors(ModelConfig(**model_kw), VOCAB, SEQ)
     if ocfg.name == "muon":
         return 4 * max(t.numel for t in tensors if t.muon)
+    if ocfg.name == "soap":  # the last gathered tensor of the matrix before (its step, gathered whole)
+        return 4 * max(t.numel for t in tensors)
     return 2 * 4 * max(t.numel for t in tensors)
 
 

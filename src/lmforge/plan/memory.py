@@ -885,8 +885,10 @@ def soap_step_bytes(shape: tuple[int, ...], n: int, sides: tuple[bool, bool], sh
       the rotations, each a product of ``N`` values beside its input: ``4 (1 + k) N`` (``QL^T M`` then
       ``. QR``, and ``N'`` with its rotation back);
     * sharded (DTensors: FSDP2, tensor parallelism): the whole gradient ``4N`` lives through the factors'
-      updates and the refresh; ``V`` gathered whole ``4N`` for the refresh; the rotations of the whole
-      ``M`` and ``N'`` as above, each of them gathered ``4N``, and this rank's cut of each result ``4n``.
+      updates and the refresh, and the refresh's first permutation takes ``V`` gathered whole, so the
+      gathered and the permuted copy meet (``4N + 8N + 8d``); the rotations as above, with ``M`` and
+      ``N'`` gathered whole as their inputs, and this rank's cut of ``N'`` (``4n``) beside the rotation
+      back: ``4 (1 + k) N + 4n``.
 
     Measured by PyTorch's ``MemTracker`` (``tests/test_optimizer_step_memory.py``)."""
     if not any(sides):
@@ -901,8 +903,8 @@ def soap_step_bytes(shape: tuple[int, ...], n: int, sides: tuple[bool, bool], sh
     rotate = 4 * (1 + k) * whole
     if not sharded:
         return max(factor, refresh, rotate)
-    g = 4 * whole
-    return max(g + factor, g + 4 * whole + refresh, g + rotate, 4 * whole + rotate + 4 * n)
+    g, first = 4 * whole, dims[0]
+    return max(g + factor, g + refresh, g + 8 * whole + 8 * first, rotate + 4 * n)
 
 
 @dataclass(frozen=True)
