@@ -594,6 +594,9 @@ def test_built_optimizer_matches_reference(name):
         ),
         ({"optim.name": "sgd", "optim.sgd.nesterov": True, "optim.sgd.momentum": 0.0}, "optim.sgd.nesterov"),
         ({"optim.name": "adam8bit"}, "optim.name"),
+        ({"optim.soap.precondition_frequency": 0}, "optim.soap.precondition_frequency"),
+        ({"optim.soap.shampoo_beta": 1.0}, "optim.soap.shampoo_beta"),
+        ({"optim.soap.max_precond_dim": 0}, "optim.soap.max_precond_dim"),
     ],
 )
 def test_optimizer_config_errors_name_the_key(override, key):
