@@ -47,7 +47,15 @@ OPTIMS = [
     OptimConfig(name="adafactor"),
     OptimConfig(name="adamw8bit"),
     OptimConfig(name="muon"),
+    # SOAP: factors and bases on both sides of every matrix; then with sides over 300 left out (the 320 and
+    # 301-row embeddings and the untied head one-sided, the 260-row one both sides)
+    OptimConfig(name="soap"),
+    OptimConfig(name="soap", soap={"max_precond_dim": 300}),
 ]
+
+
+def _key(o: OptimConfig) -> str:
+    return optimizer_key(o.name, o.sgd.momentum, o.soap.max_precond_dim)
 
 
 def _stepped(cfg: ModelConfig, vocab: int, seq: int, optim: OptimConfig):
@@ -64,15 +72,15 @@ def _stepped(cfg: ModelConfig, vocab: int, seq: int, optim: OptimConfig):
     return model, opt
 
 
-@pytest.mark.parametrize("optim", OPTIMS, ids=lambda o: optimizer_key(o.name, o.sgd.momentum))
+@pytest.mark.parametrize("optim", OPTIMS, ids=_key)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_state_bytes_equal_the_real_tensors(name: str, optim: OptimConfig):
     cfg, vocab, seq = MODELS[name]
+    if optim.name == "soap":  # eigh and QR of the factors: with 2 threads ~50x slower on a loaded 2-core CPU
+        torch.set_num_threads(1)  # (conftest resets it)
     model, opt = _stepped(cfg, vocab, seq, optim)
     params = list(model.parameters())  # tied weights once
-    planned = model_states(
-        param_tensors(cfg, vocab, seq), "none", 1, 1, optimizer_key(optim.name, optim.sgd.momentum)
-    )
+    planned = model_states(param_tensors(cfg, vocab, seq), "none", 1, 1, _key(optim))
     assert planned.params == sum(p.numel() * p.element_size() for p in params)
     assert planned.grads == sum(p.grad.numel() * p.grad.element_size() for p in params)
     assert planned.master == 0
@@ -92,8 +100,9 @@ def test_8bit_states_are_quantised_where_the_planner_says():
 def test_sharded_state_bytes_equal_the_real_tensors_on_every_layout(tmp_path):
     """Two real processes (``tests/distributed/plan_worker.py``): under ZeRO-1 (DDP +
     ZeroRedundancyOptimizer's whole-tensor partition), ZeRO-2 and ZeRO-3 (FSDP2, uneven shards of a
-    301-row embedding, 8-bit moments of shards, Adafactor's whole-matrix statistics, Muon's routes), the
-    largest rank's parameter, gradient and optimizer-state bytes are the planner's, exactly."""
+    301-row embedding, 8-bit moments of shards, Adafactor's whole-matrix statistics, Muon's routes, SOAP's
+    whole factors and bases beside sharded moments), the largest rank's parameter, gradient and
+    optimizer-state bytes are the planner's, exactly."""
     from tests.distributed.plan_worker import CASES, SEQ
     from tests.torchrun import torchrun, worker
 

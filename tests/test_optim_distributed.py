@@ -17,10 +17,10 @@ from tests.torchrun import torchrun, worker
 
 pytestmark = pytest.mark.distributed
 
-NAMES = ["adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon"]
+NAMES = ["adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon", "soap"]
 # on the 2 x 2 mesh: those with code of their own for DTensors, and torch's fused AdamW kernel (Adam and
 # SGD run the same kinds of kernels as AdamW and are left out to keep the 4-process launch short)
-NAMES_2D = ["adamw", "lion", "adafactor", "adamw8bit", "muon"]
+NAMES_2D = ["adamw", "lion", "adafactor", "adamw8bit", "muon", "soap"]
 
 # The model runs are float64 (``--dtype float64``: FP32 draws widened, float64 gradients, reductions and
 # states), so that "as one process" does not depend on the CPU's summation order. Measured on a 2-core
@@ -63,10 +63,22 @@ WHOLE_BATCH = ["fsdp2_grad_whole", "fsdp2_whole", "zero_grad_whole", "zero_whole
 EXACT = 1e-6
 FP32_ONLY = {"adamw8bit"}
 NOISE = {"fsdp2_grad_whole": "noise_grad", "zero_grad_whole": "noise_grad"}
+# SOAP's step is not continuous in the gradient where a factor has a repeated eigenvalue: a factor of rank
+# below its size (step 1's G G^T of a tall matrix, an embedding's unseen rows) has a null space whose basis
+# eigh picks from the input's last bits, and Adam's per-coordinate normalisation in that basis moves with
+# it. The two one-process references (the batch's gradient summed in two orders, 1.7e-15 apart) end 0.22
+# apart in weights (relative to the largest; 2-core AMD EPYC / Xeon). So against the whole batch a layout
+# may differ as much as one process differs from itself: the layout equals the rank-order reference (its
+# same-gradient checks hold to FLOAT64), whose difference to the whole batch is "noise_whole_from_micro",
+# measured with the same normalisation (by the whole batch's largest weight); plus FLOAT64 twice.
+DISCONTINUOUS = {"soap"}
+PARAM_WHOLE = {"fsdp2_whole", "zero_whole"}
 
 
 def bound(r: dict, name: str, key: str) -> float:
     """The largest difference allowed for check ``key`` of optimizer ``name`` (see above)."""
+    if name in DISCONTINUOUS and key in PARAM_WHOLE:
+        return r["noise_whole_from_micro"] + 2 * FLOAT64
     if name not in FP32_ONLY:
         return FLOAT64
     if key in WHOLE_BATCH:

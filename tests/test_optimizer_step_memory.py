@@ -36,6 +36,10 @@ OPTIMS = {
     "muon": {"name": "muon"},
     "muon-plain": {"name": "muon", "muon": {"nesterov": False}},
     "muon-scale-none": {"name": "muon", "muon": {"scale": "none"}},
+    # a refresh at every step after the first (the measured second step refreshes: SOAP's largest); sides
+    # up to 128 get factors: the blocks' matrices both sides (gpt2's 48 x 192 MLP one), the 512-row
+    # embedding and head one side (a 512 x 512 eigh costs seconds on a loaded CPU)
+    "soap": {"name": "soap", "soap": {"precondition_frequency": 1, "max_precond_dim": 128}},
 }
 # bytes: the scalars a step makes besides (norms, step counters, learning-rate tensors: 4 or 8 bytes each,
 # up to 16 of them); tensor bytes, not rounding, so the same on every CPU
@@ -51,7 +55,7 @@ def planned(model_kw: dict, ocfg: OptimConfig, kind: str = "none", shards: int =
         shards,
         1,
         "fp32",
-        optimizer_key(ocfg.name, ocfg.sgd.momentum),
+        optimizer_key(ocfg.name, ocfg.sgd.momentum, ocfg.soap.max_precond_dim),
         VOCAB,
         0,
         nesterov=nesterov,
@@ -62,23 +66,27 @@ def planned(model_kw: dict, ocfg: OptimConfig, kind: str = "none", shards: int =
 
 def lingering(model_kw: dict, ocfg: OptimConfig, kind: str) -> int:
     """What may still be alive of the matrix stepped before, beyond the plan, where the step gathers each
-    matrix whole (FSDP2: Muon's update, Adafactor's parameter and gradient): gloo's worker thread frees a
+    matrix whole (FSDP2: Muon's update, Adafactor's parameter and gradient, SOAP's step): gloo's worker thread frees a
     finished all-gather's tensors only once it gets the GIL, so on a loaded machine the previous matrix's
     gathered copy can outlive its step and meet the next one's. Seen on the 2-core EPYC with other jobs
     running: one 48 x 48 (or 32 x 32) FP32 update, 9,216 (4,096) bytes over the plan, in 3 of 36 runs of
     the test, each measurement the least of two; never with the machine otherwise idle. Bounded here by
     the largest gathered matrix's copy (0 where nothing is gathered)."""
-    if kind != "zero3" or ocfg.name not in ("muon", "adafactor"):
+    if kind != "zero3" or ocfg.name not in ("muon", "adafactor", "soap"):
         return 0
     tensors = param_tensors(ModelConfig(**model_kw), VOCAB, SEQ)
     if ocfg.name == "muon":
         return 4 * max(t.numel for t in tensors if t.muon)
+    if ocfg.name == "soap":  # the last gathered tensor of the matrix before (its step, gathered whole)
+        return 4 * max(t.numel for t in tensors)
     return 2 * 4 * max(t.numel for t in tensors)
 
 
 @pytest.mark.parametrize("optim", list(OPTIMS))
 @pytest.mark.parametrize("shape", list(MODELS))
 def test_step_scratch_one_process(shape: str, optim: str) -> None:
+    if optim == "soap":  # eigh and QR of the factors: with 2 threads ~50x slower on a loaded 2-core CPU
+        torch.set_num_threads(1)  # (conftest resets it)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**MODELS[shape]), VOCAB, SEQ)
     ocfg = OptimConfig(**OPTIMS[optim])

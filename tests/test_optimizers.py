@@ -89,8 +89,10 @@ def test_sgd_nesterov_hand_computed():
     assert float(p[0]) == pytest.approx(1.0 - 0.1 * 1.9 - 0.1 * 4.61)
 
 
-@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon"])
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon", "soap"])
 def test_build_each_optimizer_and_step(name):
+    if name == "soap":  # eigh and QR of the factors: with 2 threads ~50x slower on a loaded 2-core CPU
+        torch.set_num_threads(1)  # (conftest resets it)
     torch.manual_seed(0)
     m = model_of(ModelConfig(n_layers=1, d_model=32, n_heads=4), 64, 16)
     opt = build_optimizer(m, OptimConfig(name=name, lr=1e-2), torch.device("cpu"), compile=False)
@@ -114,13 +116,17 @@ def shared_data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("optim-data")
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd", "lion", "adafactor", "adamw8bit", "muon"])
+@pytest.mark.parametrize("name", ["adam", "sgd", "lion", "adafactor", "adamw8bit", "muon", "soap"])
 def test_optimizer_state_survives_resume(name, tiny_config, tmp_path, shared_data_cache, caplog):
     """8 steps straight vs 4 + resume + 4: bitwise equal parameters and optimizer state (fp32, CPU)."""
     caplog.set_level(logging.INFO, logger="lmforge")
     cfg = tiny_config.model_copy(deep=True)
     cfg.data.cache_dir = str(shared_data_cache)
     cfg.optim.name = name
+    cfg.optim.soap.precondition_frequency = 3
+    cfg.optim.soap.max_precond_dim = 256  # the 384-token embedding one-sided: its eigh is slow on 2 cores
+    if name == "soap":  # eigh and QR of the factors: with 2 threads ~50x slower on a loaded 2-core CPU
+        torch.set_num_threads(1)  # (conftest resets it)
     cfg.train.steps = 8
     cfg.train.checkpoint_interval = 4
     cfg.train.eval_interval = 0
@@ -142,6 +148,9 @@ def test_optimizer_state_survives_resume(name, tiny_config, tmp_path, shared_dat
         assert "optim: muon moves 14 tensors" in caplog.text and "optim: adamw moves" in caplog.text
         keys = {k.rsplit(".", 1)[1] for k in states}
         assert {"momentum_buffer", "exp_avg", "exp_avg_sq"} <= keys
+    if name == "soap":  # a refresh (frequency 3: steps 4 and 7) on each side of the resume; factors saved
+        assert cfg.optim.soap.precondition_frequency == 3
+        assert {"L", "QL", "R", "QR"} <= {k.rsplit(".", 1)[1] for k in states}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -585,6 +594,9 @@ def test_built_optimizer_matches_reference(name):
         ),
         ({"optim.name": "sgd", "optim.sgd.nesterov": True, "optim.sgd.momentum": 0.0}, "optim.sgd.nesterov"),
         ({"optim.name": "adam8bit"}, "optim.name"),
+        ({"optim.soap.precondition_frequency": 0}, "optim.soap.precondition_frequency"),
+        ({"optim.soap.shampoo_beta": 1.0}, "optim.soap.shampoo_beta"),
+        ({"optim.soap.max_precond_dim": 0}, "optim.soap.max_precond_dim"),
     ],
 )
 def test_optimizer_config_errors_name_the_key(override, key):

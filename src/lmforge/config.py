@@ -609,6 +609,24 @@ class MuonConfig(_Section):
     )
 
 
+class SOAPConfig(_Section):
+    """Settings of ``optim.name = "soap"`` (Adam's betas, eps and weight decay are the common keys);
+    formula in ``lmforge/optim/soap.py``."""
+
+    precondition_frequency: int = Field(
+        10, ge=1, description="steps between refreshes of the eigenbases (one QR step each; the paper: 10)"
+    )
+    shampoo_beta: float | None = Field(
+        None, ge=0, lt=1, description="EMA beta of the Kronecker factors L, R (default: optim.betas[1])"
+    )
+    max_precond_dim: int = Field(
+        10000,
+        ge=1,
+        description="largest matrix dimension given a factor: a longer side is not rotated, a matrix with "
+        "both sides longer takes AdamW",
+    )
+
+
 class GradNoiseConfig(_Section):
     """Gradient noise (Neelakantan et al. 2015); formula in ``lmforge/optim/grad_transforms.py``."""
 
@@ -632,10 +650,11 @@ class DepthDecayConfig(_Section):
 
 
 class OptimConfig(_Section):
-    name: Literal["adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon"] = Field(
+    name: Literal["adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon", "soap"] = Field(
         "adamw",
         description="adamw (decoupled decay), adam and sgd (L2 decay), lion (use ~3-10x lower lr), adafactor, "
-        "adamw8bit (block-wise 8-bit moments, torchao), muon (hidden matrices; AdamW for the rest)",
+        "adamw8bit (block-wise 8-bit moments, torchao), muon (hidden matrices; AdamW for the rest), "
+        "soap (Adam in the eigenbasis of Shampoo's factors for matrices; AdamW for the rest)",
     )
     lr: float = Field(3e-3, gt=0, description="peak learning rate")
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay of matrices")
@@ -673,6 +692,7 @@ class OptimConfig(_Section):
     )
     sgd: SGDConfig = Field(default_factory=SGDConfig, description='used when optim.name = "sgd"')
     muon: MuonConfig = Field(default_factory=MuonConfig, description='used when optim.name = "muon"')
+    soap: SOAPConfig = Field(default_factory=SOAPConfig, description='used when optim.name = "soap"')
 
     @model_validator(mode="after")
     def _betas(self) -> OptimConfig:
@@ -691,7 +711,7 @@ class OptimConfig(_Section):
         if self.cautious_weight_decay and self.name in ("adam", "sgd"):
             raise ValueError(
                 f"optim.cautious_weight_decay: {self.name} adds decay to the gradient (L2); cautious decay "
-                "needs decoupled decay: adamw, lion, adafactor, adamw8bit or muon"
+                "needs decoupled decay: adamw, lion, adafactor, adamw8bit, muon or soap"
             )
         return self
 

@@ -244,6 +244,7 @@ def check(name: str, tmp: str) -> dict:
             refs["next"] = ref
     # one process twice, the batch's gradient summed in two orders: the noise of summation order
     out["noise_whole"] = param_diff(refs["whole"], refs["micro"])
+    out["noise_whole_from_micro"] = param_diff(refs["micro"], refs["whole"])  # the layouts' normalisation
     out["noise_grad"] = grad_diff(refs["grads"]["whole"], refs["grads"]["micro"])
 
     def fsdp2() -> dict:

@@ -40,6 +40,12 @@ CASES = {
         "muon",
     ),
     "gpt2_lion": (ModelConfig(arch="gpt2", d_model=64, n_heads=4, n_layers=2), 300, "lion"),
+    # SOAP's factors and bases whole on every rank holding a piece, its moments sharded like the parameter
+    "gpt2_soap": (
+        ModelConfig(arch="gpt2", d_model=64, n_heads=4, n_layers=2, tie_embeddings=False),
+        301,
+        "soap",
+    ),
 }
 SEQ = 16
 

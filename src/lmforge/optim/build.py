@@ -47,6 +47,7 @@ from lmforge.optim.adafactor import Adafactor
 from lmforge.optim.cautious import register_cautious_decay
 from lmforge.optim.lion import Lion
 from lmforge.optim.muon import MuonWithAdamW
+from lmforge.optim.soap import SOAP
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +207,16 @@ def optimizer_factory(
             betas=cfg.betas,
             eps=cfg.eps,
             fused=fused,
+        )
+    if cfg.name == "soap":
+        return partial(
+            SOAP,
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            shampoo_beta=cfg.soap.shampoo_beta,
+            precondition_frequency=cfg.soap.precondition_frequency,
+            max_precond_dim=cfg.soap.max_precond_dim,
         )
     raise ValueError(f"optim.name: unknown optimizer {cfg.name!r}")
 

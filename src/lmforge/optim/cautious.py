@@ -10,7 +10,7 @@ already moves the coordinate toward zero, i.e. where ``u_t`` and ``x_t`` have th
 (the paper's rule, with the indicator of a non-negative product; it adds no hyperparameter).
 
 lmforge applies it around any optimizer with decoupled decay (``adamw``, ``lion``, ``adafactor``,
-``adamw8bit``, ``muon``; ``adam`` and ``sgd`` add decay to the gradient and are refused by the config):
+``adamw8bit``, ``muon``, ``soap``; ``adam`` and ``sgd`` add decay to the gradient and are refused by the config):
 groups with ``optim.cautious_weight_decay`` carry their decay as ``cautious_weight_decay`` and
 ``weight_decay = 0``, so the optimizer's own step computes ``x' = x_t - lr u_t``; a step pre-hook keeps
 ``x_t``, a post-hook reads ``lr u_t = x_t - x'`` and subtracts ``lr wd 1[(x_t - x') x_t >= 0] x_t``. An

@@ -100,6 +100,7 @@ from lmforge.plan.memory import (
     model_buffer_bytes,
     model_states,
     moe_blocks,
+    optimizer_key,
     param_tensors,
     stage_tensors,
     temporaries,
@@ -1332,7 +1333,7 @@ def workload_from_config(
     """The :class:`Workload` of a recipe, with ``train.precision`` already resolved to ``number_format``
     for the planned device (no ``PrecisionPolicy``: that one belongs to a device of this process)."""
     o = cfg.optim
-    optimizer = "sgd0" if o.name == "sgd" and o.sgd.momentum == 0 else o.name
+    optimizer = optimizer_key(o.name, o.sgd.momentum, o.soap.max_precond_dim)
     nesterov = {"sgd": o.sgd.nesterov, "muon": o.muon.nesterov}.get(o.name)
     return Workload(
         cfg.model,

@@ -67,7 +67,8 @@ from lmforge.model.transformer import ff_width, uses_bias
 from lmforge.plan.activations import LOSSES
 
 ACCOUNTINGS = ("lmforge", "zero-paper")
-OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon")
+OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "muon", "soap")
+SOAP_MAX_DIM = 10000  # SOAP's default optim.soap.max_precond_dim; another value rides in the key: "soap<=N"
 QUANT_BLOCK = 256  # values per 8-bit block (torchao / bitsandbytes)
 QUANT_MIN = 4096  # torchao quantises tensors of at least this many values (and whole blocks)
 QMAP_BYTES = 256 * 4  # each 8-bit moment keeps its own FP32 code book of 256 entries
@@ -295,11 +296,17 @@ def optimizer_state_bytes(
     ``4(prod(shape[:-1]) + prod(shape[:-2]) * shape[-1])`` on every rank (``4n`` for vectors; + step);
     ``adamw8bit``: per moment ``n`` codes + ``4n/256`` scales + a 1,024-byte code book where the whole
     tensor has at least 4,096 values in whole blocks of 256, else ``4n`` (+ step); ``muon``: ``4n``
-    momentum for block matrices, AdamW's ``8n`` + step for the rest. ``counters=False`` leaves out the
-    step counters and code books (the per-parameter convention of the ZeRO paper).
+    momentum for block matrices, AdamW's ``8n`` + step for the rest; ``soap`` (key :func:`optimizer_key`):
+    AdamW's ``8n`` + step, and for a 2-D tensor ``(m, n)`` a factor and a basis of each side whose
+    dimension is at most ``max_precond_dim``, whole on every rank that holds a piece: ``8m^2`` and/or
+    ``8n^2`` (FP32; ``optim/soap.py``). ``counters=False`` leaves out the step counters and code books
+    (the per-parameter convention of the ZeRO paper).
     """
     n = math.prod(local)
     step = STEP_BYTES if counters else 0
+    if optimizer.startswith("soap"):
+        sides = soap_sides(whole, soap_max_dim(optimizer))
+        return 8 * n + step + sum(8 * d * d for d, on in zip(whole, sides, strict=False) if on)
     if optimizer in ("adamw", "adam") or (optimizer == "muon" and not muon):
         return 8 * n + step
     if optimizer in ("sgd", "lion") or optimizer == "muon":
@@ -333,15 +340,34 @@ def _blocks_align(local: tuple[int, ...], whole: tuple[int, ...]) -> bool:
     )
 
 
-def optimizer_key(name: str, sgd_momentum: float = 0.9) -> str:
-    """The state-size key of an optimizer config: ``sgd`` without momentum keeps no state (``sgd0``)."""
+def optimizer_key(name: str, sgd_momentum: float = 0.9, soap_max_dim: int = SOAP_MAX_DIM) -> str:
+    """The state-size key of an optimizer config: ``sgd`` without momentum keeps no state (``sgd0``);
+    ``soap`` with another ``max_precond_dim`` than 10,000 carries it: ``soap<=N``."""
+    if name == "soap" and soap_max_dim != SOAP_MAX_DIM:
+        return f"soap<={soap_max_dim}"
     return "sgd0" if name == "sgd" and sgd_momentum == 0 else name
+
+
+def soap_max_dim(key: str) -> int:
+    """``max_precond_dim`` of a SOAP key (``soap``: 10,000; ``soap<=N``: N)."""
+    return int(key.removeprefix("soap<=")) if key.startswith("soap<=") else SOAP_MAX_DIM
+
+
+def soap_sides(shape: tuple[int, ...], max_dim: int) -> tuple[bool, bool]:
+    """Which sides of a tensor SOAP gives a factor and a basis (``optim/soap.py::preconditioned_sides``):
+    a 2-D tensor's sides of at most ``max_dim``; none for other tensors."""
+    if len(shape) != 2:
+        return False, False
+    return shape[0] <= max_dim, shape[1] <= max_dim
 
 
 def state_bytes_per_param(optimizer: str) -> float:
     """``K``: optimizer-state bytes per parameter by the per-parameter convention (no counters, dense
     tensors): adam(w) 8, sgd 4 (0 without momentum), lion 4, muon 4 (its matrices), adamw8bit
-    2 + 8/256 (codes and block scales), adafactor ~0 (factored: rows + columns of each matrix)."""
+    2 + 8/256 (codes and block scales), adafactor ~0 (factored: rows + columns of each matrix), soap 8
+    (its two moments; each matrix's factors and bases, ``8(m^2 + n^2)``, are not per parameter)."""
+    if optimizer.startswith("soap"):
+        return 8.0
     return {"adamw": 8, "adam": 8, "sgd": 4, "sgd0": 0, "lion": 4, "muon": 4, "adamw8bit": 2 + 8 / 256}.get(
         optimizer, 0.0
     )
@@ -805,6 +831,8 @@ def optimizer_step_bytes(
       ``2 * 2N`` and the ``r x r`` Gram matrix and its polynomial ``2 * 2 r^2``, ``r`` the smaller side:
       ``max over Muon's matrices of 4 n [nesterov] + 4 N [sharded] + 4 N + 4 r^2``. The AdamW half is
       fused: 0.
+    * ``soap``: one tensor at a time, the largest of :func:`soap_step_bytes` (a step that refreshes the
+      bases: the largest a run takes after its first; the first step's ``eigh`` needs less).
 
     Gradient clipping before the step (``optim/clip.py``) adds one scalar norm per tensor: left out.
     Measured by PyTorch's ``MemTracker`` around ``optimizer.step()`` on CPU, one process, ZeRO-1 and
@@ -843,7 +871,47 @@ def optimizer_step_bytes(
             ),
             default=0,
         )
+    if optimizer.startswith("soap"):
+        max_dim = soap_max_dim(optimizer)
+        return max(
+            soap_step_bytes(t.shape, n, soap_sides(t.shape, max_dim), sharded)
+            for t, n in zip(tensors, local, strict=True)
+        )
     raise ValueError(f"optim.name: no step scratch for {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
+
+
+def soap_step_bytes(shape: tuple[int, ...], n: int, sides: tuple[bool, bool], sharded: bool) -> int:
+    """Scratch of SOAP's step (``optim/soap.py``) for one FP32 tensor of ``shape`` (``N`` values) held as
+    ``n`` values here, with a factor on ``sides``, in a step that refreshes its bases. ``k`` sides, ``d``
+    a side's dimension:
+
+    * no side (vectors, 3-D, oversized matrices): the denominator ``sqrt(v_hat) + eps``, ``4n``;
+    * plain: ``G G^T`` / ``G^T G`` before the factor's update, ``4 d^2``; the refresh: ``V`` permuted into a
+      copy ``4N`` beside ``Q[:, order]``, ``F Q`` and QR's ``Q`` and ``R`` (``4 * 4 d^2``) and the order's
+      int64 indices ``8d`` (with both sides, the second permutation's new copy beside the first, ``8N + 8d``);
+      the rotations, each a product of ``N`` values beside its input: ``4 (1 + k) N`` (``QL^T M`` then
+      ``. QR``, and ``N'`` with its rotation back);
+    * sharded (DTensors: FSDP2, tensor parallelism): the whole gradient ``4N`` lives through the factors'
+      updates and the refresh, and the refresh's first permutation takes ``V`` gathered whole, so the
+      gathered and the permuted copy meet (``4N + 8N + 8d``); the rotations as above, with ``M`` and
+      ``N'`` gathered whole as their inputs, and this rank's cut of ``N'`` (``4n``) beside the rotation
+      back: ``4 (1 + k) N + 4n``.
+
+    Measured by PyTorch's ``MemTracker`` (``tests/test_optimizer_step_memory.py``)."""
+    if not any(sides):
+        return 4 * n
+    whole = math.prod(shape)
+    dims = [d for d, on in zip(shape, sides, strict=True) if on]
+    k = len(dims)
+    factor = max(4 * d * d for d in dims)
+    refresh = 4 * whole + max(16 * d * d + 8 * d for d in dims)
+    if k == 2:
+        refresh = max(refresh, 8 * whole + 8 * shape[1])
+    rotate = 4 * (1 + k) * whole
+    if not sharded:
+        return max(factor, refresh, rotate)
+    g, first = 4 * whole, dims[0]
+    return max(g + factor, g + refresh, g + 8 * whole + 8 * first, rotate + 4 * n)
 
 
 @dataclass(frozen=True)
