@@ -136,12 +136,7 @@ class PPOObjective(RLObjective):
         with precision.autocast():
             logp, entropy, values = self.policy(inputs, targets, docs)
         logp, values = at_least_fp32(logp), at_least_fp32(values)
-        ref = None
-        if c.beta:
-            if self.reference is None:
-                raise RuntimeError("rl.beta > 0 but no reference model was set (RLObjective.set_reference)")
-            with torch.no_grad(), precision.autocast():
-                ref = at_least_fp32(self.reference(inputs, targets, docs)[0])
+        ref = self.reference_logps(inputs, targets, docs, precision)
         mask = targets != -100
         old_logp, old_values = logp.detach(), values.detach()
         with torch.no_grad():

@@ -137,6 +137,18 @@ class RLObjective:
 
     # -- what train_step uses ---------------------------------------------------------------------
 
+    def reference_logps(
+        self, inputs: torch.Tensor, targets: torch.Tensor, docs: torch.Tensor, precision: PrecisionPolicy
+    ) -> torch.Tensor | None:
+        """The frozen reference's per-token log-probabilities of the rollout rows (FP32 at least), or None
+        when ``rl.beta`` is 0 (no KL term)."""
+        if not self.cfg.beta:
+            return None
+        if self.reference is None:
+            raise RuntimeError("rl.beta > 0 but no reference model was set (RLObjective.set_reference)")
+        with torch.no_grad(), precision.autocast():
+            return at_least_fp32(self.reference(inputs, targets, docs)[0])
+
     def forward_backward(
         self, batch: PromptBatch, n_targets: int, dp: int, precision: PrecisionPolicy
     ) -> torch.Tensor:
@@ -148,12 +160,7 @@ class RLObjective:
         inputs, targets, docs = (t.to(device) for t in rollout_rows(rows, completions, self.pad_id))
         with precision.autocast():
             logp, entropy = self.policy(inputs, targets, docs)
-        ref = None
-        if c.beta:
-            if self.reference is None:
-                raise RuntimeError("rl.beta > 0 but no reference model was set (RLObjective.set_reference)")
-            with torch.no_grad(), precision.autocast():
-                ref = at_least_fp32(self.reference(inputs, targets, docs)[0])
+        ref = self.reference_logps(inputs, targets, docs, precision)
         mask = targets != -100
         k = len(batch.prompts)
         adv_kind = "dr_grpo" if c.algorithm == "grpo" and c.loss == "dr_grpo" else c.algorithm
