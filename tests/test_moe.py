@@ -33,6 +33,7 @@ from lmforge.model.moe import (
     switch_aux_loss,
     take_aux_loss,
 )
+from lmforge.parallel.model_layout import check_model_layout
 from lmforge.recipe import load_config
 from lmforge.train.callbacks.control import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -286,7 +287,7 @@ def test_bad_moe_settings_are_refused_before_work(tmp_path):
         check_moe(load_config(None, over | {"model.moe.capacity_factor": 0.06}))
     # a pipeline runs the micro-batch as pp_microbatches (default pp = 2) parts of 64 tokens: f >= 8 / 64
     with pytest.raises(ConfigError, match=r"model.moe.capacity_factor: .* 64 tokens .* at least 0.125"):
-        check_moe(load_config(None, over | {"model.moe.capacity_factor": 0.0625, "parallel.pp": 2}))
+        check_model_layout(load_config(None, over | {"model.moe.capacity_factor": 0.0625, "parallel.pp": 2}))
     for key, value in (("train.precision", "fp8"), ("parallel.pp_schedule", "zero_bubble")):
         with pytest.raises(ConfigError, match=key):
             check_moe(load_config(None, over | {key: value, "parallel.pp": 2}))

@@ -60,10 +60,11 @@ def min_capacity_factor(tokens: int, k: int, experts: int) -> float:
     return experts / (tokens * k)
 
 
-def check_moe(cfg: Config) -> None:
+def check_moe(cfg: Config, chunks: int = 1) -> None:
     """An MoE recipe against what the layer supports, before any work (one line naming the key):
     ``parallel.ep`` dividing the experts, expert groups inside one pipeline stage, capacity for at least
-    one token per expert (of a pipeline's microbatch under ``parallel.pp``), and no mode it does not
+    one token per expert in each of the ``chunks`` parts a micro-batch runs as (a pipeline's microbatches,
+    computed by ``parallel/model_layout.py``), and no mode it does not
     handle yet (the zero-bubble pipeline schedules, FP8, DPO)."""
     m, ep = cfg.model.moe, cfg.parallel.ep
     if ep > 1 and not m.experts:
@@ -93,7 +94,7 @@ def check_moe(cfg: Config) -> None:
         )
     mbs = cfg.train.micro_batch_size
     if m.capacity_factor and mbs != "auto":
-        tokens = mbs * cfg.data.seq_len // forward_chunks(cfg)
+        tokens = mbs * cfg.data.seq_len // chunks
         least = min_capacity_factor(tokens, m.top_k, m.experts)
         if m.capacity_factor < least:
             raise ConfigError(
@@ -114,18 +115,6 @@ def check_moe(cfg: Config) -> None:
     for key, (bad, fix) in refused.items():
         if bad:
             raise ConfigError(f"{key}: with model.moe.experts > 0, {fix}")
-
-
-def forward_chunks(cfg: Config) -> int:
-    """Parts one training micro-batch runs as: the pipeline's microbatches under ``parallel.pp > 1``
-    (each MoE forward, its capacity and its balance losses, sees ``micro_batch_size / chunks`` rows), else
-    1."""
-    from lmforge.parallel.pipeline import pipeline_settings  # the pipeline imports the model
-
-    p = cfg.parallel
-    if p.pp == 1:
-        return 1
-    return pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)[0]
 
 
 # -- routing (pure) ----------------------------------------------------------------------------------

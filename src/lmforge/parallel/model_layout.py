@@ -49,9 +49,13 @@ def check_lora(cfg: Config) -> None:
 def check_model_layout(cfg: Config) -> None:
     """The model and batch must divide as the layout cuts them (pipeline stages, tensor-parallel shards);
     MoE layers only where they are supported (``model/moe.py::check_moe``); LoRA (:func:`check_lora`)."""
-    check_moe(cfg)
-    check_lora(cfg)
     p = cfg.parallel
+    # a pipeline runs each micro-batch as its microbatches: MoE capacity is per part
+    chunks = (
+        pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)[0] if p.pp > 1 else 1
+    )
+    check_moe(cfg, chunks)
+    check_lora(cfg)
     if p.pp > 1:
         microbatches, v = pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)
         check_pipeline(
