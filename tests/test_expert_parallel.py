@@ -188,15 +188,8 @@ def one_process_moe(corpus_dir, tmp_path_factory):
     return run
 
 
-# pp2-ep2 covers the pipeline (1F1B, the default) and tp2 tensor parallelism within the distributed set's
-# time; pp2 alone and tp2-ep2 repeat those paths and are marked slow too
-MOE_SLOW = {"pp2", "tp2-ep2"}
-
-
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in MOE_SLOW else n for n in MOE_LAYOUTS]
-)
+@pytest.mark.parametrize("name", MOE_LAYOUTS)
 def test_moe_under_pipeline_and_tensor_parallel_equals_one_process(name, one_process_moe, tmp_path):
     """MoE blocks split over 2 pipeline stages (1F1B), with tensor parallelism, and each with expert
     parallelism: losses, gradient norms and parameters (1e-10, float64) of 4 steps, every step's expert
