@@ -297,3 +297,18 @@ def test_layout_norms_match_one_process(name, corpus_dir, tmp_path):
             assert g[key] == pytest.approx(w[key], rel=1e-6), key
     print(f"{name}: largest relative difference of the norms and update ratios {worst:.2g}")
     assert all(("act_rms/block.0" in g) == (name in ("ddp", "zero3")) for g in got)
+
+
+def test_every_parameter_of_the_post_training_models_has_a_part():
+    # a PPO run's value head and a reward model's score head are heads: the detail records (every
+    # metrics.detail_interval steps) group every parameter by part and stopped a PPO run at step 50 before
+    from lmforge.posttrain.ppo import PolicyValueModel
+    from lmforge.posttrain.reward import RewardModel
+
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4)
+    for cls in (PolicyValueModel, RewardModel):
+        with torch.device("meta"):
+            model = cls(cfg, 64, 16)
+        kinds = {n: param_kind(n) for n, _ in model.named_parameters()}
+        head = "value_head.weight" if cls is PolicyValueModel else "score.weight"
+        assert kinds[head] == "head"

@@ -201,7 +201,8 @@ def param_kind(name: str) -> str:
     first, _, rest = name.partition(".")
     if first in ("embed", "pos_embed"):
         return "embedding"
-    if first in ("lm_head", "score"):  # score: a reward model's head (posttrain/reward.py)
+    # score: a reward model's head (posttrain/reward.py); value_head: PPO's (posttrain/ppo.py)
+    if first in ("lm_head", "score", "value_head"):
         return "head"
     if first == "norm":
         return "norm"
