@@ -299,16 +299,24 @@ def test_layout_norms_match_one_process(name, corpus_dir, tmp_path):
     assert all(("act_rms/block.0" in g) == (name in ("ddp", "zero3")) for g in got)
 
 
-def test_every_parameter_of_the_post_training_models_has_a_part():
-    # a PPO run's value head and a reward model's score head are heads: the detail records (every
-    # metrics.detail_interval steps) group every parameter by part and stopped a PPO run at step 50 before
+@pytest.mark.parametrize(("objective", "tied"), [("rl", True), ("rl", False), ("reward", True)])
+def test_every_parameter_of_the_post_training_models_has_a_part(objective, tied):
+    # a PPO run's value head and a reward model's score head are heads of their own, tied embedding or not:
+    # the detail records (every metrics.detail_interval steps) group every parameter by part, and a PPO run
+    # stopped at step 50 on the value head before
+    from types import SimpleNamespace
+
     from lmforge.posttrain.ppo import PolicyValueModel
     from lmforge.posttrain.reward import RewardModel
+    from lmforge.recipe import load_config
+    from lmforge.train.callbacks.detail import DetailMetrics
 
-    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4)
-    for cls in (PolicyValueModel, RewardModel):
-        with torch.device("meta"):
-            model = cls(cfg, 64, 16)
-        kinds = {n: param_kind(n) for n, _ in model.named_parameters()}
-        head = "value_head.weight" if cls is PolicyValueModel else "score.weight"
-        assert kinds[head] == "head"
+    over = {"model.n_layers": 2, "model.d_model": 32, "model.n_heads": 4, "model.tie_embeddings": tied}
+    cfg = load_config(None, over | {"train.objective": objective, "rl.algorithm": "ppo"})
+    with torch.device("meta"):
+        model = (PolicyValueModel if objective == "rl" else RewardModel)(cfg.model, 64, 16)
+    named = dict(model.named_parameters())
+    keys = DetailMetrics._keys(SimpleNamespace(run=SimpleNamespace(cfg=cfg)))
+    groups = group_by_part(named, keys)
+    head = "value_head.weight" if objective == "rl" else "score.weight"
+    assert param_kind(head) == "head" and any(t is named[head] for t in groups["head"])

@@ -106,9 +106,13 @@ class DetailMetrics(Callback):
 
     @staticmethod
     def _keys(trainer: Trainer) -> list[str]:
-        m = trainer.run.cfg.model
-        # a reward model's head (score) is its own matrix whether or not the embedding is tied
-        return part_keys(m.n_layers, m.tie_embeddings and trainer.run.cfg.train.objective != "reward")
+        cfg = trainer.run.cfg
+        # a reward model's head (score) and PPO's value head are matrices of their own whether or not the
+        # embedding is tied
+        own_head = cfg.train.objective == "reward" or (
+            cfg.train.objective == "rl" and cfg.rl.algorithm == "ppo"
+        )
+        return part_keys(cfg.model.n_layers, cfg.model.tie_embeddings and not own_head)
 
     def _norms(self, trainer: Trainer, named: dict[str, torch.Tensor], whole: bool = False) -> torch.Tensor:
         """Per-part norms (``_keys`` order), then the norm of everything last when ``whole``."""
