@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lmforge.train.callbacks.metrics import NoiseScale, critical_batch, noise_trace, true_grad_sq
+from lmforge.optim.noise_scale import NoiseScale, critical_batch, noise_trace, true_grad_sq
 
 
 def _two_batches(trials: int, b_small: int, b_big: int, dim: int, seed: int = 0):

@@ -256,6 +256,51 @@ class LossScaleConfig(_Section):
     growth_interval: int = Field(2000, ge=1, description="consecutive clean steps before the scale grows")
 
 
+class BatchScheduleConfig(_Section):
+    """The global batch over the run (``optim/batch_schedule.py``): the micro-batch stays, the number of
+    micro-batches a step changes. ``train.tokens_per_step`` is the full batch a schedule grows to."""
+
+    name: Literal["constant", "ramp", "noise"] = Field(
+        "constant",
+        description="constant: train.tokens_per_step every step; ramp: from start_tokens_per_step up to "
+        "train.tokens_per_step, linearly in the tokens seen over ramp_tokens; noise: from "
+        "start_tokens_per_step, every interval steps grown to noise_multiple x the measured gradient noise "
+        "scale (never shrunk, at most train.tokens_per_step)",
+    )
+    start_tokens_per_step: int | None = Field(
+        None,
+        ge=1,
+        description="ramp / noise: the first steps' global batch in tokens (a multiple of micro_batch_size x "
+        "seq_len x data-parallel ranks; noise: at least two of them, for two batch sizes to measure with)",
+    )
+    ramp_tokens: int = Field(
+        0, ge=0, description="ramp: training tokens over which the batch reaches train.tokens_per_step"
+    )
+    interval: int = Field(10, ge=1, description="noise: steps between decisions")
+    noise_multiple: float = Field(
+        1.0, gt=0, description="noise: the batch aimed at, as a multiple of the smoothed noise scale B_simple"
+    )
+    lr_rule: Literal["none", "linear", "sqrt"] = Field(
+        "sqrt",
+        description="learning rate at batch B of the full batch B_full: lr x (B / B_full)^p with p = 1 "
+        "(linear, for SGD), 1/2 (sqrt, for Adam-like optimizers) or 0 (none)",
+    )
+
+    @model_validator(mode="after")
+    def _needs(self) -> BatchScheduleConfig:
+        if self.name != "constant" and self.start_tokens_per_step is None:
+            raise ValueError(
+                f"train.batch_schedule.start_tokens_per_step: the {self.name!r} schedule starts from it; give "
+                "the first steps' batch in tokens, e.g. a quarter of train.tokens_per_step"
+            )
+        if self.name == "ramp" and self.ramp_tokens == 0:
+            raise ValueError(
+                "train.batch_schedule.ramp_tokens: the ramp needs the tokens it grows over, e.g. a tenth of "
+                "the run's tokens"
+            )
+        return self
+
+
 def check_activation_checkpointing(policy: str) -> str:
     """``none``, ``full``, ``selective`` or ``every:K`` with K >= 1; else a one-line error."""
     if policy in ("none", "full", "selective"):
@@ -385,6 +430,10 @@ class TrainConfig(_Section):
     )
     adaptive_clip: AdaptiveClipConfig = Field(
         default_factory=AdaptiveClipConfig, description='used when train.clip_mode = "adaptive"'
+    )
+    batch_schedule: BatchScheduleConfig = Field(
+        default_factory=BatchScheduleConfig,
+        description="the global batch over the run: constant, a ramp, or grown with the gradient noise scale",
     )
 
     @model_validator(mode="after")

@@ -43,6 +43,7 @@ from lmforge.errors import ConfigError
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.moe import register_balance_step
 from lmforge.model.transformer import Transformer
+from lmforge.optim.batch_schedule import BatchSchedule, check_batch_schedule, micro_tokens
 from lmforge.optim.build import build_optimizer
 from lmforge.optim.clip import Clipper
 from lmforge.optim.grad_transforms import GradTransforms
@@ -118,7 +119,7 @@ def validate(cfg: Config) -> torch.device:
     if cfg.train.micro_batch_size == "auto":
         auto_candidates(cfg)
     else:
-        accumulation_steps(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
+        check_batch_schedule(cfg, accumulation_steps(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard))
     check_run_memory(cfg, device)  # the planned peak against parallel.max_memory_gb / the device's memory
     if cfg.train.objective == "lm":
         input_files(cfg.data)  # missing inputs fail here
@@ -273,13 +274,19 @@ class Run:
     reduce: StepReduce = field(default_factory=StepReduce)
     transforms: GradTransforms = field(default_factory=lambda: GradTransforms({}))  # noise, centralization
     comm: CommHook | None = None  # DDP's gradient compression and its byte count (DDP and ZeRO-1 only)
+    batch_schedule: BatchSchedule | None = None  # train.batch_schedule (None: ``accum`` every step)
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens of one optimizer step over all data-parallel ranks: positions of its rows (DPO: two rows
-        a pair, counted at ``data.seq_len`` although a batch is padded only to its longest pair)."""
+        """Tokens of one optimizer step of the full batch (``accum`` micro-batches) over all data-parallel
+        ranks: positions of its rows (DPO: two rows a pair, counted at ``data.seq_len`` although a batch is
+        padded only to its longest pair)."""
+        return self.tokens_of(self.accum)
+
+    def tokens_of(self, accum: int) -> int:
+        """Tokens of a step of ``accum`` micro-batches per data-parallel rank (a batch schedule's step)."""
         rows = self.cfg.train.micro_batch_size * (2 if self.cfg.train.objective in ("dpo", "reward") else 1)
-        return self.accum * rows * self.cfg.data.seq_len * self.layout.dp
+        return accum * rows * self.cfg.data.seq_len * self.layout.dp
 
 
 def local_processes() -> int:
@@ -321,6 +328,9 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
     if auto and device.type == "cuda" and not layout.distributed:
         cfg = probe(module.train_fn, cfg, smaller, vocab, precision.autocast, optimizer_bytes)
     accum = accumulation_steps(cfg, layout.dp)
+    batch_schedule = BatchSchedule(
+        cfg.train.batch_schedule, check_batch_schedule(cfg, accum), accum, micro_tokens(cfg)
+    )
     compile = can_compile(cfg.train.compile, device)
     if layout.kind == "zero1":
         from lmforge.optim.build import build_zero_optimizer
@@ -340,6 +350,19 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
         cfg.data.seq_len,
         layout.describe(),
     )
+    bs = cfg.train.batch_schedule
+    if bs.name != "constant":
+        log.info(
+            "batch schedule: %s from %d to %d micro-batches per step and rank (%s), learning rate x (B / %d)^%s",
+            bs.name,
+            batch_schedule.start,
+            accum,
+            f"over {bs.ramp_tokens:,} tokens"
+            if bs.name == "ramp"
+            else f"{bs.noise_multiple:g} x B_simple every {bs.interval} steps",
+            accum * micro_tokens(cfg),
+            {"none": "0", "linear": "1", "sqrt": "1/2"}[bs.lr_rule],
+        )
     clipper = Clipper.from_config(cfg.train)
     if layout.degrees["pp"] > 1:  # each stage holds other parameters: norms add up over the pipeline
         clipper.across = layout.group("pp")
@@ -364,6 +387,7 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
         reduce=StepReduce(layout),
         transforms=grad_transforms(cfg, model),
         comm=comm,
+        batch_schedule=batch_schedule,
     )
 
 

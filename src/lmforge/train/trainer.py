@@ -1,9 +1,10 @@
-"""The trainer: it only sequences. Next batches, one step, callbacks; everything else is a callback
+"""The trainer: it only sequences. Next batches (as many as the batch schedule says:
+``optim/batch_schedule.py``), one step, callbacks; everything else is a callback
 (``train/callbacks/``): evaluation, checkpoints, metrics, the progress bar, the stability guard, the
 end-of-run sample.
 
 State that survives a restart is :meth:`Trainer.state_dict`: the model, optimizer, loader, progress,
-schedule, clipper, gradient transforms (the noise's step count), DDP's gradient compression (PowerSGD's
+schedule, clipper, gradient transforms (the noise's step count), the batch schedule, DDP's gradient compression (PowerSGD's
 error feedback, per rank), precision policy, random generators, and each stateful callback's state under its
 ``state_key``.
 """
@@ -15,8 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from lmforge.config import BatchScheduleConfig
 from lmforge.data.loader import Batch
+from lmforge.optim.batch_schedule import BatchSchedule
+from lmforge.optim.noise_scale import first_micro_batch_sq
 from lmforge.parallel.apply import activation_offload
 from lmforge.train.build import Run
 from lmforge.train.callbacks import Callback
@@ -58,6 +63,12 @@ class Trainer:
         self.step_time_s = 0.0  # wall time of the last attempt's batches and step, callbacks excluded
         self.data_time_s = 0.0  # of which waiting for the batches (``_next_batches``)
         self.summary: dict = {}  # filled by callbacks at the end of the run
+        # train.batch_schedule: micro-batches of each step and the learning rate's factor
+        self.batch_schedule = run.batch_schedule or BatchSchedule(
+            BatchScheduleConfig(), run.accum, run.accum, 1
+        )
+        self.step_tokens = run.tokens_per_step  # tokens of the current attempt, over all ranks
+        self._small: tuple[int, torch.Tensor, int] | None = None  # the noise rule's measurement this step
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -80,14 +91,24 @@ class Trainer:
             self._emit("on_close")
 
     def _next_batches(self) -> list[Batch]:
-        batches = [self.run.loader.next_batch() for _ in range(self.run.accum)]
+        accum = self.batch_schedule.accum_at(
+            self.progress.tokens_seen
+        )  # the batch schedule's size of this step
+        batches = [self.run.loader.next_batch() for _ in range(accum)]
         for cb in self.callbacks:
             batches = cb.on_batches(self, batches)
         return batches
 
     def _attempt(self, batches: list[Batch]) -> StepResult:
         run = self.run
-        self.lr = run.cfg.optim.lr * run.schedule(self.progress.step) * self.lr_scale
+        self.lr = (
+            run.cfg.optim.lr
+            * run.schedule(self.progress.step)
+            * self.batch_schedule.lr_factor()
+            * self.lr_scale
+        )
+        self.step_tokens = run.tokens_of(len(batches))
+        self._small = None
         with activation_offload(run.cfg.train.activation_offload):
             result = train_step(
                 run.module,
@@ -103,13 +124,35 @@ class Trainer:
         self.attempt += 1
         if result.action is Action.STEP:
             self.progress.step += 1
-            self.progress.tokens_seen += run.tokens_per_step
+            self.progress.tokens_seen += self.step_tokens
+            if self._small is not None:  # the noise rule's measurement (first micro-batch, whole step)
+                self.batch_schedule.observe(
+                    self.progress.step, *self._small, result.grad_norm.float().square()
+                )
         return result
 
     # -- what the step calls back (train/step.py's StepObserver) -------------------------------------
 
     def after_micro_batch(self, index: int, n_targets: int, step_targets: int) -> None:
+        if index == 0 and self.batch_schedule.measures:
+            self._small = self._first_micro_batch(n_targets, step_targets)
         self._emit("after_micro_batch", index, n_targets, step_targets)
+
+    def _first_micro_batch(self, n_targets: int, step_targets: int) -> tuple[int, torch.Tensor, int] | None:
+        """``(B_small, |G_small|^2, B_big)`` of this step for the noise rule, ``|G_small|^2`` averaged over
+        the data-parallel ranks (each holds its own first micro-batch's gradient), so that every rank
+        decides the same batch."""
+        run = self.run
+        sq = first_micro_batch_sq(
+            run.model.parameters(), n_targets, step_targets, run.layout.dp, run.precision.loss_scale
+        )
+        if sq is None:
+            return None
+        if run.layout.dp > 1:
+            sq = sq.clone()
+            dist.all_reduce(sq, group=run.layout.group("dp"))
+            sq /= run.layout.dp
+        return n_targets, sq, step_targets
 
     def after_backward(self) -> None:
         self._emit("after_backward")
@@ -152,6 +195,7 @@ class Trainer:
             "scheduler": run.schedule.state_dict(),
             "clip": run.clipper.state_dict(),
             "grad_transforms": run.transforms.state_dict(),
+            "batch_schedule": self.batch_schedule.state_dict(),
             "comm": run.comm.state_dict() if run.comm is not None else {},
             "precision": run.precision.state_dict(),
             "rng": rng_state(),
@@ -172,6 +216,7 @@ class Trainer:
         run.schedule.load_state_dict(state["scheduler"])
         run.clipper.load_state_dict(state["clip"])
         run.transforms.load_state_dict(state.get("grad_transforms", {}))
+        self.batch_schedule.load_state_dict(state.get("batch_schedule", {}))
         if run.comm is not None:  # PowerSGD's error feedback and Q, this rank's (per-rank in checkpoints)
             run.comm.load_state_dict(state.get("comm", {}))
         run.precision.load_state_dict(state.get("precision", {}))

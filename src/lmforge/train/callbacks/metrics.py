@@ -1,21 +1,6 @@
 """The per-step metrics record (:class:`StepMetrics`; its sinks: ``callbacks/sinks.py``) and the gradient
-noise scale it carries.
-
-The gradient noise scale comes from two batch sizes a step already has (McCandlish et al. 2018, "An
-Empirical Model of Large-Batch Training", appendix A.1).
-
-With ``G`` the true gradient and ``Sigma`` the per-example gradient covariance, the mean gradient of a
-batch of ``B`` independent examples has ``E|G_B|^2 = |G|^2 + tr(Sigma) / B``. Two batch sizes
-``B_small < B_big`` give unbiased estimates of both terms (:func:`true_grad_sq`, :func:`noise_trace`);
-their ratio is the simple noise scale ``B_simple = tr(Sigma) / |G|^2`` (:func:`critical_batch`), the batch
-size around which larger batches stop paying off. Each single-step estimate is very noisy, so the
-numerator and the denominator are each smoothed (an exponential moving average) before dividing, as the
-paper recommends (:class:`NoiseScale`).
-
-In a training step, ``B_small`` is the first micro-batch's target tokens and ``G_small`` its mean-per-token
-gradient; ``B_big`` is the step's target tokens and ``G_big`` the step's gradient, so the unit of
-``B_simple`` is tokens.
-"""
+noise scale it carries (the formulas and their moving averages: ``optim/noise_scale.py``; the unit of
+``gns_critical_batch`` is target tokens)."""
 
 from __future__ import annotations
 
@@ -29,6 +14,7 @@ import torch.distributed as dist
 
 from lmforge.config import ModelConfig
 from lmforge.data.loader import Batch
+from lmforge.optim.noise_scale import NoiseScale, critical_batch, first_micro_batch_sq
 from lmforge.plan.flops import mfu, model_flops_per_token
 from lmforge.probes.peak_flops import Peak, device_peak
 from lmforge.train.build import Run
@@ -74,7 +60,7 @@ def noise_scale_blocker(run: Run) -> str | None:
     one process and for DDP / ZeRO-1 (no synchronisation before the last micro-batch); FSDP2
     reduce-scatters every micro-batch and shards it, a pipeline stage or a tensor-parallel shard holds
     only part of it, and expert-parallel experts hold the rows of all ranks."""
-    if run.accum < 2:
+    if run.accum < 2:  # the full batch (a batch schedule's smaller steps of one micro-batch are skipped)
         return "one micro-batch per step (raise train.tokens_per_step for two batch sizes)"
     if run.layout.kind == "fsdp":
         return "FSDP2 reduces and shards the gradient of every micro-batch"
@@ -148,6 +134,8 @@ class StepMetrics(Callback):
         self._batches_work: tuple[int, float] = (0, 0.0)
         self._first_work: tuple[int, float] = (0, 0.0)
         self._window_work: tuple[int, float] = (0, 0.0)
+        self._first_tokens = 0  # the others': tokens of the first step and of the window's steps
+        self._window_tokens = 0
 
     def on_train_start(self, trainer: Trainer) -> None:
         self._reset()
@@ -192,9 +180,9 @@ class StepMetrics(Callback):
         """``(positions, FLOPs)`` of every data-parallel rank over the timed steps (the window's, else the
         first step's): DPO's as computed (summed over the data-parallel group: each rank pads its own
         pairs), the others' ``tokens_per_step`` positions a step."""
-        steps = self._window_steps or 1
-        if not self._padded:
-            return steps * run.tokens_per_step, steps * run.tokens_per_step * self._flops_per_token
+        if not self._padded:  # the tokens of each step (a batch schedule changes them)
+            tokens = self._window_tokens if self._window_steps else self._first_tokens
+            return tokens, tokens * self._flops_per_token
         local = self._window_work if self._window_steps else self._first_work
         if run.layout.dp == 1:
             return local
@@ -205,17 +193,12 @@ class StepMetrics(Callback):
     def after_micro_batch(self, trainer: Trainer, index: int, n_targets: int, step_targets: int) -> None:
         if self._gns is None or index != 0:
             return
-        grads = [p.grad for p in trainer.run.model.parameters() if p.grad is not None]
-        if not grads or n_targets == 0:
-            return
-        sq = torch.stack(torch._foreach_norm(grads)).float().square().sum()
-        # the accumulated gradient is dp * grad(loss_sum_1) / step_targets (times the fp16 loss scale):
-        # rescale it to the first micro-batch's own mean per token
-        factor = step_targets / (trainer.run.layout.dp * n_targets)
-        scale = trainer.run.precision.loss_scale  # fp16 only: a host sync, as the scaler's own
-        if scale is not None:
-            factor /= scale
-        self._small = (n_targets, step_targets, sq * factor**2)
+        run = trainer.run
+        sq = first_micro_batch_sq(
+            run.model.parameters(), n_targets, step_targets, run.layout.dp, run.precision.loss_scale
+        )
+        if sq is not None:
+            self._small = (n_targets, step_targets, sq)
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         small, self._small = self._small, None
@@ -236,8 +219,9 @@ class StepMetrics(Callback):
         self._steps += 1
         self._window_steps += self._steps > 1
         if self._steps == 1:
-            self._first_work = self._batches_work
+            self._first_work, self._first_tokens = self._batches_work, trainer.step_tokens
         else:
+            self._window_tokens += trainer.step_tokens
             self._window_work = tuple(
                 a + b for a, b in zip(self._window_work, self._batches_work, strict=True)
             )
@@ -289,7 +273,7 @@ class StepMetrics(Callback):
             record["loss_scale"] = run.precision.loss_scale
         trainer.log(record)
         self._window_s, self._window_data_s, self._window_steps, self._clipped = 0.0, 0.0, 0, 0
-        self._window_work = (0, 0.0)
+        self._window_work, self._window_tokens = (0, 0.0), 0
 
     def state_dict(self) -> dict:
         return {"skipped_steps": self.skipped}
@@ -310,56 +294,3 @@ def memory_record(device: torch.device) -> dict:
         return out
     rss = process_rss_bytes()
     return {} if rss is None else {"mem_rss_gib": rss / GIB}
-
-
-Number = float | torch.Tensor
-
-
-def true_grad_sq(b_small: float, sq_small: Number, b_big: float, sq_big: Number) -> Number:
-    """Unbiased ``|G|^2``: ``(B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)``."""
-    return (b_big * sq_big - b_small * sq_small) / (b_big - b_small)
-
-
-def noise_trace(b_small: float, sq_small: Number, b_big: float, sq_big: Number) -> Number:
-    """Unbiased ``S = tr(Sigma)``: ``(|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)``."""
-    return (sq_small - sq_big) / (1.0 / b_small - 1.0 / b_big)
-
-
-def critical_batch(trace: float, grad_sq: float) -> float:
-    """The simple noise scale ``B_simple = S / |G|^2`` (NaN when ``|G|^2`` is not above 0: with small
-    batches the estimate of ``|G|^2`` can come out negative while noise dominates)."""
-    return trace / grad_sq if grad_sq > 0 else float("nan")
-
-
-class NoiseScale:
-    """Exponential moving averages (weight ``1 - beta`` for the newest step) of ``S`` and ``|G|^2``; kept
-    on the gradients' device, so updating never waits for it. Both averages start at 0 and carry the same
-    ``1 - beta^n`` bias, which cancels in :meth:`value`'s ratio."""
-
-    def __init__(self, beta: float = 0.95):
-        self.beta = beta
-        self.trace: Number = 0.0
-        self.grad_sq: Number = 0.0
-        self.count = 0
-
-    def update(self, b_small: float, sq_small: Number, b_big: float, sq_big: Number) -> None:
-        """One step's two squared gradient norms (``|G_small|^2`` over ``b_small`` examples, ``|G_big|^2``
-        over ``b_big > b_small``)."""
-        if not b_big > b_small > 0:
-            raise ValueError(f"noise scale: need 0 < B_small < B_big, got {b_small} and {b_big}")
-        a = self.beta
-        self.trace = a * self.trace + (1 - a) * noise_trace(b_small, sq_small, b_big, sq_big)
-        self.grad_sq = a * self.grad_sq + (1 - a) * true_grad_sq(b_small, sq_small, b_big, sq_big)
-        self.count += 1
-
-    def smoothed(self) -> tuple[float, float]:
-        """The averages ``(S, |G|^2)``, each divided by ``1 - beta^n`` (unbiased for a constant input;
-        synchronises with the device); NaN before the first update."""
-        if not self.count:
-            return float("nan"), float("nan")
-        debias = 1 - self.beta**self.count
-        return float(self.trace) / debias, float(self.grad_sq) / debias
-
-    def value(self) -> float:
-        """``B_simple`` of the averages (synchronises with the device); NaN before the first update."""
-        return critical_batch(*self.smoothed())
