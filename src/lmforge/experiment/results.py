@@ -209,15 +209,18 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(plan: Plan, command: str = "") -> dict[str, Any]:
-    """``results.json``, ``results.md`` and ``experiment.png`` in the experiment folder; the results."""
+def write_results(plan: Plan, command: str = "", dest: Path | None = None) -> dict[str, Any]:
+    """``results.json``, ``results.md`` and ``experiment.png`` in ``dest`` (default: the experiment
+    folder); the results."""
     res = summarize(plan, command)
-    (plan.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
-    (plan.out / "results.md").write_text(markdown(res))
+    dest = dest or plan.out
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    (dest / "results.md").write_text(markdown(res))
     experiment_chart(
         res["curves"],
         res["final_losses"],
-        plan.out / "experiment.png",
+        dest / "experiment.png",
         f"{res['recipe'] or 'defaults'}: {len(res['seeds'])} seeds per arm",
     )
     return res
