@@ -1,8 +1,9 @@
 """``lmforge rl`` under FSDP2 (``parallel.dp_shard = 2``, two processes, gloo) trains as one process does:
 the same rollouts, rewards (a reward-model run, ``rl.reward = "run:PATH"``), losses and weights, in
-float64. The run folder is started in one process (``--prepare-only`` equivalent), then resumed under
-torchrun; the one-process run takes the same 4 prompts a step as 2 micro-batches of 2. The layouts RL
-does not run (pipeline, tensor, expert parallelism, offload) are refused by name."""
+float64; PPO (its value head, GAE and whitening per micro-batch) the same under FSDP2 and ZeRO-1. The run
+folder is started in one process (``--prepare-only`` equivalent), then resumed under torchrun; the
+one-process run takes the same 4 prompts a step as 2 micro-batches of 2. The layouts RL does not run
+(pipeline, tensor, expert parallelism, offload) are refused by name."""
 
 from __future__ import annotations
 
@@ -83,7 +84,6 @@ def test_fsdp2_rl_trains_like_one_process(pretrained, tmp_path):  # noqa: F811
         ({"parallel.pp": 2}, "parallel.pp"),
         ({"parallel.ep": 2}, "parallel.ep"),
         ({"parallel.dp_shard": 2, "parallel.offload": True}, "parallel.offload"),
-        ({"rl.algorithm": "ppo", "parallel.dp_replicate": 2}, "rl.algorithm"),
     ],
 )
 def test_layouts_rl_does_not_run_are_refused_by_name(over, named):
@@ -92,4 +92,68 @@ def test_layouts_rl_does_not_run_are_refused_by_name(over, named):
     )
     with pytest.raises(ConfigError, match=rf"^{named}: .*lmforge rl"):
         check_rl(cfg)
-    check_rl(load_config(None, {"train.micro_batch_size": 2, "data.seq_len": 64, "parallel.dp_shard": 2}))
+    for ok in ({"parallel.dp_shard": 2}, {"rl.algorithm": "ppo", "parallel.dp_replicate": 2}):
+        check_rl(load_config(None, {"train.micro_batch_size": 2, "data.seq_len": 64, **ok}))
+
+
+@pytest.mark.distributed
+def test_ppo_trains_like_one_process_under_fsdp2_and_zero1(pretrained, tmp_path):  # noqa: F811
+    # PPO's value head is one more parameter of the model: FSDP2 shards it with the root, DDP's reducer
+    # (ZeRO-1: DDP and a sharded optimizer; plain DDP is the same reducer) averages its gradient, the
+    # whole copy RL samples from under FSDP2 holds it too (unused by sampling). GAE and whitening run per
+    # micro-batch, and each rank's micro-batches are those one process takes in turn, so 2 ranks of 1
+    # micro-batch a step are the one-process run of 2 micro-batches a step.
+    seq_len = 64
+    over = {
+        "posttrain.train_files": [_prompts(tmp_path / "p.jsonl", [f"def f{i}(x):" for i in range(8)])],
+        "posttrain.val_files": [_prompts(tmp_path / "v.jsonl", ["class A:", "import os"])],
+        "rl.algorithm": "ppo",
+        "rl.reward": "tests.rl_rewards:length",
+        "rl.group_size": 2,
+        "rl.max_new_tokens": 6,
+        "rl.beta": 0.05,  # the KL penalty in the per-token rewards: the reference's path is exercised too
+        "train.steps": 3,
+        "train.micro_batch_size": 2,
+        "train.tokens_per_step": 4 * seq_len,  # 4 prompts a step: 2 micro-batches here, 1 a rank there
+        "train.precision": "fp64",
+        "train.compile": False,
+        "train.eval_interval": 0,
+        "train.checkpoint_interval": 3,
+        "train.log_interval": 1,
+        "train.sample_tokens": 0,
+        "optim.lr": 3e-3,
+        "schedule.warmup": 1,
+    }
+    one = tmp_path / "one"
+    cfg, _ = start("rl", pretrained, one, overrides=over)
+    single = train(cfg, one, resume=True, progress_bar=False)
+    want = _records(one)
+    assert sorted(want) == [1, 2, 3] and want[3]["rl/kl"] > 0 and want[1]["rl/value_loss"] > 0
+    a = load_checkpoint(latest_checkpoint(one))["model"]
+    layouts = {
+        "2 processes: dp_shard=2 (FSDP2, ZeRO-3)": {"parallel.dp_shard": 2},
+        "2 processes: dp_shard=2 (ZeRO-1)": {"parallel.dp_shard": 2, "parallel.zero": 1},
+    }
+    for i, (described, layout) in enumerate(layouts.items()):
+        run = tmp_path / f"two{i}"
+        start("rl", pretrained, run, overrides={**over, **layout})
+        done = torchrun(2, ["-m", "lmforge", "rl", "--resume", "--run-dir", str(run)])
+        assert done.returncode == 0, done.stderr[-4000:]
+        got = _records(run)
+        assert sorted(got) == [1, 2, 3]
+        # float64 throughout: the layouts differ at most in how two micro-batches' gradients are summed (one
+        # rounding, a relative 2^-53 ~ 1.1e-16 per element), which 3 Adam steps of lr 3e-3 carry into the
+        # next rollouts' values, log-probabilities and losses at about that relative size (measured on 2 CPU
+        # cores: 0, bitwise equal). 1e-10 leaves a factor 1e5 for the amplification through Adam's division
+        # by sqrt(v) and the whitening's by the advantages' std, and is 600x below one FP32 rounding (6e-8):
+        # an FP32 step, a value head left unsynchronised, whitening over other rows or one other sampled
+        # token would exceed it.
+        for step in want:
+            for key in ("loss", "rl/reward_mean", "rl/kl", "rl/value_loss", "rl/explained_variance"):
+                assert got[step][key] == pytest.approx(want[step][key], rel=1e-10, abs=1e-13), (i, step, key)
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["layout"] == described
+        assert summary["val_reward"] == pytest.approx(single["val_reward"], rel=1e-10)  # greedy completions
+        b = load_checkpoint(latest_checkpoint(run))["model"]
+        assert a.keys() == b.keys() and "value_head.weight" in b
+        assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-12, described  # as above, absolute

@@ -22,6 +22,20 @@ The head is no part of the language model: ``lmforge export`` drops it (:func:`l
    over the micro-batch's completion tokens (``rl.whiten_advantages``);
 4. the clipped policy loss plus ``rl.value_coef`` times the clipped value loss, backward.
 
+**Layouts** (one process, DDP, ZeRO-1, FSDP2 and hybrid sharding, as GRPO): the value head is one more
+parameter of the model, so DDP's reducer averages its gradient and FSDP2 shards it with the root's
+parameters; under FSDP2 the whole copy completions are sampled from (``parallel/whole_copy.py``) is a
+:class:`PolicyValueModel` too and holds the head, which sampling does not use. **Whitening and GAE are
+per micro-batch**: their statistics are those of one micro-batch's completion tokens, on the rank that
+drew them, with no collective. Each data-parallel rank's micro-batches are exactly micro-batches one
+process takes in turn (``rl_data.py::PromptLoader``), so a run over ``dp`` ranks computes the advantages
+one process computes over the same global batch, and the update is the same (``tests/test_rl_distributed.py``:
+equal in float64). Statistics over the whole step (every micro-batch of every rank) would need all of a
+step's rollouts and values before its first backward: every micro-batch's graph held, or a second
+forward. The price of per micro-batch: ``train.micro_batch_size`` (prompts) times ``rl.group_size``
+completions set the rows whitened over, so the micro-batch size is part of the update, as the batch is
+for a PPO that whitens per batch; the layout is not.
+
 lmforge takes one optimizer step per batch of rollouts (as for GRPO; no PPO epochs over a stored batch):
 ``log q`` is ``log p`` detached and ``V^old`` is ``V`` detached, so at the update the ratio is exactly 1,
 the clip never binds (clip fraction 0) and the clipped value loss equals the plain one; the gradients are

@@ -99,11 +99,6 @@ def check_rl(cfg: Config) -> None:
             "lora.rank: LoRA freezes every weight but the adapters, the value head of rl.algorithm = ppo "
             "included; use grpo or rloo with LoRA, or --lora.rank=0"
         )
-    if rl.algorithm == "ppo" and p.dp_replicate * p.dp_shard > 1:
-        raise ConfigError(
-            "rl.algorithm: ppo runs in one process of lmforge rl (its value head under DDP and FSDP2 is not "
-            "tested yet); use grpo or rloo with --parallel.dp_replicate / --parallel.dp_shard, or one process"
-        )
     if rl.max_new_tokens >= cfg.data.seq_len:
         raise ConfigError(
             f"rl.max_new_tokens: {rl.max_new_tokens} leaves no room for a prompt within data.seq_len = "
