@@ -144,9 +144,9 @@ class PPOObjective(RLObjective):
         """Sample, score and backward of ``sum(group losses) / n_targets * dp``; returns ``sum(group
         losses) / n_targets``, detached (as :meth:`RLObjective.forward_backward`)."""
         c, device = self.cfg, precision.device
-        rows, completions = self.sample(batch)
-        scores, failed = self.rewards(batch, completions, c.group_size)
-        inputs, targets, docs = (t.to(device) for t in rollout_rows(rows, completions, self.pad_id))
+        rows, completions, scores, failed = self.rollout(batch)
+        rowed = rollout_rows(rows, completions, self.pad_id, self.row_multiple)
+        inputs, targets, docs = (t.to(device) for t in rowed)
         with precision.autocast():
             logp, entropy, values = self.policy(inputs, targets, docs)
         logp, values = at_least_fp32(logp), at_least_fp32(values)
