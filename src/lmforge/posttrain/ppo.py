@@ -22,10 +22,12 @@ The head is no part of the language model: ``lmforge export`` drops it (:func:`l
    over the micro-batch's completion tokens (``rl.whiten_advantages``);
 4. the clipped policy loss plus ``rl.value_coef`` times the clipped value loss, backward.
 
-**Layouts** (one process, DDP, ZeRO-1, FSDP2 and hybrid sharding, as GRPO): the value head is one more
-parameter of the model, so DDP's reducer averages its gradient and FSDP2 shards it with the root's
-parameters; under FSDP2 the whole copy completions are sampled from (``parallel/whole_copy.py``) is a
-:class:`PolicyValueModel` too and holds the head, which sampling does not use. **Whitening and GAE are
+**Layouts** (one process, DDP, ZeRO-1, FSDP2, hybrid sharding and tensor parallelism, as GRPO): the
+value head is one more parameter of the model, so DDP's reducer averages its gradient, FSDP2 shards it
+with the root's parameters and tensor parallelism replicates it (:meth:`PolicyValueModel.values`);
+under FSDP2 and tensor parallelism the whole copy completions are sampled from
+(``parallel/whole_copy.py``) is a :class:`PolicyValueModel` too and holds the head, which sampling does
+not use. **Whitening and GAE are
 per micro-batch**: their statistics are those of one micro-batch's completion tokens, on the rank that
 drew them, with no collective. Each data-parallel rank's micro-batches are exactly micro-batches one
 process takes in turn (``rl_data.py::PromptLoader``), so a run over ``dp`` ranks computes the advantages
@@ -51,7 +53,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.config import ModelConfig
 from lmforge.model.loss import head_loss
@@ -88,8 +92,14 @@ class PolicyValueModel(Transformer):
         self.value_head = nn.Linear(cfg.d_model, 1)
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``(..., d_model)`` -> values ``(...)``."""
-        return self.value_head(hidden).squeeze(-1)
+        """Hidden states ``(..., d_model)`` -> values ``(...)``. Under tensor parallelism the head's weights
+        are replicated DTensors (``parallel/tensor.py``) and ``hidden`` the full hidden states on every rank:
+        the local tensors are read, and their gradients, from every token on every rank, are whole."""
+        head = self.value_head
+        weight, bias = head.weight, head.bias
+        if isinstance(weight, DTensor):
+            weight, bias = weight.to_local(), bias.to_local() if bias is not None else None
+        return F.linear(hidden, weight, bias).squeeze(-1)
 
 
 def language_model_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

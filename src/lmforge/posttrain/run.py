@@ -87,8 +87,8 @@ def check_posttrain(cfg: Config) -> None:
 def check_rl(cfg: Config) -> None:
     """What an RL run must hold, checked before any work: the group, the room for completions, a reward
     that resolves (a reward run with the policy's tokenizer), a batch in prompts, a layout whose processes
-    can each gather the whole policy to sample from (DDP, ZeRO-1, FSDP2 and hybrid sharding, and tensor
-    parallelism for GRPO / RLOO; not pipeline or expert parallelism, nor offload)."""
+    can each gather the whole policy to sample from (DDP, ZeRO-1, FSDP2 and hybrid sharding, tensor
+    parallelism; not pipeline or expert parallelism, nor offload)."""
     rl, p = cfg.rl, cfg.parallel
     if rl.group_size < 2 and rl.algorithm != "ppo":  # PPO's baseline is its value head
         raise ConfigError(
@@ -114,12 +114,6 @@ def check_rl(cfg: Config) -> None:
             f"parallel.{key}: {value} is not a layout of lmforge rl (each process samples from a whole copy of "
             "the policy); use --parallel.dp_replicate (DDP), --parallel.dp_shard (ZeRO-1, FSDP2) or "
             "--parallel.tp instead"
-        )
-    if rl.algorithm == "ppo" and p.tp > 1:
-        raise ConfigError(
-            f"parallel.tp: {p.tp} is not a layout of lmforge rl with rl.algorithm = ppo (its value head is a "
-            "plain parameter beside the tensor-parallel DTensors, which the optimizer does not mix); use "
-            "--parallel.dp_replicate or --parallel.dp_shard, or grpo / rloo"
         )
     if p.offload:
         raise ConfigError(
