@@ -60,6 +60,7 @@ from torch.distributed.tensor import DTensor
 from lmforge.config import ModelConfig
 from lmforge.model.loss import head_loss
 from lmforge.model.transformer import Transformer
+from lmforge.parallel.reduce import sum_over
 from lmforge.posttrain.ppo_loss import (
     explained_variance,
     explained_variance_sums,
@@ -202,7 +203,7 @@ class PPOObjective(RLObjective):
         if extra is None:
             return out
         if group is not None:
-            dist.all_reduce(extra, group=group)
+            extra = sum_over(extra, group)
         tokens = max(float(extra[1]), 1.0)
         return {
             **out,

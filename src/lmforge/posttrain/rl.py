@@ -35,6 +35,7 @@ from lmforge.config import RLConfig
 from lmforge.model.loss import head_loss
 from lmforge.model.sampling import generate_batch
 from lmforge.model.transformer import Transformer
+from lmforge.parallel.reduce import sum_over
 from lmforge.posttrain.reward_pool import RewardFn
 from lmforge.posttrain.rl_data import PromptBatch, rollout_rows
 from lmforge.posttrain.rl_loss import group_advantages, policy_loss
@@ -221,8 +222,7 @@ class RLObjective:
         if sums is None:
             return {}
         if group is not None:
-            sums = sums.to(torch.float64)
-            dist.all_reduce(sums, group=group)
+            sums = sum_over(sums.to(torch.float64), group)
         s = dict(zip(_SUMS, sums.tolist(), strict=True))
         n, tokens = max(s["n"], 1.0), max(s["tokens"], 1.0)
         mean = s["r"] / n
@@ -253,6 +253,6 @@ class RLObjective:
                 [float(rewards.sum()), float(len(rewards)), float(failed)], dtype=torch.float64
             )
         if group is not None:
-            dist.all_reduce(total, group=group)
+            total = sum_over(total, group)
         reward = float(total[0] / max(float(total[1]), 1.0))
         return {"val_loss": -reward, "val_reward": reward, "val_failed_rewards": float(total[2])}

@@ -107,13 +107,17 @@ def check_rl(cfg: Config) -> None:
         )
     if cfg.train.micro_batch_size == "auto":
         raise ConfigError("train.micro_batch_size: auto sizes next-token batches; give a number of prompts")
+    why = {
+        "pp": "a pipeline rank holds only its stages, and no whole copy is gathered across them to sample from",
+        "ep": "sampling's whole copy is gathered from DDP, FSDP2 and tensor-parallel layouts, not yet from "
+        "experts split over ranks",
+    }
     refused = [(k, v) for k, v in (("pp", p.pp), ("ep", p.ep)) if v > 1]
     if refused:
         key, value = refused[0]
         raise ConfigError(
-            f"parallel.{key}: {value} is not a layout of lmforge rl (each process samples from a whole copy of "
-            "the policy); use --parallel.dp_replicate (DDP), --parallel.dp_shard (ZeRO-1, FSDP2) or "
-            "--parallel.tp instead"
+            f"parallel.{key}: {value} is not a layout of lmforge rl ({why[key]}); use --parallel.dp_replicate "
+            "(DDP), --parallel.dp_shard (ZeRO-1, FSDP2) or --parallel.tp instead"
         )
     if p.offload:
         raise ConfigError(
