@@ -1,8 +1,10 @@
-"""``lmforge rl`` under FSDP2 (``parallel.dp_shard = 2``, two processes, gloo) trains as one process does:
-the same rollouts, rewards (a reward-model run, ``rl.reward = "run:PATH"``), losses and weights, in
-float64. The run folder is started in one process (``--prepare-only`` equivalent), then resumed under
-torchrun; the one-process run takes the same 4 prompts a step as 2 micro-batches of 2. The layouts RL
-does not run (pipeline, tensor, expert parallelism, offload) are refused by name."""
+"""``lmforge rl`` under FSDP2 (``parallel.dp_shard = 2``) and tensor parallelism (``parallel.tp = 2``), two
+processes, gloo, trains as one process does: the same rollouts, rewards (a reward-model run,
+``rl.reward = "run:PATH"``), losses and weights, in float64; PPO (its value head, GAE and whitening per
+micro-batch) the same under FSDP2 and tensor parallelism. The run folder is started in one process
+(``--prepare-only`` equivalent), then resumed under torchrun; the one-process run takes the same 4 prompts
+a step as 2 micro-batches of 2. The layouts RL does not run (pipeline and expert parallelism, offload) are
+refused by name."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def _records(run) -> dict[int, dict]:
 
 
 @pytest.mark.distributed
-def test_fsdp2_rl_trains_like_one_process(pretrained, tmp_path):  # noqa: F811
+def test_rl_trains_like_one_process_under_fsdp2_and_tensor_parallelism(pretrained, tmp_path):  # noqa: F811
     # an untrained reward head on the base (step 0 of lmforge reward): a reward any completion gets a spread of
     start("reward", pretrained, tmp_path / "rm", overrides=reward_overrides(tmp_path, 1))
     seq_len = 64
@@ -38,6 +40,100 @@ def test_fsdp2_rl_trains_like_one_process(pretrained, tmp_path):  # noqa: F811
         "rl.group_size": 4,
         "rl.max_new_tokens": 6,
         "rl.loss": "dapo",  # a token-level mean: a loss value that is not 0 at ratio 1 (grpo's would be)
+        "train.steps": 3,
+        "train.micro_batch_size": 2,
+        "train.tokens_per_step": 4 * seq_len,  # 4 prompts a step: 2 micro-batches here, 1 a rank under FSDP2
+        "train.precision": "fp64",
+        "train.compile": False,
+        "train.eval_interval": 0,
+        "train.checkpoint_interval": 3,
+        "train.log_interval": 1,
+        "train.sample_tokens": 0,
+        "optim.lr": 3e-3,
+        "schedule.warmup": 1,
+    }
+    one = tmp_path / "one"
+    cfg, _ = start("rl", pretrained, one, overrides=over)
+    single = train(cfg, one, resume=True, progress_bar=False)
+    want = _records(one)
+    assert sorted(want) == [1, 2, 3]
+    assert want[3]["rl/kl"] > 0 and want[1]["loss"] != 0  # the policy moved; the loss is not trivially 0
+    a = load_checkpoint(latest_checkpoint(one))["model"]
+    layouts = {
+        # each rank 1 micro-batch of the step's 2
+        "2 processes: dp_shard=2 (FSDP2, ZeRO-3)": {"parallel.dp_shard": 2},
+        # both ranks the step's 2 micro-batches, each holding half of every head, MLP and the vocabulary;
+        # the first rank samples and scores, the second gets its rows
+        "2 processes: tp=2": {"parallel.tp": 2},
+    }
+    for i, (described, layout) in enumerate(layouts.items()):
+        run = tmp_path / f"two{i}"
+        start("rl", pretrained, run, overrides={**over, **layout})
+        done = torchrun(2, ["-m", "lmforge", "rl", "--resume", "--run-dir", str(run)])
+        assert done.returncode == 0, done.stderr[-4000:]
+        got = _records(run)
+        assert sorted(got) == [1, 2, 3]
+        # float64 throughout (weights, log-probabilities, losses, gradient reductions): FSDP2 differs from one
+        # process at most in how two micro-batches' gradients are summed, tensor parallelism also in how each
+        # row-parallel matmul and the vocabulary-parallel softmax split their sums: a relative 2^-53 ~ 1e-16
+        # per operation, which 3 Adam steps carry into the next rollouts' losses at about that size
+        # (measured on 2 CPU cores: FSDP2 bitwise equal, TP 1.4e-15 relative at most). 1e-9 is that with
+        # ample room, and 60x below one FP32 rounding (6e-8): an FP32 step, a gradient left unreduced or one
+        # other sampled token would exceed it.
+        for step in want:
+            for key in ("loss", "rl/reward_mean", "rl/kl", "rl/entropy", "rl/response_length"):
+                assert got[step][key] == pytest.approx(want[step][key], rel=1e-9, abs=1e-12), (i, step, key)
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["layout"] == described
+        assert summary["val_reward"] == pytest.approx(single["val_reward"], rel=1e-9)  # greedy, gathered copy
+        b = load_checkpoint(latest_checkpoint(run))["model"]
+        # the weights: Adam divides each element's gradient by sqrt(v) + eps, so the 1e-16 rounding
+        # differences of small gradients grow (measured: FSDP2 1.4e-17, TP 1.6e-14 on weights of ~0.09;
+        # 2.4e-14 with another reward); 1e-11 is 400x that and 20x below what one FP32 rounding of a
+        # gradient moves a weight (lr 3e-3 x 6e-8)
+        assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-11, described
+
+
+@pytest.mark.parametrize(
+    ("over", "named"),
+    [
+        ({"parallel.pp": 2}, "parallel.pp"),
+        ({"parallel.ep": 2}, "parallel.ep"),
+        ({"parallel.dp_shard": 2, "parallel.offload": True}, "parallel.offload"),
+    ],
+)
+def test_layouts_rl_does_not_run_are_refused_by_name(over, named):
+    cfg = load_config(
+        None, {"train.objective": "rl", "train.micro_batch_size": 2, "data.seq_len": 64, **over}
+    )
+    with pytest.raises(ConfigError, match=rf"^{named}: .*lmforge rl"):
+        check_rl(cfg)
+    for ok in (
+        {"parallel.dp_shard": 2},
+        {"parallel.tp": 2},
+        {"rl.algorithm": "ppo", "parallel.dp_replicate": 2},
+    ):
+        check_rl(load_config(None, {"train.micro_batch_size": 2, "data.seq_len": 64, **ok}))
+
+
+@pytest.mark.distributed
+def test_ppo_trains_like_one_process_under_fsdp2_and_tensor_parallelism(pretrained, tmp_path):  # noqa: F811
+    # PPO's value head is one more parameter of the model: FSDP2 shards it with the root, tensor
+    # parallelism replicates it, and the whole copy RL samples from holds it too (unused by sampling).
+    # (DDP's reducer averages its gradient: DDP and ZeRO-1 in this test, run by hand, were bitwise equal
+    # to one process; left out to keep the test's time down.) GAE and whitening run per micro-batch, and
+    # each rank's micro-batches are those one process takes in turn, so 2 ranks of 1 micro-batch a step
+    # are the one-process run of 2 micro-batches a step (under TP both ranks take both micro-batches).
+    seq_len = 64
+    over = {
+        "posttrain.train_files": [_prompts(tmp_path / "p.jsonl", [f"def f{i}(x):" for i in range(8)])],
+        "posttrain.val_files": [_prompts(tmp_path / "v.jsonl", ["class A:", "import os"])],
+        "rl.algorithm": "ppo",
+        "rl.reward": "tests.rl_rewards:length",
+        "rl.reward_workers": 1,  # one sandbox process a rank: less to start in each of the 3 runs
+        "rl.group_size": 2,
+        "rl.max_new_tokens": 6,
+        "rl.beta": 0.05,  # the KL penalty in the per-token rewards: the reference's path is exercised too
         "train.steps": 3,
         "train.micro_batch_size": 2,
         "train.tokens_per_step": 4 * seq_len,  # 4 prompts a step: 2 micro-batches here, 1 a rank there
@@ -53,43 +149,50 @@ def test_fsdp2_rl_trains_like_one_process(pretrained, tmp_path):  # noqa: F811
     one = tmp_path / "one"
     cfg, _ = start("rl", pretrained, one, overrides=over)
     single = train(cfg, one, resume=True, progress_bar=False)
-    two = tmp_path / "two"
-    start("rl", pretrained, two, overrides={**over, "parallel.dp_shard": 2})
-    done = torchrun(2, ["-m", "lmforge", "rl", "--resume", "--run-dir", str(two)])
-    assert done.returncode == 0, done.stderr[-4000:]
-    got, want = _records(two), _records(one)
-    assert sorted(got) == sorted(want) == [1, 2, 3]
-    # float64 throughout (weights, log-probabilities, losses, gradient reductions): the layouts differ at
-    # most in how two micro-batches' gradients are summed and averaged, a relative 2^-53 ~ 1e-16 per
-    # element, which 3 Adam steps carry into the next rollouts' losses at about that size (measured on
-    # 2 CPU cores: 0, bitwise equal). 1e-9 is that with ample room, and 60x below one FP32 rounding (6e-8):
-    # an FP32 step or one other sampled token would exceed it.
-    for step in want:
-        for key in ("loss", "rl/reward_mean", "rl/kl", "rl/entropy", "rl/response_length"):
-            assert got[step][key] == pytest.approx(want[step][key], rel=1e-9, abs=1e-12), (step, key)
-    assert want[3]["rl/kl"] > 0 and want[1]["loss"] != 0  # the policy moved; the loss is not trivially 0
-    summary = json.loads((two / "summary.json").read_text())
-    assert summary["layout"] == "2 processes: dp_shard=2 (FSDP2, ZeRO-3)"
-    assert summary["val_reward"] == pytest.approx(single["val_reward"], rel=1e-9)  # greedy, gathered copy
+    want = _records(one)
+    assert sorted(want) == [1, 2, 3] and want[3]["rl/kl"] > 0 and want[1]["rl/value_loss"] > 0
     a = load_checkpoint(latest_checkpoint(one))["model"]
-    b = load_checkpoint(latest_checkpoint(two))["model"]
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-12  # same room as above, absolute
+    layouts = {
+        "2 processes: dp_shard=2 (FSDP2, ZeRO-3)": {"parallel.dp_shard": 2},
+        "2 processes: tp=2": {"parallel.tp": 2},
+    }
+    for i, (described, layout) in enumerate(layouts.items()):
+        run = tmp_path / f"two{i}"
+        start("rl", pretrained, run, overrides={**over, **layout})
+        done = torchrun(2, ["-m", "lmforge", "rl", "--resume", "--run-dir", str(run)])
+        assert done.returncode == 0, done.stderr[-4000:]
+        got = _records(run)
+        assert sorted(got) == [1, 2, 3]
+        # float64 throughout: FSDP2 differs from one process at most in how two micro-batches' gradients
+        # are summed, TP also in how its matmuls and softmax split their sums (a relative 2^-53 ~ 1.1e-16
+        # per operation), which 3 Adam steps of lr 3e-3 carry into the next rollouts' values,
+        # log-probabilities and losses at about that relative size (measured on 2 CPU cores: FSDP2 bitwise
+        # equal, TP 3.7e-14 at most). 1e-10 leaves a factor 1e3 for the amplification through Adam's
+        # division by sqrt(v) and the whitening's by the advantages' std, and is 600x below one FP32
+        # rounding (6e-8): an FP32 step, a value head left unsynchronised, whitening over other rows or one
+        # other sampled token would exceed it.
+        for step in want:
+            for key in ("loss", "rl/reward_mean", "rl/kl", "rl/value_loss", "rl/explained_variance"):
+                assert got[step][key] == pytest.approx(want[step][key], rel=1e-10, abs=1e-13), (i, step, key)
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["layout"] == described
+        assert summary["val_reward"] == pytest.approx(single["val_reward"], rel=1e-10)  # greedy completions
+        b = load_checkpoint(latest_checkpoint(run))["model"]
+        assert a.keys() == b.keys() and "value_head.weight" in b
+        # the weights: as in the test above (Adam grows small gradients' rounding differences; measured:
+        # 0 for FSDP2, 1.8e-14 for TP); 1e-11 is 20x below one FP32 rounding's move of a weight
+        assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-11, described
 
 
-@pytest.mark.parametrize(
-    ("over", "named"),
-    [
-        ({"parallel.tp": 2}, "parallel.tp"),
-        ({"parallel.pp": 2}, "parallel.pp"),
-        ({"parallel.ep": 2}, "parallel.ep"),
-        ({"parallel.dp_shard": 2, "parallel.offload": True}, "parallel.offload"),
-        ({"rl.algorithm": "ppo", "parallel.dp_replicate": 2}, "rl.algorithm"),
-    ],
-)
-def test_layouts_rl_does_not_run_are_refused_by_name(over, named):
-    cfg = load_config(
-        None, {"train.objective": "rl", "train.micro_batch_size": 2, "data.seq_len": 64, **over}
-    )
-    with pytest.raises(ConfigError, match=rf"^{named}: .*lmforge rl"):
-        check_rl(cfg)
-    check_rl(load_config(None, {"train.micro_batch_size": 2, "data.seq_len": 64, "parallel.dp_shard": 2}))
+def test_rollout_rows_are_padded_to_a_multiple_of_the_tensor_parallel_degree():
+    import torch
+
+    from lmforge.posttrain.rl_data import rollout_rows
+
+    # prompt [5, 6] + completion [7, 8, 9] and prompt [5] + completion [7]: the longest row is 5 ids, 4
+    # positions of inputs and shifted targets, padded to 6 for a multiple of 3 (written out by hand)
+    inputs, targets, docs = rollout_rows([[5, 6], [5]], [[7, 8, 9], [7]], pad_id=0, multiple=3)
+    assert inputs.tolist() == [[5, 6, 7, 8, 0, 0], [5, 0, 0, 0, 0, 0]]
+    assert targets.tolist() == [[-100, 7, 8, 9, -100, -100], [7, -100, -100, -100, -100, -100]]
+    assert docs.tolist() == [[0, 0, 0, 0, 1, 1], [0, 1, 1, 1, 1, 1]]
+    assert torch.equal(rollout_rows([[5, 6], [5]], [[7, 8, 9], [7]], 0)[0], inputs[:, :4])  # multiple 1

@@ -932,7 +932,9 @@ class RLConfig(_Section):
         0.2, gt=0, description="ppo: the values' clip range around those at sampling: V_old +- value_clip"
     )
     whiten_advantages: bool = Field(
-        True, description="ppo: advantages shifted and scaled to mean 0, variance 1 over a batch's tokens"
+        True,
+        description="ppo: advantages shifted and scaled to mean 0, variance 1 over the completion tokens "
+        "of each micro-batch (the same rows in every data-parallel layout)",
     )
     reward: str = Field(
         "lmforge.posttrain.rewards:addition",

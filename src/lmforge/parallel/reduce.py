@@ -10,6 +10,8 @@ When the gradients themselves are reduced during a step is the training module's
 (``parallel/data_parallel.py::GradientSync``).
 
 The gradient norm is reduced by the clipper (``lmforge/optim/clip.py``). One process: no collective.
+
+:func:`sum_over` sums a host tensor of figures (RL's metric sums) over a group whatever its backend.
 """
 
 from __future__ import annotations
@@ -45,3 +47,13 @@ class StepReduce:
         if self.layout.degrees["pp"] > 1:
             dist.all_reduce(total, group=self.layout.group("pp"))
         return total
+
+
+def sum_over(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``t`` summed over ``group``'s ranks, a new tensor on ``t``'s device. NCCL has no path for host tensors
+    (a process group started with ``"nccl"`` alone, as ``parallel/layout.py`` starts it on CUDA), so a host
+    tensor crosses through this process's CUDA device there; gloo sums it where it is."""
+    through_device = t.device.type == "cpu" and dist.get_backend(group) == "nccl"
+    out = t.cuda() if through_device else t.clone()
+    dist.all_reduce(out, group=group)
+    return out.to(t.device)

@@ -31,6 +31,9 @@ Layout of one rank (``b`` batch, ``t`` sequence, ``d`` model width, ``h`` heads)
   and ``lm_head.weight`` are ``Shard(0)`` of the same ``(vocab, d)`` matrix, so they are tied again after
   parallelising and stay one parameter.
 
+A head a subclass adds on the root's full hidden states (PPO's value head, ``posttrain/ppo.py``) is
+replicated on every rank and reads its local tensors.
+
 Every parameter ends up a DTensor on the TP mesh (``Shard`` for the projections and embeddings,
 ``Replicate`` for norms and row-parallel biases), so FSDP2's ``fully_shard`` over the data-parallel
 dimension of the same 2-D mesh composes, and ``get_total_norm`` over the gradients followed by
@@ -305,6 +308,11 @@ class VocabParallelHead(ParallelStyle):
         module.register_parameter("weight", nn.Parameter(sharded, requires_grad=weight.requires_grad))
 
 
+# the transformer's own parts, each with its place in the plan; any other child with parameters is a head
+# a subclass adds on the root's full hidden states (``posttrain/ppo.py``'s value head): replicated
+_PLANNED = frozenset({"embed", "pos_embed", "blocks", "norm", "lm_head"})
+
+
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
     """Shard ``model`` in place over the 1-D ``tp_mesh`` (layout in the module docstring); returns it.
 
@@ -312,7 +320,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transforme
     for why not to initialise afterwards. Works on a meta-device model too (to load a sharded
     checkpoint into, or materialised shard by shard). Pipeline stages cut by ``keep_stage`` work too: a
     stage without the embedding takes full hidden states and scatters them itself. The output head is
-    vocabulary-sharded and its loss vocabulary-parallel (the module docstring).
+    vocabulary-sharded and its loss vocabulary-parallel (the module docstring). Any other child module
+    with parameters (a head a subclass adds on the full hidden states, such as PPO's value head) is
+    replicated (:class:`ReplicateParameters`): its forward must read the local tensors.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs a 1-D TP mesh, got {tp_mesh.ndim} dimensions")
@@ -342,6 +352,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transforme
         plan["norm"] = SequenceParallel()
     if model.lm_head is not None:
         plan["lm_head"] = VocabParallelHead()
+    for name, child in model.named_children():  # a task's head on the full hidden states (PPO's value head)
+        if name not in _PLANNED and any(True for _ in child.parameters()):
+            plan[name] = ReplicateParameters()
     parallelize_module(model, tp_mesh, plan)
     # the root returns the full hidden states (b, t, d) as an ordinary tensor, replicated over TP
     parallelize_module(model, tp_mesh, PrepareModuleOutput(output_layouts=seq, desired_output_layouts=full))

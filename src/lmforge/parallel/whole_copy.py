@@ -10,6 +10,13 @@ the current weights into a plain model of its own (:meth:`WholeCopy.refresh`: on
 tensor, ``DTensor.full_tensor``, in the same order on every rank, the only collective), then samples
 from it with no collective at all, as one process would.
 
+Tensor parallelism (``parallel.tp > 1``) is the same case: a process holds ``1 / tp`` of each projection,
+of the heads and of the vocabulary, and a forward through the plan needs every rank of the group in step
+at every token, on sequences a multiple of ``tp`` long, which a token-by-token decode with a key/value
+cache is not. The copy is gathered from the tensor-parallel DTensors (``Shard`` or ``Replicate``; a 2-D
+mesh with FSDP2 alike) by the same ``full_tensor``; RL then samples on the group's first rank only and
+hands the completions to the others, whose training forward must see the same rows (``posttrain/rl.py``).
+
 Cost: the memory of one more whole model per process (as RL's frozen reference, also whole), and one
 all-gather of the weights per rollout, the bytes of one ZeRO-3 forward's gathers. A tensor that is not
 sharded (DDP, ZeRO-1, a buffer, a parameter FSDP2 holds gathered between micro-batches of a ZeRO-2 step)

@@ -22,6 +22,22 @@ The head is no part of the language model: ``lmforge export`` drops it (:func:`l
    over the micro-batch's completion tokens (``rl.whiten_advantages``);
 4. the clipped policy loss plus ``rl.value_coef`` times the clipped value loss, backward.
 
+**Layouts** (one process, DDP, ZeRO-1, FSDP2, hybrid sharding and tensor parallelism, as GRPO): the
+value head is one more parameter of the model, so DDP's reducer averages its gradient, FSDP2 shards it
+with the root's parameters and tensor parallelism replicates it (:meth:`PolicyValueModel.values`);
+under FSDP2 and tensor parallelism the whole copy completions are sampled from
+(``parallel/whole_copy.py``) is a :class:`PolicyValueModel` too and holds the head, which sampling does
+not use. **Whitening and GAE are
+per micro-batch**: their statistics are those of one micro-batch's completion tokens, on the rank that
+drew them, with no collective. Each data-parallel rank's micro-batches are exactly micro-batches one
+process takes in turn (``rl_data.py::PromptLoader``), so a run over ``dp`` ranks computes the advantages
+one process computes over the same global batch, and the update is the same (``tests/test_rl_distributed.py``:
+equal in float64). Statistics over the whole step (every micro-batch of every rank) would need all of a
+step's rollouts and values before its first backward: every micro-batch's graph held, or a second
+forward. The price of per micro-batch: ``train.micro_batch_size`` (prompts) times ``rl.group_size``
+completions set the rows whitened over, so the micro-batch size is part of the update, as the batch is
+for a PPO that whitens per batch; the layout is not.
+
 lmforge takes one optimizer step per batch of rollouts (as for GRPO; no PPO epochs over a stored batch):
 ``log q`` is ``log p`` detached and ``V^old`` is ``V`` detached, so at the update the ratio is exactly 1,
 the clip never binds (clip fraction 0) and the clipped value loss equals the plain one; the gradients are
@@ -37,11 +53,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.config import ModelConfig
 from lmforge.model.loss import head_loss
 from lmforge.model.transformer import Transformer
+from lmforge.parallel.reduce import sum_over
 from lmforge.posttrain.ppo_loss import (
     explained_variance,
     explained_variance_sums,
@@ -74,8 +93,14 @@ class PolicyValueModel(Transformer):
         self.value_head = nn.Linear(cfg.d_model, 1)
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``(..., d_model)`` -> values ``(...)``."""
-        return self.value_head(hidden).squeeze(-1)
+        """Hidden states ``(..., d_model)`` -> values ``(...)``. Under tensor parallelism the head's weights
+        are replicated DTensors (``parallel/tensor.py``) and ``hidden`` the full hidden states on every rank:
+        the local tensors are read, and their gradients, from every token on every rank, are whole."""
+        head = self.value_head
+        weight, bias = head.weight, head.bias
+        if isinstance(weight, DTensor):
+            weight, bias = weight.to_local(), bias.to_local() if bias is not None else None
+        return F.linear(hidden, weight, bias).squeeze(-1)
 
 
 def language_model_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -130,9 +155,9 @@ class PPOObjective(RLObjective):
         """Sample, score and backward of ``sum(group losses) / n_targets * dp``; returns ``sum(group
         losses) / n_targets``, detached (as :meth:`RLObjective.forward_backward`)."""
         c, device = self.cfg, precision.device
-        rows, completions = self.sample(batch)
-        scores, failed = self.rewards(batch, completions, c.group_size)
-        inputs, targets, docs = (t.to(device) for t in rollout_rows(rows, completions, self.pad_id))
+        rows, completions, scores, failed = self.rollout(batch)
+        rowed = rollout_rows(rows, completions, self.pad_id, self.row_multiple)
+        inputs, targets, docs = (t.to(device) for t in rowed)
         with precision.autocast():
             logp, entropy, values = self.policy(inputs, targets, docs)
         logp, values = at_least_fp32(logp), at_least_fp32(values)
@@ -178,7 +203,7 @@ class PPOObjective(RLObjective):
         if extra is None:
             return out
         if group is not None:
-            dist.all_reduce(extra, group=group)
+            extra = sum_over(extra, group)
         tokens = max(float(extra[1]), 1.0)
         return {
             **out,

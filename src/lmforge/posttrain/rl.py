@@ -4,8 +4,9 @@ Each micro-batch of ``k`` prompts (:class:`~lmforge.posttrain.rl_data.PromptBatc
 
 1. **sample** ``G = rl.group_size`` completions per prompt with the current policy
    (``model/sampling.py::generate_batch``, key/value cache), seeded from ``train.seed`` and the batch's
-   first prompt number, so a resumed run draws what the uninterrupted one drew (under FSDP2 from a whole
-   copy of the weights gathered first, ``parallel/whole_copy.py``);
+   first prompt number, so a resumed run draws what the uninterrupted one drew (under FSDP2 and tensor
+   parallelism from a whole copy of the weights gathered first, ``parallel/whole_copy.py``; under tensor
+   parallelism on the group's first rank, which hands the completions and rewards to the others);
 2. **score** them with the reward (``posttrain/reward_pool.py``: a sandboxed function; failed calls
    score ``rl.failed_reward`` and are counted);
 3. **advantages** per group and the **loss** of ``posttrain/rl_loss.py`` (formulas there), the policy's
@@ -34,6 +35,7 @@ from lmforge.config import RLConfig
 from lmforge.model.loss import head_loss
 from lmforge.model.sampling import generate_batch
 from lmforge.model.transformer import Transformer
+from lmforge.parallel.reduce import sum_over
 from lmforge.posttrain.reward_pool import RewardFn
 from lmforge.posttrain.rl_data import PromptBatch, rollout_rows
 from lmforge.posttrain.rl_loss import group_advantages, policy_loss
@@ -79,7 +81,14 @@ class RLObjective:
     plain model completions are drawn from; ``reference``: a frozen :class:`TokenLogps` of the starting
     weights (None: set later, or ``rl.beta = 0``); ``stop``: the token that ends a completion;
     ``decode``: ids -> text; ``refresh_sampler``: called before each rollout, every rank in step (under
-    FSDP2: ``sampler``'s whole weights gathered from the shards, ``parallel/whole_copy.py``)."""
+    FSDP2 and tensor parallelism: ``sampler``'s whole weights gathered from the shards,
+    ``parallel/whole_copy.py``).
+
+    ``tp_group``: the tensor-parallel group (None without). Its ranks compute one forward together, so they
+    must hold the same rows: its first rank samples and scores each rollout and broadcasts the completions
+    and rewards to the others (:meth:`rollout`), rather than trusting every rank to draw the same tokens
+    (another device's rounding) and get the same rewards (a reward call that times out on one rank only);
+    the rows are padded to a multiple of the group's size (sequence parallelism shards the positions)."""
 
     def __init__(
         self,
@@ -93,9 +102,11 @@ class RLObjective:
         seed: int,
         reference: nn.Module | None = None,
         refresh_sampler: Callable[[], object] | None = None,
+        tp_group: dist.ProcessGroup | None = None,
     ):
         self.policy, self.sampler, self.cfg, self.reward = policy, sampler, cfg, reward
-        self.refresh_sampler = refresh_sampler
+        self.refresh_sampler, self.tp_group = refresh_sampler, tp_group
+        self.row_multiple = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.stop, self.decode, self.pad_id, self.seed = stop, decode, pad_id, seed
         self.reference = None
         self.set_reference(reference)
@@ -128,6 +139,28 @@ class RLObjective:
         )
         return rows, [[*o, self.stop] if len(o) < c.max_new_tokens else o for o in out]
 
+    def rollout(
+        self, batch: PromptBatch, greedy: bool = False
+    ) -> tuple[list[list[int]], list[list[int]], torch.Tensor, int]:
+        """``(rows, completions, rewards, failed)``: :meth:`sample` and :meth:`rewards`; under tensor
+        parallelism drawn and scored on the group's first rank and broadcast to the others (every rank
+        still enters ``refresh_sampler``'s gathers)."""
+        g = 1 if greedy else self.cfg.group_size
+        if self.tp_group is None or dist.get_rank(self.tp_group) == 0:
+            rows, completions = self.sample(batch, greedy)
+            rewards, failed = self.rewards(batch, completions, g)
+            if self.tp_group is None:
+                return rows, completions, rewards, failed
+            shared = [completions, rewards.tolist(), failed, self.last_error]
+        else:
+            if self.refresh_sampler is not None:
+                self.refresh_sampler()
+            shared = [None] * 4
+        dist.broadcast_object_list(shared, group=self.tp_group, group_src=0)
+        completions, rewards, failed, self.last_error = shared
+        rows = [p for p in batch.prompts for _ in range(g)]
+        return rows, completions, torch.tensor(rewards, dtype=torch.float32), failed
+
     def rewards(self, batch: PromptBatch, completions: list[list[int]], g: int) -> tuple[torch.Tensor, int]:
         texts = [self.decode([t for t in o if t != self.stop]) for o in completions]
         scores = self.reward.score([t for t in batch.texts for _ in range(g)], texts)
@@ -155,9 +188,9 @@ class RLObjective:
         """Sample, score and backward of ``sum(group losses) / n_targets * dp`` (``n_targets``: the step's
         prompts over all data-parallel ranks); returns ``sum(group losses) / n_targets``, detached."""
         c, device = self.cfg, precision.device
-        rows, completions = self.sample(batch)
-        rewards, failed = self.rewards(batch, completions, c.group_size)
-        inputs, targets, docs = (t.to(device) for t in rollout_rows(rows, completions, self.pad_id))
+        rows, completions, rewards, failed = self.rollout(batch)
+        rowed = rollout_rows(rows, completions, self.pad_id, self.row_multiple)
+        inputs, targets, docs = (t.to(device) for t in rowed)
         with precision.autocast():
             logp, entropy = self.policy(inputs, targets, docs)
         ref = self.reference_logps(inputs, targets, docs, precision)
@@ -189,8 +222,7 @@ class RLObjective:
         if sums is None:
             return {}
         if group is not None:
-            sums = sums.to(torch.float64)
-            dist.all_reduce(sums, group=group)
+            sums = sum_over(sums.to(torch.float64), group)
         s = dict(zip(_SUMS, sums.tolist(), strict=True))
         n, tokens = max(s["n"], 1.0), max(s["tokens"], 1.0)
         mean = s["r"] / n
@@ -216,12 +248,11 @@ class RLObjective:
         negative (lower is better, as for the other objectives); ``val_failed_rewards`` a count."""
         total = torch.zeros(3, dtype=torch.float64)
         for batch in batches:
-            _, completions = self.sample(batch, greedy=True)
-            rewards, failed = self.rewards(batch, completions, 1)
+            _, _, rewards, failed = self.rollout(batch, greedy=True)
             total += torch.tensor(
                 [float(rewards.sum()), float(len(rewards)), float(failed)], dtype=torch.float64
             )
         if group is not None:
-            dist.all_reduce(total, group=group)
+            total = sum_over(total, group)
         reward = float(total[0] / max(float(total[1]), 1.0))
         return {"val_loss": -reward, "val_reward": reward, "val_failed_rewards": float(total[2])}

@@ -187,12 +187,16 @@ def prompt_eval_batches(
 
 
 def rollout_rows(
-    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    pad_id: int,
+    multiple: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(inputs, targets, doc_ids)`` of prompt + completion rows, right-padded to the longest: targets
-    are the completion tokens (``-100`` on the prompt and padding), the padding a document of its own."""
+    """``(inputs, targets, doc_ids)`` of prompt + completion rows, right-padded to the longest (rounded up to
+    a multiple of ``multiple``: tensor parallelism's sequence shards): targets are the completion tokens
+    (``-100`` on the prompt and padding), the padding a document of its own."""
     seqs = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
-    width = max(len(s) for s in seqs) - 1
+    width = -(-(max(len(s) for s in seqs) - 1) // multiple) * multiple
     inputs = torch.full((len(seqs), width), pad_id, dtype=torch.int64)
     targets = torch.full_like(inputs, -100)
     docs = torch.ones_like(inputs)

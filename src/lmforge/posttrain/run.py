@@ -86,8 +86,9 @@ def check_posttrain(cfg: Config) -> None:
 
 def check_rl(cfg: Config) -> None:
     """What an RL run must hold, checked before any work: the group, the room for completions, a reward
-    that resolves (a reward run with the policy's tokenizer), a batch in prompts, a data-parallel layout
-    (DDP, ZeRO-1, FSDP2 and hybrid sharding; not pipeline, tensor or expert parallelism, nor offload)."""
+    that resolves (a reward run with the policy's tokenizer), a batch in prompts, a layout whose processes
+    can each gather the whole policy to sample from (DDP, ZeRO-1, FSDP2 and hybrid sharding, tensor
+    parallelism; not pipeline or expert parallelism, nor offload)."""
     rl, p = cfg.rl, cfg.parallel
     if rl.group_size < 2 and rl.algorithm != "ppo":  # PPO's baseline is its value head
         raise ConfigError(
@@ -99,11 +100,6 @@ def check_rl(cfg: Config) -> None:
             "lora.rank: LoRA freezes every weight but the adapters, the value head of rl.algorithm = ppo "
             "included; use grpo or rloo with LoRA, or --lora.rank=0"
         )
-    if rl.algorithm == "ppo" and p.dp_replicate * p.dp_shard > 1:
-        raise ConfigError(
-            "rl.algorithm: ppo runs in one process of lmforge rl (its value head under DDP and FSDP2 is not "
-            "tested yet); use grpo or rloo with --parallel.dp_replicate / --parallel.dp_shard, or one process"
-        )
     if rl.max_new_tokens >= cfg.data.seq_len:
         raise ConfigError(
             f"rl.max_new_tokens: {rl.max_new_tokens} leaves no room for a prompt within data.seq_len = "
@@ -111,12 +107,17 @@ def check_rl(cfg: Config) -> None:
         )
     if cfg.train.micro_batch_size == "auto":
         raise ConfigError("train.micro_batch_size: auto sizes next-token batches; give a number of prompts")
-    refused = [(k, v) for k, v in (("pp", p.pp), ("tp", p.tp), ("ep", p.ep)) if v > 1]
+    why = {
+        "pp": "a pipeline rank holds only its stages, and no whole copy is gathered across them to sample from",
+        "ep": "sampling's whole copy is gathered from DDP, FSDP2 and tensor-parallel layouts, not yet from "
+        "experts split over ranks",
+    }
+    refused = [(k, v) for k, v in (("pp", p.pp), ("ep", p.ep)) if v > 1]
     if refused:
         key, value = refused[0]
         raise ConfigError(
-            f"parallel.{key}: {value} is not a layout of lmforge rl (each process samples from a whole copy of "
-            "the policy); use --parallel.dp_replicate (DDP) or --parallel.dp_shard (ZeRO-1, FSDP2) instead"
+            f"parallel.{key}: {value} is not a layout of lmforge rl ({why[key]}); use --parallel.dp_replicate "
+            "(DDP), --parallel.dp_shard (ZeRO-1, FSDP2) or --parallel.tp instead"
         )
     if p.offload:
         raise ConfigError(
@@ -286,12 +287,14 @@ def rl_objective(
     run_dir: Path | None,
     device: torch.device | None = None,
     refresh_sampler: Callable[[], object] | None = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
 ) -> RLObjective:
     """The RL objective over ``policy`` (the transformed :class:`TokenLogps`), sampling from ``model``; the
     reference: a frozen whole copy (``new_model()``) of ``RUN/reference_model.pt`` when it exists (written
     when the run starts, :func:`write_reference`); a reward model (``rl.reward = "run:PATH"``) loaded on
     ``device`` (default: ``model``'s); ``refresh_sampler``: what brings ``model`` up to date before a
-    rollout (FSDP2: the gather of ``parallel/whole_copy.py``)."""
+    rollout (FSDP2, tensor parallelism: the gather of ``parallel/whole_copy.py``); ``tp_group``: the
+    tensor-parallel group whose first rank draws and scores the rollouts for all (None without)."""
     tok = Tokenizer(cfg.data.tokenizer)
     template = ChatTemplate(tok)
     rl = cfg.rl
@@ -308,7 +311,7 @@ def rl_objective(
     kind = PPOObjective if rl.algorithm == "ppo" else RLObjective
     objective = kind(
         policy, model, rl, reward, stop_id(template, rl.template), tok.decode, tok.eot_id, cfg.train.seed,
-        refresh_sampler=refresh_sampler,
+        refresh_sampler=refresh_sampler, tp_group=tp_group,
     )  # fmt: skip
     if run_dir is not None and (run_dir / REFERENCE_MODEL).is_file():
         objective.set_reference(frozen_reference(new_model, run_dir, cfg.train.loss_chunk))

@@ -247,11 +247,14 @@ def rl_module_objective(
     run_dir: Path | None,
 ) -> RLObjective:
     """The RL objective of a training module: completions sampled from ``model`` itself where this process
-    holds it whole, else (FSDP2) from a whole copy gathered before each rollout (``parallel/whole_copy.py``)."""
-    if layout.kind != "fsdp":
+    holds it whole, else (FSDP2, tensor parallelism) from a whole copy gathered before each rollout
+    (``parallel/whole_copy.py``); under tensor parallelism the group's first rank samples for the group."""
+    tp = layout.degrees["tp"] > 1
+    if layout.kind != "fsdp" and not tp:
         return rl_objective(cfg, policy, model, fresh, run_dir, device)
     whole = WholeCopy(model, fresh(adapters=True))
-    return rl_objective(cfg, policy, whole.copy, fresh, run_dir, device, whole.refresh)
+    tp_group = layout.group("tp") if tp else None
+    return rl_objective(cfg, policy, whole.copy, fresh, run_dir, device, whole.refresh, tp_group)
 
 
 @dataclass
