@@ -33,6 +33,7 @@ from torch import nn
 
 from lmforge.config import RLConfig
 from lmforge.model.loss import head_loss
+from lmforge.model.moe import take_aux_loss
 from lmforge.model.sampling import generate_batch
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.reduce import sum_over
@@ -73,6 +74,17 @@ class TokenLogps(nn.Module):
             lp = logits.log_softmax(-1)
             entropy[where] = -(lp.exp() * lp).sum(-1)
         return logp, entropy
+
+
+def with_balance_losses(policy: nn.Module, loss: torch.Tensor, k: int, n_targets: int) -> torch.Tensor:
+    """``loss + aux * k / n_targets``: the weighted balance losses ``aux`` of the MoE layers the policy's
+    last training forward ran through (``model/moe.py::take_aux_loss``; found inside any wrapper) joined
+    with the micro-batch's share of the step's prompts (``k`` of ``n_targets`` over every data-parallel
+    rank), so the step trains on their prompt-weighted mean over micro-batches and ranks, as the
+    next-token loss weighs them by targets (``train/modules.py::LanguageModelModule``). ``loss`` itself
+    without MoE layers or balance losses."""
+    aux = take_aux_loss(policy)
+    return loss if aux is None else loss + aux.to(loss.dtype) * (k / n_targets)
 
 
 class RLObjective:
@@ -204,7 +216,8 @@ class RLObjective:
             c.clip_epsilon, c.beta, c.max_new_tokens,
         )  # fmt: skip
         loss = parts.groups.sum() / n_targets
-        precision.backward(loss * dp if dp != 1 else loss)
+        objective = with_balance_losses(self.policy, loss, k, n_targets)
+        precision.backward(objective * dp if dp != 1 else objective)
         with torch.no_grad():
             stats = torch.stack(
                 [
