@@ -4,15 +4,16 @@ Each micro-batch of ``k`` prompts (:class:`~lmforge.posttrain.rl_data.PromptBatc
 
 1. **sample** ``G = rl.group_size`` completions per prompt with the current policy
    (``model/sampling.py::generate_batch``, key/value cache), seeded from ``train.seed`` and the batch's
-   first prompt number, so a resumed run draws what the uninterrupted one drew (under FSDP2 and tensor
-   parallelism from a whole copy of the weights gathered first, ``parallel/whole_copy.py``; under tensor
+   first prompt number, so a resumed run draws what the uninterrupted one drew (under FSDP2, tensor and
+   expert parallelism from a whole copy of the weights gathered first, ``parallel/whole_copy.py``; under tensor
    parallelism on the group's first rank, which hands the completions and rewards to the others);
 2. **score** them with the reward (``posttrain/reward_pool.py``: a sandboxed function; failed calls
    score ``rl.failed_reward`` and are counted);
 3. **advantages** per group and the **loss** of ``posttrain/rl_loss.py`` (formulas there), the policy's
    per-token log-probabilities with gradient (:class:`TokenLogps`), the sampling policy's the same
    detached (one update per batch: ratio 1), the frozen reference's without gradient. Log-probabilities
-   and losses are FP32, FP64 under ``train.precision = "fp64"``.
+   and losses are FP32, FP64 under ``train.precision = "fp64"``. An MoE policy's balance losses join the
+   loss (:func:`with_balance_losses`).
 
 Metrics (means since the last record, each over what it names): ``rl/reward_mean``, ``rl/reward_std``
 (over every completion), ``rl/kl`` (k3 per completion token), ``rl/clip_fraction`` (share of tokens,
