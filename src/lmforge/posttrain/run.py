@@ -109,9 +109,11 @@ def check_rl(cfg: Config) -> None:
         raise ConfigError("train.micro_batch_size: auto sizes next-token batches; give a number of prompts")
     if p.pp > 1:
         raise ConfigError(
-            f"parallel.pp: {p.pp} is not a layout of lmforge rl (a pipeline rank holds only its stages, and "
-            "no whole copy is gathered across them to sample from); use --parallel.dp_replicate (DDP), "
-            "--parallel.dp_shard (ZeRO-1, FSDP2), --parallel.tp or --parallel.ep instead"
+            f"parallel.pp: {p.pp} is not a layout of lmforge rl (a pipeline rank holds only its stages: no "
+            "whole copy is gathered across them to sample from, and the schedule's last stage computes a "
+            "next-token loss, not the completions' log-probabilities weighed by their advantages); use "
+            "--parallel.dp_replicate (DDP), --parallel.dp_shard (ZeRO-1, FSDP2), --parallel.tp or "
+            "--parallel.ep instead"
         )
     if p.offload:
         raise ConfigError(
