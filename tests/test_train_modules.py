@@ -139,6 +139,63 @@ def test_rl_module_takes_a_step_and_reports_its_metrics():
         reward.close()
 
 
+def test_rl_module_adds_the_moe_balance_losses_and_reports_the_routing():
+    from lmforge.config import MoEConfig, RLConfig
+    from lmforge.model.moe import take_aux_loss
+    from lmforge.posttrain.rl_data import rollout_rows
+
+    fp64 = PrecisionPolicy("fp64", torch.device("cpu"))
+    # beta 0: no reference (its KL term is not what this checks)
+    cfg = RLConfig(group_size=2, max_new_tokens=4, reward="tests.rl_rewards:length", reward_workers=1, beta=0)
+    reward = RewardPool(cfg.reward, cfg.reward_timeout, 1, 0.0)
+    decode = lambda ids: "x" * (sum(ids) % 4)  # noqa: E731 - text whose length (the reward) varies
+    batch = stack_prompts([Prompt((1, 2, 3), "a", "x:1"), Prompt((4, 5), "b", "x:2")], 0, 0)
+
+    def rl_module(aux: float) -> RLModule:  # the same weights, the Switch loss's coefficient aux
+        torch.manual_seed(0)
+        moe = MoEConfig(experts=4, top_k=2, d_expert=16, aux_loss=aux)
+        model = Transformer(ModelConfig(n_layers=2, d_model=32, n_heads=4, moe=moe), 32, SEQ)
+        model.init_weights()
+        model.double()
+        objective = RLObjective(TokenLogps(model, chunk=16), model, cfg, reward, 0, decode, 0, 7)
+        return RLModule(model, objective, GradientSync())
+
+    def grads(module: RLModule, steps: int = 1) -> dict[str, torch.Tensor]:
+        for _ in range(steps):  # a step: the counters restart at its first micro-batch
+            module.model.zero_grad()
+            with module.micro_batch(0, 1):
+                module.forward_backward(batch, 4, 1, fp64)  # 2 prompts of a step's 4
+        return {n: p.grad.clone() for n, p in module.model.named_parameters()}
+
+    try:
+        without, module = grads(rl_module(0.0)), rl_module(0.5)
+        with_aux = grads(module, steps=2)
+        metrics = module.take_metrics()
+        # what the balance loss should add: its gradient on the rollout rows (the same seed draws the same
+        # completions from the same weights), weighted by the micro-batch's 2 prompts of the step's 4
+        rows, completions, _, _ = module.objective.rollout(batch)
+        inputs, _, docs = rollout_rows(rows, completions, 0)
+        module.model.zero_grad()
+        module.model(inputs, docs)
+        (take_aux_loss(module.model) * (2 / 4)).backward()
+    finally:
+        reward.close()
+    assert take_aux_loss(module.model) is None  # taken by the backward above, none left over
+    router = "blocks.0.mlp.router.weight"
+    assert module.model.get_parameter(router).grad.abs().max() > 1e-3  # a gradient to compare
+    for name, p in module.model.named_parameters():
+        want = p.grad if p.grad is not None else torch.zeros_like(p)  # the last layer's experts: none
+        # float64 but for the router (FP32 logits, scores): there the policy's and the balance loss's
+        # gradients are summed in FP32 (2^-24 ~ 6e-8 relative) before reaching the float64 weights; measured
+        # 1.6e-7 of each tensor's largest entry at most (3 FP32 roundings). 1e-5 of it leaves 60x room and
+        # fails on a balance loss left out (a difference of the whole entry) or weighted 2 / 4 otherwise
+        atol = 1e-5 * float(want.abs().max()) + 1e-15
+        assert torch.allclose(with_aux[name] - without[name], want, rtol=0, atol=atol), name
+    # the routing counters: the last step's assignments only (top_k 2 per position of the rows)
+    assert sum(metrics["moe/layer.0/load"]) == 2 * inputs.numel()
+    assert metrics["moe/aux_loss"] > 0 and 1 <= metrics["moe/imbalance"] <= 4
+
+
 def test_reward_module_takes_a_step_and_reports_its_metrics():
     torch.manual_seed(0)
     model = RewardModel(ModelConfig(n_layers=2, d_model=32, n_heads=4), 64, SEQ)

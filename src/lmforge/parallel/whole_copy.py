@@ -17,6 +17,12 @@ cache is not. The copy is gathered from the tensor-parallel DTensors (``Shard`` 
 mesh with FSDP2 alike) by the same ``full_tensor``; RL then samples on the group's first rank only and
 hands the completions to the others, whose training forward must see the same rows (``posttrain/rl.py``).
 
+Expert parallelism (``parallel.ep > 1``) is the same case again: a rank holds ``experts / ep`` of each MoE
+layer's experts, and a forward exchanges rows with the other ranks of its expert group by all-to-all at
+every MoE layer, which ranks decoding other numbers of tokens cannot keep in step. The experts are
+DTensors sharded on dim 0 over the group, gathered by the same ``full_tensor``; the copy is a plain model
+with no exchange, and each rank samples its own prompts from it.
+
 Cost: the memory of one more whole model per process (as RL's frozen reference, also whole), and one
 all-gather of the weights per rollout, the bytes of one ZeRO-3 forward's gathers. A tensor that is not
 sharded (DDP, ZeRO-1, a buffer, a parameter FSDP2 holds gathered between micro-batches of a ZeRO-2 step)

@@ -69,7 +69,7 @@ from lmforge.posttrain.ppo_loss import (
     token_rewards,
     whiten,
 )
-from lmforge.posttrain.rl import RLObjective, at_least_fp32
+from lmforge.posttrain.rl import RLObjective, at_least_fp32, with_balance_losses
 from lmforge.posttrain.rl_data import PromptBatch, rollout_rows
 from lmforge.posttrain.rl_loss import k3
 from lmforge.precision import PrecisionPolicy
@@ -174,7 +174,8 @@ class PPOObjective(RLObjective):
             c.clip_epsilon, c.value_clip, c.value_coef,
         )  # fmt: skip
         loss = parts.groups.sum() / n_targets
-        precision.backward(loss * dp if dp != 1 else loss)
+        objective = with_balance_losses(self.policy, loss, len(batch.prompts), n_targets)
+        precision.backward(objective * dp if dp != 1 else objective)
         with torch.no_grad():
             m = mask.float()
             kl = (k3(old_logp, ref) * m).sum() if ref is not None else torch.zeros((), device=device)

@@ -4,15 +4,16 @@ Each micro-batch of ``k`` prompts (:class:`~lmforge.posttrain.rl_data.PromptBatc
 
 1. **sample** ``G = rl.group_size`` completions per prompt with the current policy
    (``model/sampling.py::generate_batch``, key/value cache), seeded from ``train.seed`` and the batch's
-   first prompt number, so a resumed run draws what the uninterrupted one drew (under FSDP2 and tensor
-   parallelism from a whole copy of the weights gathered first, ``parallel/whole_copy.py``; under tensor
+   first prompt number, so a resumed run draws what the uninterrupted one drew (under FSDP2, tensor and
+   expert parallelism from a whole copy of the weights gathered first, ``parallel/whole_copy.py``; under tensor
    parallelism on the group's first rank, which hands the completions and rewards to the others);
 2. **score** them with the reward (``posttrain/reward_pool.py``: a sandboxed function; failed calls
    score ``rl.failed_reward`` and are counted);
 3. **advantages** per group and the **loss** of ``posttrain/rl_loss.py`` (formulas there), the policy's
    per-token log-probabilities with gradient (:class:`TokenLogps`), the sampling policy's the same
    detached (one update per batch: ratio 1), the frozen reference's without gradient. Log-probabilities
-   and losses are FP32, FP64 under ``train.precision = "fp64"``.
+   and losses are FP32, FP64 under ``train.precision = "fp64"``. An MoE policy's balance losses join the
+   loss (:func:`with_balance_losses`).
 
 Metrics (means since the last record, each over what it names): ``rl/reward_mean``, ``rl/reward_std``
 (over every completion), ``rl/kl`` (k3 per completion token), ``rl/clip_fraction`` (share of tokens,
@@ -33,6 +34,7 @@ from torch import nn
 
 from lmforge.config import RLConfig
 from lmforge.model.loss import head_loss
+from lmforge.model.moe import take_aux_loss
 from lmforge.model.sampling import generate_batch
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.reduce import sum_over
@@ -73,6 +75,17 @@ class TokenLogps(nn.Module):
             lp = logits.log_softmax(-1)
             entropy[where] = -(lp.exp() * lp).sum(-1)
         return logp, entropy
+
+
+def with_balance_losses(policy: nn.Module, loss: torch.Tensor, k: int, n_targets: int) -> torch.Tensor:
+    """``loss + aux * k / n_targets``: the weighted balance losses ``aux`` of the MoE layers the policy's
+    last training forward ran through (``model/moe.py::take_aux_loss``; found inside any wrapper) joined
+    with the micro-batch's share of the step's prompts (``k`` of ``n_targets`` over every data-parallel
+    rank), so the step trains on their prompt-weighted mean over micro-batches and ranks, as the
+    next-token loss weighs them by targets (``train/modules.py::LanguageModelModule``). ``loss`` itself
+    without MoE layers or balance losses."""
+    aux = take_aux_loss(policy)
+    return loss if aux is None else loss + aux.to(loss.dtype) * (k / n_targets)
 
 
 class RLObjective:
@@ -204,7 +217,8 @@ class RLObjective:
             c.clip_epsilon, c.beta, c.max_new_tokens,
         )  # fmt: skip
         loss = parts.groups.sum() / n_targets
-        precision.backward(loss * dp if dp != 1 else loss)
+        objective = with_balance_losses(self.policy, loss, k, n_targets)
+        precision.backward(objective * dp if dp != 1 else objective)
         with torch.no_grad():
             stats = torch.stack(
                 [

@@ -87,8 +87,8 @@ def check_posttrain(cfg: Config) -> None:
 def check_rl(cfg: Config) -> None:
     """What an RL run must hold, checked before any work: the group, the room for completions, a reward
     that resolves (a reward run with the policy's tokenizer), a batch in prompts, a layout whose processes
-    can each gather the whole policy to sample from (DDP, ZeRO-1, FSDP2 and hybrid sharding, tensor
-    parallelism; not pipeline or expert parallelism, nor offload)."""
+    can each gather the whole policy to sample from (DDP, ZeRO-1, FSDP2 and hybrid sharding, tensor and
+    expert parallelism; not pipeline parallelism, nor offload)."""
     rl, p = cfg.rl, cfg.parallel
     if rl.group_size < 2 and rl.algorithm != "ppo":  # PPO's baseline is its value head
         raise ConfigError(
@@ -107,17 +107,13 @@ def check_rl(cfg: Config) -> None:
         )
     if cfg.train.micro_batch_size == "auto":
         raise ConfigError("train.micro_batch_size: auto sizes next-token batches; give a number of prompts")
-    why = {
-        "pp": "a pipeline rank holds only its stages, and no whole copy is gathered across them to sample from",
-        "ep": "sampling's whole copy is gathered from DDP, FSDP2 and tensor-parallel layouts, not yet from "
-        "experts split over ranks",
-    }
-    refused = [(k, v) for k, v in (("pp", p.pp), ("ep", p.ep)) if v > 1]
-    if refused:
-        key, value = refused[0]
+    if p.pp > 1:
         raise ConfigError(
-            f"parallel.{key}: {value} is not a layout of lmforge rl ({why[key]}); use --parallel.dp_replicate "
-            "(DDP), --parallel.dp_shard (ZeRO-1, FSDP2) or --parallel.tp instead"
+            f"parallel.pp: {p.pp} is not a layout of lmforge rl (a pipeline rank holds only its stages: no "
+            "whole copy is gathered across them to sample from, and the schedule's last stage computes a "
+            "next-token loss, not the completions' log-probabilities weighed by their advantages); use "
+            "--parallel.dp_replicate (DDP), --parallel.dp_shard (ZeRO-1, FSDP2), --parallel.tp or "
+            "--parallel.ep instead"
         )
     if p.offload:
         raise ConfigError(

@@ -247,10 +247,11 @@ def rl_module_objective(
     run_dir: Path | None,
 ) -> RLObjective:
     """The RL objective of a training module: completions sampled from ``model`` itself where this process
-    holds it whole, else (FSDP2, tensor parallelism) from a whole copy gathered before each rollout
-    (``parallel/whole_copy.py``); under tensor parallelism the group's first rank samples for the group."""
+    holds it whole, else (FSDP2, tensor parallelism, expert parallelism) from a whole copy gathered before
+    each rollout (``parallel/whole_copy.py``); under tensor parallelism the group's first rank samples for
+    the group."""
     tp = layout.degrees["tp"] > 1
-    if layout.kind != "fsdp" and not tp:
+    if layout.kind != "fsdp" and not tp and layout.ep == 1:
         return rl_objective(cfg, policy, model, fresh, run_dir, device)
     whole = WholeCopy(model, fresh(adapters=True))
     tp_group = layout.group("tp") if tp else None

@@ -282,9 +282,14 @@ class DPOModule(ModelState):
 
 
 class RLModule(ModelState):
-    """RL from rewards (``posttrain/rl.py::RLObjective``: sampling, rewards, the GRPO / RLOO losses, the
-    metrics); ``sync``: the data-parallel controls of the transformed policy; ``group``: the data-parallel
-    process group the metrics are summed over (None: one rank)."""
+    """RL from rewards (``posttrain/rl.py::RLObjective``: sampling, rewards, the GRPO / RLOO / PPO losses,
+    the metrics); ``sync``: the data-parallel controls of the transformed policy; ``group``: the
+    data-parallel process group the metrics are summed over (None: one rank).
+
+    MoE layers: the objective adds their balance losses to each micro-batch's loss (weighted by its share
+    of the step's prompts); their routing counters restart at each step's first micro-batch and their
+    figures join the record, as :class:`LanguageModelModule`'s. Only the policy's training forward counts:
+    sampling and evaluation run in eval mode without gradient, the frozen reference in eval mode."""
 
     def __init__(
         self,
@@ -296,6 +301,8 @@ class RLModule(ModelState):
         self.model, self.objective, self.sync, self.group = model, objective, sync, group
 
     def micro_batch(self, index: int, count: int) -> contextlib.AbstractContextManager:
+        if index == 0:
+            start_step(self.model)  # the MoE layers count this step's routing afresh
         return self.sync.micro_batch(index, count)
 
     def forward_backward(self, batch, n_targets: int, dp: int, precision: PrecisionPolicy) -> torch.Tensor:
@@ -311,7 +318,7 @@ class RLModule(ModelState):
         return False  # a prompt batch is no forward of the network; the rollouts are drawn in the step
 
     def take_metrics(self) -> dict[str, float]:
-        return self.objective.take_metrics(self.group)
+        return {**self.objective.take_metrics(self.group), **moe_metrics(self.model)}
 
 
 class RewardModule(DPOModule):
