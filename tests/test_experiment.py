@@ -14,7 +14,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from lmforge.experiment.results import steps_to_reach
-from lmforge.experiment.stats import betainc, t_two_sided_p, welch_test
+from lmforge.experiment.stats import betainc, one_sample_test, t_two_sided_p, welch_test
 
 ARMS = ("optim.lr=0.003", "optim.lr=0.01")
 SEEDS = (1337, 1338)
@@ -209,6 +209,18 @@ def test_welch_by_hand():
     assert w.df == pytest.approx((va + vb) ** 2 / (va**2 / 3 + vb**2 / 3), rel=1e-14)
     assert w.p == pytest.approx(scipy_stats.ttest_ind(b, a, equal_var=False).pvalue, rel=1e-10)
     assert welch_test([1.0], b).p is None and welch_test([1.0, 1.0], [2.0, 2.0]).p is None
+
+
+def test_one_sample_by_hand():
+    # [1, 2, 3] against 0: mean 2, s = 1, t = 2 sqrt(3); at 2 df the t CDF is 1/2 + t / (2 sqrt(t^2 + 2)),
+    # so p = 1 - t / sqrt(t^2 + 2) = 1 - sqrt(12 / 14)
+    r = one_sample_test([1.0, 2.0, 3.0])
+    assert (r.diff, r.df) == (2.0, 2.0)
+    assert r.t == pytest.approx(2 * math.sqrt(3), rel=1e-14)
+    assert r.p == pytest.approx(1 - math.sqrt(12 / 14), rel=1e-10)
+    shifted = one_sample_test([1.5, 2.5, 3.5], mu=0.5)  # the same test moved by mu
+    assert shifted.t == pytest.approx(r.t, rel=1e-14) and shifted.p == pytest.approx(r.p, rel=1e-12)
+    assert one_sample_test([1.0]).p is None and one_sample_test([2.0, 2.0]).p is None
 
 
 @pytest.mark.parametrize(

@@ -1109,6 +1109,10 @@ POSTTRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
         "train.eval_interval": 25,
         "train.checkpoint_interval": 50,
         "train.eval_tokens": 1 << 30,
+        # the RL loss (advantage-weighted surrogate + beta x KL) measures no quality: a batch whose
+        # completions differ much in reward, or a growing KL, raises it. Spike detection would skip
+        # exactly those updates (and roll back after three); non-finite steps are still skipped.
+        "guard.spike_sigmas": 0.0,
     },
     "reward": {
         "train.steps": 200,

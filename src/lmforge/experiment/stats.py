@@ -94,3 +94,26 @@ def welch_test(a: Sequence[float], b: Sequence[float]) -> Welch:
     t = diff / math.sqrt(va + vb)
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     return Welch(diff, t, df, t_two_sided_p(t, df))
+
+
+@dataclass(frozen=True)
+class OneSample:
+    """Student's one-sample t-test of ``values`` against ``mu``: ``diff = mean - mu``,
+    ``t = diff / (s / sqrt(n))`` with ``s`` the sample standard deviation, ``df = n - 1`` and the two-sided
+    p-value. A paired test of ``after`` against ``before`` is this test of the differences against 0.
+    ``t``, ``df`` and ``p`` are None when undefined: fewer than 2 values, or no spread."""
+
+    diff: float
+    t: float | None
+    df: float | None
+    p: float | None
+
+
+def one_sample_test(values: Sequence[float], mu: float = 0.0) -> OneSample:
+    """Student's two-sided one-sample t-test of ``values`` against ``mu`` (see :class:`OneSample`)."""
+    diff = mean(values) - mu if values else math.nan
+    if len(values) < 2 or sample_sd(values) == 0.0:
+        return OneSample(diff, None, None, None)
+    t = diff / (sample_sd(values) / math.sqrt(len(values)))
+    df = float(len(values) - 1)
+    return OneSample(diff, t, df, t_two_sided_p(t, df))

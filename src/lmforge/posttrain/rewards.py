@@ -49,8 +49,8 @@ def addition_problems(n: int, seed: int, digits: int = 2) -> list[tuple[int, int
 
 
 def write_addition(folder: str | Path, n_lines: int, n_prompts: int, n_val: int, seed: int = 0) -> dict:
-    """The demonstration's files in ``folder``: ``lines.jsonl`` (``{"text": "12+34=46"}`` documents for a
-    base model), ``prompts.jsonl`` and ``prompts_val.jsonl`` (``{"prompt": "12+34="}`` records for
+    """The demonstration's files in ``folder``: ``lines.jsonl`` (``{"id": "addition-N", "text": "12+34=46"}``
+    documents for a base model), ``prompts.jsonl`` and ``prompts_val.jsonl`` (``{"prompt": "12+34="}`` records for
     ``lmforge rl``), the held-out problems never among the others. Returns the paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -58,7 +58,12 @@ def write_addition(folder: str | Path, n_lines: int, n_prompts: int, n_val: int,
     val = problems[:n_val]
     rest = problems[n_val:]
     files = {
-        "lines": [{"text": f"{a}+{b}={a + b}"} for a, b in rest[:n_lines]],
+        # an id of its own per document: the held-out split (a hash of the id) and hence the tokenizer and
+        # the base model are then the same whatever folder the files are written to (the default id is
+        # the file's path and line)
+        "lines": [
+            {"id": f"addition-{i}", "text": f"{a}+{b}={a + b}"} for i, (a, b) in enumerate(rest[:n_lines])
+        ],
         "prompts": [{"prompt": f"{a}+{b}="} for a, b in rest[n_lines : n_lines + n_prompts]],
         "prompts_val": [{"prompt": f"{a}+{b}="} for a, b in val],
     }
