@@ -16,7 +16,8 @@ well-conditioned); Merrill et al. (2025) report it to be an unreliable proxy. Wh
    it are interpolated between evaluations (``experiment/results.py::steps_to_reach``);
 3. ``B_crit`` from the fit of the per-batch mean steps, and each seed's own fit for a spread;
 4. ``B_simple`` as each run logged it (``gns_critical_batch``, tokens, smoothed over steps) at the logged
-   step nearest to where the run reached the target; mean and spread over all runs.
+   step nearest to where the run reached the target; mean and spread over all runs, and the Welch test
+   of these values against the per-seed ``B_crit`` fits.
 
 Writes ``OUT/critical_batch.json`` and ``OUT/critical_batch.png`` (steps against 1/B with the fit) besides
 the experiment's own ``results.md``; prints the figures.
@@ -36,7 +37,7 @@ import numpy as np
 from lmforge.experiment.plan import make_plan
 from lmforge.experiment.results import read_runs, steps_to_reach, write_results
 from lmforge.experiment.run import run_experiment
-from lmforge.experiment.stats import mean, sample_sd
+from lmforge.experiment.stats import mean, sample_sd, welch_test
 from lmforge.recipe import parse_overrides
 
 RECIPE = str(Path(__file__).resolve().parent.parent / "configs" / "experiment-small.toml")
@@ -117,6 +118,7 @@ def main() -> None:
         "b_simple_mean": mean(simple),
         "b_simple_sd": sample_sd(simple),
         "ratio_simple_over_crit": mean(simple) / b_crit,
+        "welch_simple_vs_crit_per_seed": welch_test(per_seed, simple).__dict__,
     }
     (args.out / "critical_batch.json").write_text(json.dumps(result, indent=1))
     chart(batches, steps, s_min, b_crit, args.out / "critical_batch.png")
