@@ -83,7 +83,7 @@ class RewardScorer:
             for i, r in enumerate(chunk):
                 inputs[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
             with self.precision.autocast():
-                out += self.model.rewards(inputs.to(device), pad).float().cpu().tolist()
+                out += self.model.rewards(inputs.to(device), pad).double().cpu().tolist()
         return out
 
 
@@ -201,8 +201,17 @@ class RewardModelReward:
 
 
 def open_reward_model(
-    spec: str, device: torch.device | str, template: str, policy_tokenizer: str | Path | None = None
+    spec: str,
+    device: torch.device | str,
+    template: str,
+    policy_tokenizer: str | Path | None = None,
+    dtype: torch.dtype | None = None,
 ) -> RewardModelReward:
-    """The reward ``rl.reward = "run:PATH"`` names, checked (:func:`check_reward_run`) and loaded once."""
+    """The reward ``rl.reward = "run:PATH"`` names, checked (:func:`check_reward_run`) and loaded once
+    (weights in ``dtype``: an fp64 policy run scores in float64, so its rewards do not hang on how a
+    batch's rows are split over ranks)."""
     check_reward_run(spec, policy_tokenizer)
-    return RewardModelReward(load_reward_scorer(reward_run_of(spec), device), template)
+    scorer = load_reward_scorer(reward_run_of(spec), device)
+    if dtype is not None:
+        scorer.model.to(dtype)
+    return RewardModelReward(scorer, template)

@@ -77,13 +77,15 @@ def open_reward(
     device: torch.device | str = "cpu",
     template: str = "chat",
     policy_tokenizer: str | Path | None = None,
+    dtype: torch.dtype | None = None,
 ) -> RewardFn:
     """The scorer ``rl.reward`` names: a function in a :class:`RewardPool`, or (``run:PATH``) the reward
-    model loaded on ``device`` scoring as ``template`` (``rl.template``) renders."""
+    model loaded on ``device`` (its weights in ``dtype``, default its run's) scoring as ``template``
+    (``rl.template``) renders."""
     if spec.startswith(RUN):
         from lmforge.posttrain.reward_model_reward import open_reward_model
 
-        return open_reward_model(spec, device, template, policy_tokenizer)
+        return open_reward_model(spec, device, template, policy_tokenizer, dtype)
     check_reward(spec)
     return RewardPool(spec, timeout, workers, failed_value)
 

@@ -303,6 +303,7 @@ def rl_objective(
         device,
         rl.template,
         cfg.data.tokenizer,
+        torch.float64 if cfg.train.precision == "fp64" else None,  # an fp64 run's rewards in fp64 too
     )
     kind = PPOObjective if rl.algorithm == "ppo" else RLObjective
     objective = kind(
