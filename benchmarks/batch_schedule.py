@@ -94,7 +94,8 @@ def main() -> None:
     ap.add_argument("--ramp-fraction", type=float, default=0.25)
     ap.add_argument("--interval", type=int, default=5)
     args, extra = ap.parse_known_args()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("lmforge.experiment").setLevel(logging.INFO)  # "run i/N: ARM seed S" per run
     overrides = parse_overrides(extra)
     base = load_config(args.recipe, overrides)
     micro = base.train.micro_batch_size * base.data.seq_len
@@ -114,6 +115,7 @@ def main() -> None:
     }
     pilot = args.out / "pilot-noise"
     if not (pilot / "summary.json").is_file():
+        print(f"pilot run of the noise rule ({args.steps} steps): {pilot}", flush=True)
         cfg = load_config(args.recipe, {**common, **noise, "train.steps": args.steps})
         train(cfg, pilot, progress_bar=False)
     arms = [

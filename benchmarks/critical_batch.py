@@ -70,7 +70,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--batches", default="512,1024,2048,4096,8192", help="tokens per step, comma-separated")
     args, extra = ap.parse_known_args()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("lmforge.experiment").setLevel(logging.INFO)  # "run i/N: ARM seed S" per run
     overrides = {
         "train.steps": 150,
         "schedule.name": "constant",

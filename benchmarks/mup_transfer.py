@@ -85,7 +85,8 @@ def main() -> None:
     ap.add_argument("--widths", default="64,256,512")
     ap.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("lmforge.experiment").setLevel(logging.INFO)  # "run i/N: ARM seed S" per run
     vary = [f"model.d_model={args.widths}", f"optim.lr={args.lrs}"]
     plan = make_plan(RECIPE, vary, args.seeds, ["val_loss"], dict(OVERRIDES), out=args.out)
     run_experiment(plan)
