@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,9 +72,22 @@ def estimate_command(capsys, cli_logging):
     return run
 
 
+def suite_threads() -> int:
+    """Torch threads of the tests: ``LMFORGE_TEST_THREADS`` where set (a positive integer; every set is meant
+    to pass at 1 and at 2), else 2, the cores of the CI machine."""
+    value = os.environ.get("LMFORGE_TEST_THREADS", "2")
+    if not value.isdigit() or int(value) < 1:
+        raise pytest.UsageError(f"LMFORGE_TEST_THREADS={value!r}: set it to a positive integer, e.g. 1 or 2")
+    return int(value)
+
+
+if "LMFORGE_TEST_THREADS" in os.environ:  # child processes (lmforge CLI runs, torchrun workers) follow it too
+    os.environ["OMP_NUM_THREADS"] = str(suite_threads())
+
+
 @pytest.fixture(autouse=True)
 def _threads():
-    torch.set_num_threads(2)
+    torch.set_num_threads(suite_threads())
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from lmforge.train.checkpoint import load_checkpoint
 from lmforge.train.launch import train
 from lmforge.train.modules import LanguageModelModule
 from lmforge.train.step import train_step
-from tests.conftest import model_of, same_value, tiny_overrides
+from tests.conftest import model_of, same_value, suite_threads, tiny_overrides
 
 CPU = torch.device("cpu")
 
@@ -218,7 +218,7 @@ def guard_overrides(corpus_dir, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def undisturbed(guard_overrides, tmp_path_factory):
-    torch.set_num_threads(2)
+    torch.set_num_threads(suite_threads())  # what the autouse fixture gives the tests that compare with it
     run = tmp_path_factory.mktemp("undisturbed")
     summary = train(load_config(None, guard_overrides), run, progress_bar=False)
     return summary, _lines(run)
