@@ -74,6 +74,7 @@ def test_pipeline_stages_run_their_blocks_and_compose_to_the_whole_model():
     middle.load_state_dict(whole.state_dict())
     keep_stage(middle, range(1, 3))
     assert middle.embed is None and middle.lm_head is None and middle(hidden, doc).shape == (2, T, 32)
+    # rtol=atol=0: the same FP32 operations on the same values in the same order: bitwise equal
     torch.testing.assert_close(last.logits(last(hidden, doc)), whole.logits(whole(x, doc)), rtol=0, atol=0)
     with pytest.raises(ValueError, match="contiguous slice"):
         keep_stage(model_of(cfg, V, T), range(3, 5))

@@ -38,6 +38,7 @@ def _clip(clipper: Clipper, groups: list[list[torch.Tensor]]):
 def test_norm_mode():
     a, b = _params([3.0, 0.0], [0.0, 4.0])  # global norm 5
     norm, stats = _clip(Clipper("norm", max_norm=1.0), [[a], [b]])
+    # FP32 against hand values (see the note above): approx's default 1e-6 and assert_close's FP32 default
     assert norm.item() == pytest.approx(5.0)
     scale = 1.0 / (5.0 + 1e-6)
     torch.testing.assert_close(a.grad, torch.tensor([3.0 * scale, 0.0]))
@@ -45,6 +46,7 @@ def test_norm_mode():
     assert stats.ratio.item() == pytest.approx(0.2) and stats.threshold == 1.0
     c, d = _params([0.3], [0.4])  # norm 0.5 < 1: untouched, ratio exactly 1
     norm, stats = _clip(Clipper("norm", max_norm=1.0), [[c], [d]])
+    # default approx: 0.3 untouched, FP32's 0.3 is 4e-8 relative from the decimal
     assert c.grad.item() == pytest.approx(0.3) and stats.ratio.item() == 1.0
     e, f = _params([3.0], [4.0])
     _, stats = _clip(Clipper("norm", max_norm=0.0), [[e, f]])  # 0: off
@@ -54,6 +56,7 @@ def test_norm_mode():
 def test_value_mode():
     (a,) = _params([0.5, -2.0, 3.0])
     norm, stats = _clip(Clipper("value", value=1.0), [[a]])
+    # FP32 norm of 3 values and an FP32 ratio against float64 hand values: a few ulps (1.2e-7) under 1e-6
     assert norm.item() == pytest.approx(math.sqrt(0.25 + 4 + 9))
     assert a.grad.tolist() == [0.5, -1.0, 1.0]
     assert stats.ratio.item() == pytest.approx(math.sqrt(0.25 + 1 + 1) / math.sqrt(13.25))
@@ -66,6 +69,7 @@ def test_value_mode():
 def test_group_norm_mode():
     a, b, c = _params([3.0], [4.0], [0.3, 0.4])  # group norms 5 and 0.5
     norm, stats = _clip(Clipper("group_norm", max_norm=1.0), [[a, b], [c]])
+    # FP32 against hand values as in test_norm_mode; rel=1e-5 for a ratio of FP32 group norms (note above)
     assert norm.item() == pytest.approx(math.sqrt(25.25))
     scale = 1.0 / (5.0 + 1e-6)
     assert a.grad.item() == pytest.approx(3.0 * scale) and b.grad.item() == pytest.approx(4.0 * scale)
@@ -100,6 +104,8 @@ def test_adaptive_mode_and_its_state():
     # c3 = 2 * 3.2083 / (1 - 0.125) = 7.3333: 1 untouched.
     c2, c3 = 2 * 1.75 / 0.75, 2 * 3.2083333 / 0.875
     assert got[0] == (None, 1.0, 1.0) and got[1] == (None, 3.0, 1.0)
+    # rel=1e-5: FP32 EMA thresholds after 3 steps (a few ulps, ~1e-7 relative) against hand values,
+    # c3 from the 8-digit 3.2083333 (1e-8 relative); the clip's +1e-6 on the norm 10 is 1e-7 relative
     assert got[2] == pytest.approx((c2, c2, c2 / 10), rel=1e-5)
     assert got[3] == pytest.approx((c3, 1.0, 1.0), rel=1e-5)
     other = Clipper("adaptive", max_norm=0.0, factor=2.0, beta=0.5, warmup=2)

@@ -56,6 +56,7 @@ def test_seed_table_per_device(n: int):
     p = 7e9
     seed = {"ddp": 16 * p, "zero1": 4 * p + 12 * p / n, "zero2": 2 * p + 14 * p / n, "zero3": 16 * p / n}
     for kind, want in seed.items():
+        # rel=1e-12: the float64 closed formula against the same in another order (see the note at the top)
         assert per_param_formula(kind, p, n, 8, "zero-paper").total == pytest.approx(want, rel=1e-12)
 
 
@@ -68,6 +69,7 @@ def test_per_tensor_states_of_llama_7b_reproduce_the_seed_table(n: int):
     want = {"ddp": 16 * p, "zero2": 2 * p + 14 * p / n, "zero3": 16 * p / n}
     for kind, value in want.items():
         got = model_states(tensors, kind, n if kind != "ddp" else 1, 1, "adamw", "zero-paper").total
+        # rel=1e-12: a float64 sum over ~290 tensors against the closed formula: <= 290 x 1.1e-16 = 3e-14
         assert got == pytest.approx(value, rel=1e-12), kind
     zero1 = model_states(tensors, "zero1", n, 1, "adamw", "zero-paper").total
     # whole tensors per rank: the most loaded rank holds more than 1/n (lmforge's own arithmetic, no
@@ -83,6 +85,7 @@ def test_gpt3_175b_is_about_700_gb_of_fp32_parameters():
     _, p = _named("gpt3-175b")
     # "175B" is rounded: lmforge counts 174.60B (-0.23%); 1% is the rounding of a three-digit figure
     assert p == pytest.approx(175e9, rel=0.01)
+    # 700 GB is 4 x the rounded 175B: 4p = 698.4 GB (-0.23%, as above); 1% is the published figure's rounding
     assert 4 * p == pytest.approx(700 * GB, rel=0.01)
 
 
@@ -102,6 +105,7 @@ def test_70b_fp32_adam_table():
     # the round figures of the docstring: lmforge's totals are +0.33% and -1.46% from them
     assert whole.total == pytest.approx(1.1e12, rel=0.01)
     fsdp = model_states(tensors, "zero3", 8, 1, "adamw", "lmforge")
+    # ~140 GB (two digits, the docstring): lmforge's is -1.46% from it (see above); 2% bounds that
     assert fsdp.total == pytest.approx(140 * GB, rel=0.02)
 
 
@@ -120,6 +124,7 @@ def test_deepspeed_estimator_t5_3b():
 
 
 def test_ring_collectives():
+    # default approx: float64 arithmetic on Python numbers (the note at the top)
     assert comm.all_reduce(100.0, 4) == pytest.approx(150.0)  # 2 (n - 1) / n
     assert comm.reduce_scatter(100.0, 4) == pytest.approx(75.0)
     assert comm.all_reduce(100.0, 1) == 0
@@ -131,6 +136,7 @@ def test_data_parallel_volume_matches_the_seed_table(kind: str):
     DDP 2P, ZeRO-1/2 2P, ZeRO-3 3P as n grows, exactly (n - 1)/n of it."""
     p, n = 1e9, 1024
     got = comm.dp_volume(kind, p, n, 2, accounting="zero-paper") / 2  # bytes -> 16-bit values
+    # default approx: float64 (the note at the top): (n - 1) / n of the seed's volume up to rounding
     assert got == pytest.approx(comm.seed_volume(kind, p) * (n - 1) / n)
 
 
@@ -139,6 +145,7 @@ def test_lmforge_fsdp_volume_counts_dtypes_and_micro_batches():
     frac = (n - 1) / n
     # ZeRO-3 under bf16: BF16 gathers in forward and backward (not the root's second), FP32 reduce-scatter
     got = comm.dp_volume("zero3", p, n, 2, accum=3, root=1e5)
+    # default approx (1e-6): float64 byte counts against the same formula in another order (rounding, ~1e-16)
     assert got == pytest.approx(3 * frac * (2 * p + 2 * (p - 1e5) + 4 * p))
     assert comm.dp_volume("ddp", p, n, 2, accum=3) == pytest.approx(2 * frac * 4 * p)  # last micro-batch only
 
@@ -149,6 +156,7 @@ def test_lmforge_fsdp_volume_counts_dtypes_and_micro_batches():
 def test_estimate_rows_add_up_and_fit_uses_the_margin():
     e = estimate(_workload("llama-7b"), Layout(dp_shard=8), H100)
     rows = e.rows()
+    # default approx: a float64 sum of ~10 rows against the total made of them (~10 x 1.1e-16)
     assert sum(rows.values()) == pytest.approx(e.total)
     # peak phases of both kinds: one micro-batch (the loss's backward, with every activation; or the end
     # of backward when gradients outweigh the activations, as under DDP with full checkpointing, where the
@@ -160,6 +168,7 @@ def test_estimate_rows_add_up_and_fit_uses_the_margin():
         (replace(_workload("llama-7b"), tokens_per_step=8 * 4 * 4096), Layout(dp_shard=8)),
     ):
         other = estimate(workload, layout, H100)
+        # default approx: float64 row sums, as above
         assert sum(other.rows().values()) == pytest.approx(other.total)
         phases.add(other.peak_phase)
     assert phases == {
@@ -181,6 +190,7 @@ def test_flops_time_and_chinchilla():
     embedding = w.vocab_size * w.model.d_model  # untied: the input table costs no FLOPs
     assert e.flops_per_token == flops_per_token(n - embedding, 32, 4096, 2048)
     assert e.flops_per_step == e.flops_per_token * 8 * 2048
+    # default approx: float64 products and quotients of the same figures in another order (~1e-16 each)
     assert e.compute_s == pytest.approx(e.flops_per_step / (8 * 989.4e12 * 0.5))
     assert e.chinchilla_tokens == 20 * n
     assert e.chinchilla_days == pytest.approx(20 * n / e.tokens_per_s / 86400)
@@ -190,9 +200,11 @@ def test_flops_time_and_chinchilla():
 def test_pipeline_bubble_and_full_recompute():
     w = replace(_workload("llama-7b"), tokens_per_step=4 * 2048 * 2)
     e = estimate(w, Layout(dp_shard=2, pp=4, micro_batch=4, pp_microbatches=4), H100)
+    # default approx: float64 quotient of small integers against 3 / 7 (rounding only)
     assert e.bubble == pytest.approx(3 / 7)  # (p - 1) / (m + p - 1)
     base = estimate(w, Layout(dp_shard=2, tp=4, micro_batch=4), H100)
     full = estimate(w, Layout(dp_shard=2, tp=4, micro_batch=4, activation_checkpointing="full"), H100)
+    # default approx: float64 ratio 4/3 of the same FLOPs (full recompute adds one forward), rounding only
     assert full.compute_s == pytest.approx(base.compute_s * 4 / 3)
     assert full.activations < base.activations
 
@@ -253,8 +265,10 @@ def test_a_tied_embedding_across_two_ranks_adds_its_gradients_all_reduce():
         (Layout(dp_shard=2, pp=2, micro_batch=8, pp_schedule="zbv"), 0),
     ):
         e = estimate(w, layout, H100)
+        # default approx: float64 byte counts summed in another order (rounding only)
         assert e.comm.pp == pytest.approx(activations + tied_bytes), layout
     untied = replace(w, model=m.model_copy(update={"tie_embeddings": False}))
+    # default approx: the same float64 byte counts, untied
     assert estimate(untied, Layout(dp_shard=2, pp=2, micro_batch=8), H100).comm.pp == pytest.approx(
         activations
     )
@@ -308,6 +322,7 @@ def test_cli_overrides_and_zero_paper_weights(estimate_command):
     e = json.loads(out)["estimate"]
     assert e["accounting"] == "zero-paper" and e["layout"]["dp_shard"] == 4
     p = e["n_params"]
+    # default approx: float64 byte counts read back from JSON (exact) against 4P/N, rounding only
     assert e["states"]["master"] == pytest.approx(4 * p / 4)
     assert e["states"]["optim"] == pytest.approx(4 * p / 4)  # Lion: one FP32 momentum
 

@@ -117,6 +117,7 @@ def test_eval_data_loss_is_the_mean_token_cross_entropy(run, val_file, tmp_path,
         # FP32 token losses summed in other groupings (windows, then float64 here): measured 4e-8 relative;
         # 1e-5 is the worst case of an FP32 sum of ~170 terms (170 u, u = 6e-8)
         assert row["loss"] == pytest.approx(_hand_loss(model, ft.tokens, ft.offsets), rel=1e-5)
+        # default approx: float64 exp of the same logged loss (rounding only)
         assert row["ppl"] == pytest.approx(np.exp(row["loss"]))
         total, count = total + row["loss"] * row["targets"], count + row["targets"]
     assert result["files"][1]["documents"] == 1  # a text file is one document

@@ -33,6 +33,8 @@ def _param(values) -> nn.Parameter:
 
 def test_noise_std_is_the_papers_annealed_variance():
     """sigma_t = sqrt(eta / (1 + t)^gamma), values worked out by hand (calculator)."""
+    # rel=1e-12: sqrt(0.01) = 0.1 in float64 (rounding only); rel=1e-8: the calculator's 9 digits
+    # (half a unit of the last digit: <= 7.3e-9 relative)
     assert noise_std(0.01, 0.55, 0) == pytest.approx(0.1, rel=1e-12)
     assert noise_std(0.3, 0.55, 9) == pytest.approx(0.290777385, rel=1e-8)  # sqrt(0.3 / 10^0.55)
     assert noise_std(0.01, 0.55, 3) == pytest.approx(0.068302013, rel=1e-8)  # sqrt(0.01 / 4^0.55)
@@ -49,6 +51,7 @@ def test_noise_has_the_scheduled_spread_and_is_a_function_of_seed_step_and_name(
         tr.apply([[a, b]])
         assert tr.t == t + 1
         assert abs(a.grad.mean().item()) < 6 * sigma / 400_000**0.5  # six standard errors
+        # rel=0.01: the std of 400k draws has standard error 1/sqrt(2 x 400k) = 0.11%; 1% is ~9 of them
         assert a.grad.std().item() == pytest.approx(sigma, rel=0.01)
         assert not torch.equal(a.grad, b.grad)
     again = GradTransforms({id(a): "a"}, eta=0.01, gamma=0.55, seed=7)
@@ -68,7 +71,10 @@ def test_noise_is_added_after_clipping():
     norm = clipper.measure([[p]])
     clipper.clip([[p]], norm)
     GradTransforms({id(p): "p"}, eta=0.01, seed=0).apply([[p]])
+    # FP32 norm of 1000 fives (the sum of squares, 25000, is exact): one sqrt rounding, under approx's 1e-6
     assert norm.item() == pytest.approx(5.0 * 1000**0.5)
+    # the noise's norm: sqrt of a chi-square of 1000 draws, relative spread 1/sqrt(2000) = 2.2% (the
+    # clipped 1e-3 adds nothing visible); 10% is ~4.5 of them
     assert p.grad.norm().item() == pytest.approx(0.1 * 1000**0.5, rel=0.1)
 
 
@@ -114,6 +120,8 @@ def test_centralization_before_adamw_is_adamw_with_centralization_inside():
         tr.apply([[model.weight]])
         opt.step()
     want = _adamw_gc_reference(p0, grads, 0.01, 0.1)
+    # FP32 AdamW, 3 steps, against the same formula in FP32 in another order: a few ulps of |p| <= 0.41
+    # (ulp 3e-8) per step; the bound, 1e-7 + 1e-6 |p|, is ~17 such ulps at 0.41, more below
     torch.testing.assert_close(model.weight.detach(), want, rtol=1e-6, atol=1e-7)
 
 
@@ -130,6 +138,7 @@ def test_depth_decay_sets_each_blocks_group_decay():
     decay = {g["name"]: g["weight_decay"] for g in param_groups(model, cfg)}
     # L = 2: depth 0 embeddings x0, block 0 x0.5, block 1 x1.0, head x1.5; norms and biases none
     assert decay["embedding@0"] == 0.0
+    # default approx: float64 products like 0.1 x 0.5 (rounding only)
     assert decay["matrix@1"] == pytest.approx(0.05) and decay["matrix@2"] == pytest.approx(0.1)
     assert decay["matrix@3"] == pytest.approx(0.15)
     assert decay["norm@1"] == 0.0
@@ -153,6 +162,8 @@ def test_cautious_decay_only_where_update_and_parameter_share_a_sign(name):
     model.weight.grad = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
     opt.step()
     want = torch.tensor([[0.85, -1.1, 2.1, -1.8]])
+    # FP32, one step on |x| <= 2.1 against decimal hand values: FP32's ulp at 2 is 2.4e-7, a few roundings;
+    # 1e-6 is ~4 ulps
     torch.testing.assert_close(model.weight.detach(), want, rtol=0, atol=1e-6)
 
 
@@ -195,4 +206,6 @@ def test_techniques_on_sharded_gradients_match_one_process():
     done = torchrun(2, [worker("techniques_worker.py")], timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     got = json.loads(done.stdout.split("RESULTS ", 1)[1].splitlines()[0])
+    # float64 (the worker's docstring): 1.1e-16 per operation through 3 steps of a small MLP on values ~1,
+    # ~1e-14; 1e-12 is 100x that. DDP's replicas draw the same noise: exactly equal
     assert got["fsdp2"] <= 1e-12 and got["placements"] <= 1e-12 and got["ddp"] == 0.0, got

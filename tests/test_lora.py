@@ -84,7 +84,10 @@ def test_only_adapters_train_and_resume_equals_uninterrupted(base, tmp_path):
     train(cfg_b, tmp_path / "b", resume=True, progress_bar=False)
     resumed = load_checkpoint(latest_checkpoint(tmp_path / "b"))["model"]
     for k in last:
+        # FP32, no recorded figure: a resume replays the same FP32 operations (expected equal); 1e-5 is ~80
+        # FP32 ulps at |w| in [1, 2) (more at smaller weights): room, far below an adapter step (lr 1e-2)
         assert torch.allclose(resumed[k], last[k], rtol=0, atol=1e-5), k
+    # the losses (a few units: ulp 2.4e-7 in [2, 4), 4.8e-7 in [4, 8)): 1e-5 is ~20 to 40 FP32 ulps; no record
     assert _losses(tmp_path / "b")[-3:] == pytest.approx(_losses(tmp_path / "a")[-3:], rel=0, abs=1e-5)
 
 
@@ -123,7 +126,11 @@ def test_merged_export_and_peft_adapter_give_the_runs_logits(base, tmp_path):
     peft = PeftModel.from_pretrained(hf_base, folder).eval()
     gaps["peft"] = (_logits(peft, ids).logits - want).abs().max().item()
     print("largest |logit difference| against the lmforge LoRA model:", gaps)
+    # FP32, no recorded figure: merged W + (alpha / r) B A against two products, and HF's layers against
+    # lmforge's: sums of width 128 and more (~sqrt(128) x 6e-8 = 7e-7 relative) through 2 blocks, on
+    # logits of a few units: ~1e-6; 1e-5 leaves ~10x
     assert gaps["merged"] < 1e-5 and gaps["peft"] < 1e-5
+    # > 1e-3: 100x the bound above; 6 adapter steps at lr 1e-2 move the logits far more
     assert gaps["base alone"] > 1e-3  # the adapters matter: the base alone is not the run
 
 
@@ -137,6 +144,8 @@ def test_qlora_trains_in_less_memory_than_lora(base, tmp_path):
         params = sum(t.numel() * t.element_size() for t in [*run.model.parameters(), *run.model.buffers()])
         measured[quant] = (params, measure_step(run).total)
     print("parameter + buffer bytes, step peak (LoRA, QLoRA):", measured)
+    # NF4 keeps the targets' weights in 4 bits (1/8 of FP32, plus block scales), the embedding and head
+    # stay FP32: 0.5 is a loose ceiling (the figures are printed, not recorded)
     assert measured["nf4"][0] < 0.5 * measured["none"][0]
     assert measured["nf4"][1] < measured["none"][1]
     over = _over(tmp_path, steps=8, **{"lora.quantize": "nf4", "train.checkpoint_interval": 8})
@@ -148,6 +157,7 @@ def test_qlora_trains_in_less_memory_than_lora(base, tmp_path):
     cfg, _ = start("sft", base, tmp_path / "q2", overrides=over)
     train(cfg, tmp_path / "q2", resume=True, progress_bar=False, callbacks=[StopAfter(4)])
     train(cfg, tmp_path / "q2", resume=True, progress_bar=False)
+    # as in the first test: FP32 losses, 1e-5 is ~20 to 40 ulps; no recorded figure
     assert _losses(tmp_path / "q2")[-4:] == pytest.approx(losses[-4:], rel=0, abs=1e-5)
 
 
@@ -196,6 +206,8 @@ def test_dpo_with_lora_scores_against_the_frozen_base(base, tmp_path):
     train(cfg, tmp_path / "d", resume=True, progress_bar=False)
     lines = [json.loads(x) for x in (tmp_path / "d" / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "loss" in x]
+    # log 2 = 0.69314718 (0.6931472: its 7-digit rounding, 1.9e-8 off); abs 1e-6: the FP32 loss at margin 0
+    # (ulp 6e-8 at 0.69), ~16 ulps
     assert steps[0]["loss"] == pytest.approx(0.6931472, abs=1e-6) and steps[0]["rewards/margins"] == 0.0
     last = load_checkpoint(latest_checkpoint(tmp_path / "d"))["model"]
     assert all(torch.equal(first[k], last[k]) != is_adapter_key(k) for k in first)

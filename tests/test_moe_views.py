@@ -42,12 +42,14 @@ def test_tensorboard_has_each_experts_load_and_a_histogram(moe_run: Path):
         for expert in range(4):
             got = acc.Scalars(f"{key}/expert_{expert}")
             assert [e.step for e in got] == [r["step"] for r in steps]
+            # TensorBoard keeps scalars as FP32 (2^-24 = 6e-8 relative) of token counts; 1e-6 is ~16 of those
             assert [e.value for e in got] == pytest.approx([r[key][expert] for r in steps], rel=1e-6)
         assert key in histograms
         hist = acc.Histograms(key)
         assert [h.step for h in hist] == [r["step"] for r in steps]
         last = hist[-1].histogram_value
         # the histogram of the four loads: four entries, their sum and extremes the record's
+        # rel=1e-6: the histogram is of an FP32 tensor of the counts: sum and extremes within FP32 rounding
         assert last.num == 4 and last.sum == pytest.approx(sum(steps[-1][key]), rel=1e-6)
         assert (last.min, last.max) == pytest.approx((min(steps[-1][key]), max(steps[-1][key])), rel=1e-6)
     assert {"moe/layer.0/imbalance", "moe/imbalance", "moe/aux_loss", "moe/z_loss"} <= scalars
@@ -74,6 +76,7 @@ def test_plot_has_moe_panels_for_an_moe_run_only(moe_run: Path, dense_run: Path,
     steps = moe.records["step"]
     for i in (0, 1):  # max / mean of the logged loads, computed here from the lists
         load = [r[f"moe/layer.{i}/load"] for r in steps]
+        # rel=1e-6: the logged imbalance is float64 max / mean of the same integer counts (~1e-16): room
         assert drawn[f"layer {i}"] == pytest.approx([max(x) / (sum(x) / len(x)) for x in load], rel=1e-6)
     losses = next(p for p in select_panels([moe]) if p.name == "moe_balance_losses")
     assert [label for _, _, label in panel_keys(losses, moe)] == ["aux (Switch)", "router z-loss"]

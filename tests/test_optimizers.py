@@ -79,6 +79,7 @@ def test_adamw_first_steps_hand_computed():
     v = (1 - b2) * g1**2 * b2 + (1 - b2) * g2**2
     m_hat, v_hat = m / (1 - b1**2), v / (1 - b2**2)
     x = x * (1 - lr * wd) - lr * m_hat / (v_hat**0.5 + eps)
+    # rel=1e-12: float64 against the same formula in Python floats (the note above)
     assert float(p[0]) == pytest.approx(x, rel=1e-12)
 
 
@@ -86,6 +87,7 @@ def test_sgd_nesterov_hand_computed():
     lr, mu = 0.1, 0.9
     p = _one_param([1.0], [[1.0], [2.0]], lambda ps: torch.optim.SGD(ps, lr=lr, momentum=mu, nesterov=True))
     # buf1 = g1 = 1; step = g1 + mu buf1 = 1.9; buf2 = mu buf1 + g2 = 2.9; step = g2 + mu buf2 = 4.61
+    # default approx: float64 against Python floats (the note above)
     assert float(p[0]) == pytest.approx(1.0 - 0.1 * 1.9 - 0.1 * 4.61)
 
 
@@ -169,6 +171,7 @@ def test_adam_l2_decay_hand_computed():
         g = g + wd * x  # L2: the decay joins the gradient (and so the moments)
         m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
         x -= lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)) ** 0.5 + eps)
+    # rel=1e-12: float64 against Python floats (the note above test_adamw_first_steps_hand_computed)
     assert float(p[0]) == pytest.approx(x, rel=1e-12)
 
 
@@ -179,6 +182,7 @@ def test_sgd_momentum_hand_computed():
     x1 = 1.0 - lr * g1  # buf1 = g1
     g2 = 2.0 + wd * x1
     x2 = x1 - lr * (mu * g1 + g2)  # buf2 = mu buf1 + g2
+    # rel=1e-12: float64 against Python floats (the note above test_adamw_first_steps_hand_computed)
     assert float(p[0]) == pytest.approx(x2, rel=1e-12)
 
 
@@ -283,6 +287,8 @@ def test_muon_hand_computed_nesterov_and_decay():
     # the update's terms); the bound is 1% of a step (lr), far above rounding, far below a missing look-ahead
     torch.testing.assert_close(got, x, rtol=0, atol=lr * 1e-2)
     plain = _muon_steps((3, 5), grads, lr=lr, momentum=mu, weight_decay=0.0, nesterov=False, scale="none")
+    # allclose's defaults (1e-5 rel, 1e-8 abs), ~100x FP32 rounding: the runs must differ by more than
+    # rounding of equal steps
     assert not torch.allclose(plain, got)
 
 
@@ -301,11 +307,14 @@ def test_muon_update_scalings(shape):
     p0 = torch.randn(*shape)
     base = _muon_steps(shape, grads, lr=0.02, weight_decay=0.0, scale="none") - p0
     for scale, factor in want.items():
+        # default approx: a float64 formula of the shape against its hand value (rounding only)
         assert update_scale(shape, scale) == pytest.approx(factor)
         delta = _muon_steps(shape, grads, lr=0.02, weight_decay=0.0, scale=scale) - p0
         # p - p0 keeps p's FP32 rounding (half an ulp: 6e-8 at |p| < 2, here <= 1.52), and base * factor
         # base's times factor (<= 1.29): 1.4e-7 at worst. Measured 5.2e-8; the old atol (1e-7) was below
         # the worst case, 3e-7 is twice it
+        # rtol 1e-4: relative slack ~1000x FP32's ulp, still ~2000x below the >= 22% gap between any two of
+        # the distinct scale factors here (1, 0.775, 1.29, 0.447)
         torch.testing.assert_close(delta, base * factor, rtol=1e-4, atol=3e-7)
 
 
@@ -347,6 +356,7 @@ def test_muon_with_adamw_matches_torch_pair_and_routes_hidden_matrices(caplog):
     assert "muon moves 12 tensors" in log and "blocks.*.attn.q_proj.weight" in log
     assert "adamw moves" in log and "lm_head.weight" in log and "pos_embed.weight" in log
     assert [g["lr_mult"] for g in opt.param_groups if g["optimizer"] == "muon"] == [
+        # default approx: the float64 ratio 0.02 / 1e-3 (rounding only)
         pytest.approx(0.02 / 1e-3)
     ]
 
@@ -375,6 +385,7 @@ def test_muon_with_adamw_matches_torch_pair_and_routes_hidden_matrices(caplog):
     # torch's own Muon and fused AdamW kernels on both sides: measured equal; 1e-7 is one FP32 ulp at
     # |p| in [1, 2), room for a kernel that orders a sum otherwise
     for name, p in m.named_parameters():
+        # atol 1e-7: one FP32 ulp at |p| in [1, 2), see the comment above
         torch.testing.assert_close(p, ref_named[name], rtol=0, atol=1e-7, msg=name)
 
 
@@ -578,6 +589,7 @@ def test_built_optimizer_matches_reference(name):
             o.zero_grad()
     for (pname, a), b in zip(m.named_parameters(), ref_model.parameters(), strict=True):
         assert a.dtype == torch.float64
+        # 1e-10: float64, see the comment above the models
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=pname)
 
 

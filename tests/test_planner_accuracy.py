@@ -102,9 +102,11 @@ def test_the_shipped_accuracy_file_has_its_shape_and_its_summary_follows_from_it
     # rounding room (JSON numbers, a few operations)
     for c in data["cases"]:
         assert set(c["planned"]) == rows | {"phase"} and set(c["measured"]) == rows
+        # default approx: float64 on the stored figures (the comment above the loop)
         assert c["peak_error"] == pytest.approx(c["planned"]["peak"] / c["measured"]["peak"] - 1)
     errors = sorted(abs(c["peak_error"]) for c in data["cases"])
     s = accuracy_summary(data)
+    # default approx: float64 on the stored figures, as above
     assert s.cases == len(errors) >= 24 and s.max_abs_peak_error == pytest.approx(errors[-1])
     assert s.within_tolerance == sum(e <= data["tolerance"] for e in errors)
     assert s.median_abs_peak_error == pytest.approx(

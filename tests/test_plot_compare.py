@@ -193,6 +193,7 @@ def test_compare_figures_are_the_summaries(runs):
         assert row["tokens_seen"] == summary["tokens_seen"]
         assert row["wall_time_s"] == summary["wall_time_s"]
         assert row["parameters"] == summary["parameters"]
+        # rel=1e-12: a float64 mean in another order (the note at the top)
         assert row["tokens_per_s"] == pytest.approx(sum(rates) / len(rates), rel=1e-12)
 
 

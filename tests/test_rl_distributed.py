@@ -78,12 +78,15 @@ def _each_layout_equals_one_process(
         assert sorted(got) == [1, 2, 3]
         for step in want:
             for key in keys:
+                # rel / abs_: the callers' bounds, each derived where it is passed (float64 runs)
                 assert got[step][key] == pytest.approx(want[step][key], rel=rel, abs=abs_), (i, step, key)
         summary = json.loads((run / "summary.json").read_text())
         assert summary["layout"] == described
+        # rel: the callers' bound too (a float64 reward of greedy completions)
         assert summary["val_reward"] == pytest.approx(single["val_reward"], rel=rel)  # greedy, gathered copy
         b = load_checkpoint(latest_checkpoint(run))["model"]
         assert a.keys() == b.keys()
+        # 1e-11: the weights' bound, derived in the callers (Adam-grown float64 rounding)
         assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-11, described
 
 
@@ -115,6 +118,8 @@ def test_rl_trains_like_one_process_under_fsdp2_and_tensor_parallelism(pretraine
     # the step's 2; TP: both ranks the step's 2 micro-batches, each holding half of every head, MLP and
     # the vocabulary; the first rank samples and scores, the second gets its rows.
     keys = ("loss", "rl/reward_mean", "rl/kl", "rl/entropy", "rl/response_length")
+    # rel=1e-9 and the weights' 1e-11: the derivation above; abs_=1e-12: a floor for records at or near 0,
+    # where a relative bound means nothing: ~1e4 float64 roundings (1.1e-16) of terms of order 1
     _each_layout_equals_one_process(pretrained, tmp_path, over, single, keys, rel=1e-9, abs_=1e-12)
 
 
@@ -171,6 +176,8 @@ def test_ppo_trains_like_one_process_under_fsdp2_and_tensor_parallelism(pretrain
     # other sampled token would exceed it. The weights as in the test above (measured: 0 for FSDP2,
     # 1.8e-14 for TP), the value head among them.
     keys = ("loss", "rl/reward_mean", "rl/kl", "rl/value_loss", "rl/explained_variance")
+    # rel=1e-10: the derivation above; abs_=1e-13: a floor for records at or near 0, ~1e3 float64
+    # roundings (1.1e-16) of terms of order 1
     _each_layout_equals_one_process(pretrained, tmp_path, over, single, keys, rel=1e-10, abs_=1e-13)
 
 
@@ -242,11 +249,13 @@ def test_rl_with_an_moe_policy_trains_like_one_process_under_expert_parallelism(
     # unreduced over its ranks, a balance loss weighted otherwise or one other sampled token exceeds it.
     for step in want:
         for key in ("loss", "rl/reward_mean", "rl/kl", "rl/entropy", "rl/response_length", "moe/imbalance"):
+            # rel=1e-9: the derivation above; abs=1e-12: a floor for records near 0, as in the first test
             assert got[step][key] == pytest.approx(want[step][key], rel=1e-9, abs=1e-12), (step, key)
         for key in loads:  # tokens routed to each expert, summed over the ranks: counts, exactly equal
             assert got[step][key] == want[step][key], (step, key)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["layout"] == "2 processes: dp_shard=2, ep=2 (FSDP2, ZeRO-3)"
+    # rel=1e-9: as the records above (a float64 reward of greedy completions)
     assert summary["val_reward"] == pytest.approx(single["val_reward"], rel=1e-9)  # greedy, gathered copy
     b = load_checkpoint(latest_checkpoint(run))["model"]
     assert a.keys() == b.keys() and b["blocks.0.mlp.experts.gate_proj"].shape[0] == 4

@@ -100,6 +100,7 @@ def test_reward_model_scores_rl_samples_as_score_does(base, reward_run, tmp_path
         # the same FP32 model and ids in batches of the same rows: equal up to summation order, ~1e-7 of
         # rewards of order 1; 1e-5 leaves room and would still catch another token or position read
         assert rewards == pytest.approx(want, abs=1e-5)
+        # the mean of 8 such rewards: the same abs=1e-5
         assert record["rl/reward_mean"] == pytest.approx(sum(want) / len(want), abs=1e-5)
     every = [r for _, _, rewards in recorder.calls for r in rewards]
     assert max(every) - min(every) > 1e-3  # the reward tells completions apart: the check above can fail

@@ -59,6 +59,7 @@ def test_step_record_run_keys(corpus_dir, tmp_path, caplog):
     # the peak MFU divides by, logged with three significant digits (a CPU's is a few hundredths of a
     # TFLOP/s, once logged as "0.0"): half a unit of the third digit is 0.5% at most
     (logged,) = re.findall(r"mfu: against .* = (\S+) TFLOP/s per device", caplog.text)
+    # rel=5e-3: the three-digit log, see above
     assert float(logged) == pytest.approx(cpu_peak_flops() / 1e12, rel=5e-3)
     records = _step_records(run_dir)
     assert [r["step"] for r in records] == [3, 6]
@@ -138,6 +139,7 @@ def test_noise_scale_reads_the_first_micro_batch_gradient(corpus_dir, tmp_path):
     # FP32 arithmetic): measured 6e-8 and 3.9e-7 relative; 1e-4 is room for the averages' cancellation
     # (|G|^2 + S / B from two estimates of different size)
     assert sq_small == pytest.approx(_grad_sq(run, recorder.initial, recorder.batches[:1]), rel=1e-4)
+    # rel=1e-4: as above
     assert sq_big == pytest.approx(_grad_sq(run, recorder.initial, recorder.batches), rel=1e-4)
     assert sq_small > sq_big  # a third of the batch is noisier
 
@@ -145,6 +147,7 @@ def test_noise_scale_reads_the_first_micro_batch_gradient(corpus_dir, tmp_path):
 def test_memory_record_on_cpu_is_the_resident_size():
     rss = memory_record(torch.device("cpu"))["mem_rss_gib"] * 2**30
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    # 1%: room for two reads of the kernel's resident-memory counters at different moments; no measured figure
     assert 0 < rss <= peak * 1.01
 
 

@@ -26,6 +26,7 @@ def test_warmup_in_steps_or_fraction():
         if name in ("one_cycle",):
             continue
         cfg = S(name, warmup=0.1, min_lr_ratio=0.1)
+        # default approx: float64 formulas (see the note at the top)
         assert Schedule(cfg, 200)(0) == pytest.approx(1 / 20), name
         assert Schedule(cfg, 200)(19) == pytest.approx(1.0), name
     with pytest.raises(ConfigError, match=r"schedule\.warmup"):
@@ -58,6 +59,7 @@ def test_warmup_in_steps_or_fraction():
 )
 def test_formulas(name, kw, step, want):
     cfg = S(name, warmup=10, min_lr_ratio=0.1, **kw)
+    # default approx: a float64 formula against its hand value (see the note at the top)
     assert lr_multiplier(cfg, step, 110) == pytest.approx(want)
 
 
@@ -69,16 +71,19 @@ def test_wsd_shapes_and_extension():
     ]:
         cfg = S("wsd", warmup=10, min_lr_ratio=0.1, wsd={"decay_fraction": 0.2, "decay_shape": shape})
         assert lr_multiplier(cfg, 79, 100) == 1.0  # stable until D = 100 - 20 = 80
+        # default approx: float64 formulas (see the note at the top)
         assert lr_multiplier(cfg, 90, 100) == pytest.approx(mid)
         assert lr_multiplier(cfg, 100, 100) == pytest.approx(0.1)
     # a run in its stable phase extended from 100 to 200 steps: same rates so far, decay at the new end
     cfg = S("wsd", warmup=10, wsd={"decay_fraction": 0.2})
     assert [lr_multiplier(cfg, s, 100) for s in range(70)] == [lr_multiplier(cfg, s, 200) for s in range(70)]
+    # default approx: float64 formula (note at the top); the stable phase is exactly 1.0
     assert lr_multiplier(cfg, 150, 200) == 1.0 and lr_multiplier(cfg, 200, 200) == pytest.approx(0.1)
 
 
 def test_one_cycle():
     cfg = S("one_cycle", warmup=20, min_lr_ratio=0.01, one_cycle={"div_factor": 25})
+    # default approx: float64 formulas against hand values (see the note at the top)
     assert lr_multiplier(cfg, 0, 120) == pytest.approx(1 / 25)
     assert lr_multiplier(cfg, 10, 120) == pytest.approx(1 / 25 + (1 - 1 / 25) * 0.5)
     assert lr_multiplier(cfg, 20, 120) == pytest.approx(1.0)

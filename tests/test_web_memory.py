@@ -58,6 +58,7 @@ def test_memory_page_shows_lmforge_estimate(tmp_path: Path, serve, page, capsys,
     seed = estimate_cli(capsys, "--model", "llama-7b", *SEED)
     assert seed["n_params"] == 6_738_415_616
     assert_breakdown(page, seed)
+    # rel=1e-12: a float64 sum of 7 rows against the total (the note at the top)
     assert sum(figure(page, k) for k in ROWS if k.startswith("row.")) == pytest.approx(
         seed["total"], rel=1e-12
     )
@@ -171,6 +172,7 @@ def test_memory_page_says_why_the_activations_row_is_0_and_its_accuracy(
     assert figure(page, "row.activations") == 0  # ... beside an activations row of 0
     assert figure(page, "activation.total") == e["activations"]
     assert figure(page, "activation.at_peak") == 0
+    # rel=1e-12: a float64 sum of the parts against the total (the note at the top)
     assert sum(figure(page, f"activation.{k}") for k, v in e["activation_parts"].items() if v) == (
         pytest.approx(e["activations"], rel=1e-12)
     )
@@ -232,6 +234,7 @@ def test_memory_page_shows_the_activations_own_peak_blank_shares_and_readable_nu
     assert note.startswith('freed at the peak ("optimizer step")'), note
     shares = {k: page.get_attribute(f"[data-key='{k}.share']", "data-value") for k in ROWS}
     assert shares["limit"] == shares["memory_bytes"] == "" == page.text_content("[data-key='limit.share']")
+    # rel=1e-12: 7 float64 quotients row / total summed (~7 x 1.1e-16; the note at the top)
     assert sum(float(v) for k, v in shares.items() if k.startswith("row.")) == pytest.approx(1, rel=1e-12)
     assert page.get_attribute("[data-key='activations_own_peak.share']", "data-value") == ""
 

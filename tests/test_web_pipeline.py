@@ -65,6 +65,7 @@ def test_measured_bubble_of_gpipe_and_1f1b_is_the_formula():
     zero-bubble schedules idle less."""
     for schedule, m in (("gpipe", 4), ("1f1b", 4), ("1f1b", 8)):
         f = pipeline_figures(schedule, 4, m)
+        # default approx: idle / total units, a float64 quotient of integers, against the formula's
         assert f["bubble_measured"] == pytest.approx(bubble_fraction(4, m)), schedule
         assert f["makespan"] == 3 * (m + 3) and f["busy_units"] == 4 * 3 * m
     assert pipeline_figures("zero_bubble", 4, 8, 2)["bubble_measured"] < bubble_fraction(4, 8, 2)
@@ -101,6 +102,7 @@ def test_page_draws_torchs_grid_and_follows_the_controls(tmp_path: Path, serve, 
     for rank in range(3):
         assert [a for a in grid[rank] if a] == [str(a) for a in picture[rank] if "REDUCE" not in str(a)]
     assert figure(page, "bubble_formula") == bubble_fraction(4, 4)
+    # default approx: the float64 3 / 7 the page holds (a JS number), rounding only
     assert figure(page, "bubble_measured") == pytest.approx(3 / 7)
     assert page.locator("#pipeline-chart .shapelayer path").count() > 16  # the actions are drawn
     screenshot(page, "pipeline", tmp_path)

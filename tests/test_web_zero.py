@@ -72,10 +72,12 @@ def test_zero_page_shows_formulas_and_planner(tmp_path: Path, serve, page, capsy
         "zero3": 16 * psi / 8,
     }
     for kind, want in seed.items():
+        # rel=1e-12: float64 formulas in another order (the note at the top)
         assert figure(page, f"formula.{kind}.total") == pytest.approx(want, rel=1e-12), kind
     assert [figure(page, f"formula.{k}.comm_psi") for k in KINDS] == [2, 2, 2, 3]
     # the planner's zero-paper DDP, ZeRO-2 and ZeRO-3 states equal the formula (ZeRO-1: whole tensors per rank)
     for kind in ("ddp", "zero2", "zero3"):
+        # rel=1e-6: a float64 sum over ~360 tensors against the closed formula (<= 4e-14): rounding room
         assert figure(page, f"planner.{kind}.states_total") == pytest.approx(seed[kind], rel=1e-6), kind
     assert 0 < figure(page, "planner.zero1.states_total") / seed["zero1"] - 1 < 0.005
     screenshot(page, "zero", tmp_path)
@@ -88,6 +90,7 @@ def test_zero_page_shows_formulas_and_planner(tmp_path: Path, serve, page, capsy
     assert page.text_content("#zero-accuracy") == (
         f"Device total, the planner's measured accuracy: {PEAK_TEXT} (docs/memory-accuracy.md)."
     )
+    # rel=1e-12: float64 (the note at the top)
     assert figure(page, "formula.zero3.total") == pytest.approx(16 * psi / 16, rel=1e-12)
     assert_tables(page, capsys, 16, "zero-paper", 8, *flags)
 
