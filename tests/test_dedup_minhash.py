@@ -75,6 +75,7 @@ def test_detection_probability_formula_and_plan_report(tmp_path: Path):
     _, figures = run_corpus_stage(MinHashDedup(), docs, tmp_path)
     assert figures["detection_curve"] == detection_curve(14, 8)
     assert list(figures["detection_curve"]) == [f"{0.5 + 0.05 * i:.2f}" for i in range(10)]
+    # abs=1e-4: the same 4-digit figure as above (the formula gives 0.923548)
     assert figures["detection_curve"]["0.80"] == pytest.approx(0.9235, abs=1e-4)
 
 
@@ -107,6 +108,7 @@ def test_lsh_candidate_rate_follows_theory(preset: str):
         base = 2 * pairs * k
         rate = np.mean([(base + 2 * q, base + 2 * q + 1) in found for q in range(pairs)])
         expected = detection_probability(level / 20, p.bands, p.rows)
+        # bound: see the docstring (5 points ~ 3 binomial standard errors of 1.6 points)
         assert abs(rate - expected) <= 0.05, (preset, level / 20, rate, expected)
         worst = max(worst, abs(rate - expected))
     print(f"{preset}: largest gap between measured and 1-(1-s^r)^b over s=0.30..0.95: {worst:.3f}")
@@ -206,6 +208,8 @@ def test_near_duplicates_recall_on_edited_copies(tmp_path: Path):
         f"{len(originals_merged)} originals merged with each other (overlapping passages of the reference), "
         f"{len(false_merges)} of them below Jaccard 0.5; {unrelated_merged}/{len(unrelated)} unrelated merged"
     )
+    # quality bounds, not rounding: 95% recall is the docstring's target; 1% of n (>= 300 originals) allows
+    # a few merged passages of the reference below Jaccard 0.5
     assert recall >= 0.95
     assert len(false_merges) <= 0.01 * n
     assert unrelated_merged == 0

@@ -121,6 +121,7 @@ def test_part_norms_square_sum_to_the_global_norm(arch):
         norms = dict(zip(keys, part_norms(group_by_part(values, keys), CPU).tolist(), strict=True))
         outside = {n: v for n, v in values.items() if not n.startswith("blocks.")}
         outside_sq = sum(float(v.detach().pow(2).sum()) for v in outside.values())
+        # rel_tol 1e-5 (three asserts): see the comment at the top of this test (FP32 result of float64 sums)
         assert math.isclose(sum(norms[k] ** 2 for k in kinds), float(whole) ** 2, rel_tol=1e-5)
         assert math.isclose(sum(norms[k] ** 2 for k in blocks) + outside_sq, float(whole) ** 2, rel_tol=1e-5)
         block1 = [v for n, v in values.items() if n.startswith("blocks.1.")]
@@ -201,6 +202,7 @@ def test_sgd_record_matches_hand_computations(tiny_config, model):
         for i in range(cfg.model.n_layers):
             names = [n for n in grads if n.startswith(f"blocks.{i}.")]
             g, b = _norm(grads[n] for n in names), _norm(before[n] for n in names)
+            # rel_tol 1e-5 here and below: see the comment above this loop (the metrics' FP32 rounding, a few u)
             assert math.isclose(record[f"grad_norm/block.{i}"], g, rel_tol=1e-5)
             assert math.isclose(record[f"param_norm/block.{i}"], _norm(after[n] for n in names), rel_tol=1e-5)
             want = _norm(update[n] for n in names) / b
@@ -231,8 +233,10 @@ def test_sgd_record_matches_hand_computations(tiny_config, model):
                 entropies.append(float(attention_entropy(q[0], k[0], mask[0, 0], attn.scale).mean()))
                 x = block(x, rope, mask, None)
                 rms_direct = float(x.pow(2).mean().sqrt())
+                # the same bound: the metric's FP32 rounding of float64 figures (comment above the loop)
                 assert math.isclose(record[f"act_rms/block.{i}"], rms_direct, rel_tol=1e-5)
                 assert math.isclose(record[f"attn_entropy/layer.{i}"], entropies[-1], rel_tol=1e-5)
+        # the layers' mean (positive terms, no cancellation): the FP32 roundings of a few u (6e-8); 1e-6 is ~17 u
         assert math.isclose(record["attn_entropy"], sum(entropies) / len(entropies), rel_tol=1e-6)
         assert 0 < record["attn_entropy"] < math.log(cfg.data.seq_len)
     assert all(b.attn.probe is None for b in model.blocks.values())  # the capture point is off again

@@ -94,10 +94,13 @@ def test_multiple_choice_scores_equal_a_hand_computation(scorer_run, tmp_path):
         expected_acc.append(lls.index(max(lls)) == q["answer"])
         expected_norm.append(norms.index(max(norms)) == q["answer"])
         got = continuation_logprobs(model, [split_pair(tok, q["context"], c) for c in q["choices"]], 2)
+        # the same FP32 log-probs, batched with padding vs one sequence alone: reduction orders differ, a few
+        # u (6e-8) relative per token, ~1e-6 on a short continuation's sum of nats; abs 1e-4 is ~100x room
         assert [g for g, _ in got] == pytest.approx(lls, abs=1e-4)
     out = score_multiple_choice(task, model, tok, 4, None)
     assert out["acc"] == sum(expected_acc) / 3
     assert out["acc_norm"] == sum(expected_norm) / 3
+    # pytest.approx's default rel 1e-6: a float64 formula against its hand computation, exact up to rounding
     assert out["acc_stderr"] == pytest.approx(math.sqrt(out["acc"] * (1 - out["acc"]) / 2))
 
 
@@ -136,6 +139,7 @@ def test_acc_norm_divides_by_the_choices_length_in_bytes():
 def test_standard_error_is_the_binomial_formula():
     outcomes = [1, 1, 1, 0, 1, 0, 0, 1, 1, 1]
     acc = sum(outcomes) / len(outcomes)
+    # pytest.approx's default rel 1e-6 (both asserts): float64 formulas, exact up to rounding
     assert binomial_stderr(acc, len(outcomes)) == pytest.approx(
         statistics.stdev(outcomes) / math.sqrt(len(outcomes))
     )
@@ -241,10 +245,14 @@ def test_eval_tasks_on_a_tiny_run_writes_the_scores_and_compare_shows_them(score
     result = json.loads(out)
     nl = result["tasks"]["stdlib_next_line"]
     assert nl["n"] == 6 and nl["metric"] == "acc" and 0 <= nl["acc"] <= 1
+    # pytest.approx's default rel 1e-6: a float64 formula against its hand computation, exact up to rounding
     assert nl["stderr"] == pytest.approx(math.sqrt(nl["acc"] * (1 - nl["acc"]) / 5))
     held = result["tasks"]["held"]
     files = evaluate_files(run, [str(tmp_path / "held.jsonl")], CPU)
     n_bytes = sum(len(t["text"].encode()) for t in text)
+    # the same FP32 windows through score(), by eval --tasks and by evaluate_files (batch sizes may differ):
+    # equal up to reduction order; rel 1e-6 (~8 FP32 eps of 1.2e-7) is room; bits per byte: a float64 formula
+    # on that loss
     assert held["loss"] == pytest.approx(files["loss"], rel=1e-6)
     assert held["bits_per_byte"] == pytest.approx(
         files["loss"] * files["targets"] / (math.log(2) * n_bytes), rel=1e-6

@@ -134,16 +134,21 @@ def test_statistics_match_a_hand_computation(toy):
     }  # every run trained the same tokens: the loss at equal tokens is the final loss
     a, b = finals[ARMS[0]], finals[ARMS[1]]
     rows = res["metrics"]["val_loss"]["arms"]
+    # float64: fsum mean of 2 losses vs statistics' exact mean: <= 1 ulp (2e-16); rel 1e-12 is margin
     assert rows[ARMS[0]]["mean"] == pytest.approx(statistics.mean(a), rel=1e-12)
+    # x - mean cancels to the seed spread: error ~2.2e-16 x loss / spread in float64, under 1e-9 for spreads > ~1e-6
     assert rows[ARMS[0]]["sd"] == pytest.approx(statistics.stdev(a), rel=1e-9)
     assert rows[ARMS[1]]["n"] == 2
     va, vb = statistics.variance(a) / 2, statistics.variance(b) / 2
     row = rows[ARMS[1]]
+    # diff, t, df: the same cancellation (means ~1 ulp each, difference at the arms' spread); p: our continued
+    # fraction vs scipy's on those t and df (rel 1e-8: 10x the t bound, the p slope at df ~1 amplifies little)
     assert row["diff"] == pytest.approx(statistics.mean(b) - statistics.mean(a), rel=1e-9)
     assert row["t"] == pytest.approx((statistics.mean(b) - statistics.mean(a)) / math.sqrt(va + vb), rel=1e-9)
     assert row["df"] == pytest.approx((va + vb) ** 2 / (va**2 + vb**2), rel=1e-9)  # n - 1 = 1
     assert row["p"] == pytest.approx(scipy_stats.ttest_ind(b, a, equal_var=False).pvalue, rel=1e-8)
     # the target defaults to the baseline arm's mean final loss
+    # the same fsum mean of 2 float64 losses: <= 1 ulp; rel 1e-12 is margin
     assert res["target"] == pytest.approx(statistics.mean(a), rel=1e-12)
     assert res["equal_tokens"] == 5 * 4 * 32
 
@@ -204,6 +209,9 @@ def test_welch_by_hand():
     # means 5/2 and 21/4; variances 5/3 and 107/12; squared standard errors 5/12 and 107/48
     va, vb = 5 / 12, 107 / 48
     w = welch_test(a, b)
+    # fsum means of small integers are exact: the difference 11/4 is exact, 1e-15 is a few ulps of room;
+    # t and df: a handful of float64 operations (0.5 ulp each): ~1e-15, rel 1e-14 is margin;
+    # p: our continued fraction (stops at steps of 1e-15) vs scipy's, both float64 through exp(lgamma): ~1e-14
     assert w.diff == pytest.approx(21 / 4 - 5 / 2, rel=1e-15)
     assert w.t == pytest.approx((21 / 4 - 5 / 2) / math.sqrt(va + vb), rel=1e-14)
     assert w.df == pytest.approx((va + vb) ** 2 / (va**2 / 3 + vb**2 / 3), rel=1e-14)
@@ -216,9 +224,12 @@ def test_one_sample_by_hand():
     # so p = 1 - t / sqrt(t^2 + 2) = 1 - sqrt(12 / 14)
     r = one_sample_test([1.0, 2.0, 3.0])
     assert (r.diff, r.df) == (2.0, 2.0)
+    # t = 2 / (1 / sqrt 3) in a few float64 operations: ~1e-15; p = 1 - 0.926 cancels 13x over the continued
+    # fraction's 1e-15 stop: ~1e-14, rel 1e-10 is margin
     assert r.t == pytest.approx(2 * math.sqrt(3), rel=1e-14)
     assert r.p == pytest.approx(1 - math.sqrt(12 / 14), rel=1e-10)
     shifted = one_sample_test([1.5, 2.5, 3.5], mu=0.5)  # the same test moved by mu
+    # shifting by 0.5 is exact in binary: the same t and p up to the rounding of mean - mu (~1e-16)
     assert shifted.t == pytest.approx(r.t, rel=1e-14) and shifted.p == pytest.approx(r.p, rel=1e-12)
     assert one_sample_test([1.0]).p is None and one_sample_test([2.0, 2.0]).p is None
 
@@ -230,12 +241,15 @@ def test_one_sample_by_hand():
      (2.660, 60, 0.01), (3.291, 1e6, 0.001)],
 )  # fmt: skip
 def test_t_distribution_against_tables(t, df, p):
+    # tables print t to 3 decimals: t +- 5e-4 moves p by 2 pdf(t) 5e-4, up to 1.8e-3 of p at (3.291, 1e6)
     assert t_two_sided_p(t, df) == pytest.approx(p, rel=2e-3)
     assert t_two_sided_p(-t, df) == t_two_sided_p(t, df)
 
 
 def test_t_distribution_against_scipy_at_fractional_df():
     rng = random.Random(0)
+    # float64 both: lgamma terms up to ~80 at df 60 carry ~1e-14 through exp; 1e-9 is margin for the two stopping
+    # rules, abs 1e-15 for p near 0. betainc: the exact decimal 0.5248, abs=1e-12 is float64 rounding room
     for _ in range(300):
         t, df = rng.uniform(-8, 8), rng.uniform(1.0, 60.0)
         assert t_two_sided_p(t, df) == pytest.approx(2 * scipy_stats.t.sf(abs(t), df), rel=1e-9, abs=1e-15)
@@ -259,6 +273,7 @@ def test_chart_draws_each_arms_mean_and_spread(tmp_path):
     fig = experiment_chart(curves, {"a": [5.0, 5.4], "b": [4.0, 4.2]}, tmp_path / "e.png", "toy")
     left, right = fig.axes
     means = {line.get_label(): list(line.get_ydata()) for line in left.get_lines()}
+    # pytest.approx's default rel 1e-6 here and below: float64 means and sd of one-decimal numbers vs hand decimals
     assert means["a (n=2)"] == pytest.approx([6.1, 5.2]) and means["b (n=2)"] == pytest.approx([6.0, 4.1])
     band = left.collections[0].get_paths()[0].vertices[:, 1]  # mean +- sd; lowest at step 4
     assert min(band) == pytest.approx(5.2 - statistics.stdev([5.0, 5.4]))

@@ -132,6 +132,8 @@ def test_cli_lr_find_sweeps_suggests_and_leaves_nothing_behind(prepared, tmp_pat
     lr = curve["suggestion"]["lr"]
     assert math.isfinite(lr) and start <= lr <= end
     assert f"--optim.lr={lr:.3g}" in r.stdout
+    # pytest.approx's default rel 1e-6 (here and below): float64 values read back from JSON (an exact round
+    # trip) against start and against smooth() on the recorded losses: rounding only
     assert curve["lrs"][0] == pytest.approx(start)
     assert curve["stopped_early"]  # lr 100 on a tiny Adam model diverges before the end of the sweep
     assert len(curve["lrs"]) < 40 and curve["stop_lr"] <= end
@@ -156,6 +158,7 @@ def test_range_test_puts_model_and_optimizer_back(prepared):
     optim_before = copy.deepcopy(optimizer.state_dict())
     rng_before = torch.get_rng_state()
     result = range_test(module, optimizer, lambda: [loader.next_batch()], cfg.lr_find, clipper, fp32)
+    # pytest.approx's default rel 1e-6: the float64 geometric sweep's last point, 1.0 up to rounding of exp/log
     assert len(result.lrs) == 12 and result.lrs[-1] == pytest.approx(1.0)
     assert len(set(result.losses)) > 1  # it did train
     after = model.state_dict()

@@ -50,6 +50,7 @@ def test_stage_layers_contiguous_and_even():
 
 def test_bubble_fraction():
     assert bubble_fraction(1, 8) == 0.0
+    # pytest.approx default rel 1e-6 (here and below): float64 rounding only, see "Tolerances" at the top
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert bubble_fraction(2, 4) == pytest.approx(0.2)
     assert bubble_fraction(4, 8, v=2) == pytest.approx(3 / 19)

@@ -19,6 +19,9 @@ def test_advantages_by_hand():
         row = REWARDS[g]
         mean, std = row.mean(), row.std(ddof=1)
         grpo = group_advantages(r, "grpo")[g].numpy()
+        # here and below: advantages are FP32 (u = 6e-8) vs float64: input rounding and a 4-term mean, ~u max|r|
+        # / |r - mean| = 6e-8 x 0.9 / 0.15 = 4e-7 (row 1; row 0 is exact in FP32), rtol 1e-6 is ~2.5x that;
+        # atol 1e-7 (~2u at |r| <= 1) for differences near 0
         np.testing.assert_allclose(grpo, (row - mean) / (std + 1e-4), rtol=1e-6)
         np.testing.assert_allclose(
             group_advantages(r, "dr_grpo")[g].numpy(), row - mean, rtol=1e-6, atol=1e-7
@@ -63,6 +66,7 @@ def test_grpo_losses_equal_hand_computation():
     dapo = [tokens[0:2].sum() / lengths[0:2].sum(), tokens[2:4].sum() / lengths[2:4].sum()]
     for variant, expected in (("grpo", grpo), ("dr_grpo", dr), ("dapo", dapo)):
         parts = _loss(variant)
+        # float64 losses of <= 3-token rows, the same formulas in torch and numpy: ~1e-15; rtol 1e-12 is margin
         np.testing.assert_allclose(parts.groups.detach().numpy(), expected, rtol=1e-12, err_msg=variant)
         np.testing.assert_allclose(float(parts.kl_sum), kl.sum(), rtol=1e-12)
     # the clip binds where rho leaves [0.8, 1.2] on the side the advantage points to
@@ -78,6 +82,7 @@ def test_rloo_loss_equals_hand_computation():
     surrogate = -np.minimum(rho * ADV, np.clip(rho, 1 - EPS, 1 + EPS) * ADV)
     per_seq = surrogate + BETA * kl.sum(1)
     parts = _loss("rloo")
+    # float64, as above: ~1e-15 of rounding, rtol 1e-12 is margin
     np.testing.assert_allclose(
         parts.groups.detach().numpy(), [per_seq[0:2].mean(), per_seq[2:4].mean()], rtol=1e-12
     )
@@ -98,5 +103,6 @@ def test_ratio_one_still_gives_the_policy_gradient():
     )
     parts.groups.sum().backward()
     expected = -ADV[:, None] * MASK / MASK.sum(1, keepdims=True) / 2
+    # ratio exp(0) = 1 exactly: the gradient is -A m / (|o| G) up to a rounding or two in float64 (~1e-16)
     np.testing.assert_allclose(logp.grad.numpy(), expected, rtol=1e-12)
     assert float(parts.clipped) == 0

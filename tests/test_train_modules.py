@@ -189,6 +189,7 @@ def test_rl_module_adds_the_moe_balance_losses_and_reports_the_routing():
         # gradients are summed in FP32 (2^-24 ~ 6e-8 relative) before reaching the float64 weights; measured
         # 1.6e-7 of each tensor's largest entry at most (3 FP32 roundings). 1e-5 of it leaves 60x room and
         # fails on a balance loss left out (a difference of the whole entry) or weighted 2 / 4 otherwise
+        # (+ 1e-15: where the balance loss adds nothing, want is 0 and the difference must be 0 up to float64 rounding)
         atol = 1e-5 * float(want.abs().max()) + 1e-15
         assert torch.allclose(with_aux[name] - without[name], want, rtol=0, atol=atol), name
     # the routing counters: the last step's assignments only (top_k 2 per position of the rows)

@@ -77,6 +77,7 @@ def close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = TOL) ->
     got, want = full(got).detach(), want.detach()
     if got.shape == want.shape:
         WORST["diff"] = max(WORST["diff"], (got - want).abs().max().item())
+    # tol: TOL unless a caller passes another (the float64 bound derived at TOL above)
     if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol):
         diff = (got - want).abs().max().item() if got.shape == want.shape else f"shape {tuple(got.shape)}"
         raise AssertionError(f"{name}: tensor-parallel differs from single-process (max |diff| {diff})")
