@@ -82,6 +82,8 @@ def test_rl_trains_with_kl_zero_at_step_one_and_resumes_exactly(pretrained, tmp_
     train(cfg_b, tmp_path / "b", resume=True, progress_bar=False)
     a = load_checkpoint(latest_checkpoint(tmp_path / "a"))["model"]
     b = load_checkpoint(latest_checkpoint(tmp_path / "b"))["model"]
+    # FP32 resume replays the same ops (the rewards match exactly below); a lost or repeated step moves
+    # weights by ~lr = 3e-3 (AdamW), 300x the 1e-5 bound: rounding room, not a measured figure
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
     after = [r for r in _records(tmp_path / "b") if "rl/kl" in r]
     assert [r["rl/reward_mean"] for r in after] == [r["rl/reward_mean"] for r in steps]
