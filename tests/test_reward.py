@@ -135,6 +135,7 @@ def test_heldout_pairwise_accuracy_above_0_9(reward_run):
     held = {json.loads(x)["prompt"] for x in (run.parent / "val.jsonl").read_text().splitlines()}
     assert held and not seen & held  # held-out pairs were never trained on
     print("held-out accuracy", summary["val_rewards/accuracies"], "margin", summary["val_rewards/margins"])
+    # docs/post-training.md: measured 1.000 (37 of 37 held-out pairs, 2-core Xeon with AMX); > 0.9 lets 3 fail
     assert summary["val_rewards/accuracies"] > 0.9
     assert summary["val_rewards/margins"] > 0
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
