@@ -82,6 +82,8 @@ def test_ddp_compression_hooks(tmp_path):
     # DDP rebuilt its buckets under the restored state; without the state the run differs
     assert got["comm_files"] == ["rank_00000.pt", "rank_00001.pt"]
     assert got["resume"]["diff"] == 0.0 and losses["resumed"] == losses["powersgd"], got["resume"]
+    # a floor, not a fit: losing the hook's state must show; 3 AdamW steps at lr 1e-2 move weights by ~1e-2,
+    # FP32 rounding by ~1e-7: 1e-3 lies between (not measured here)
     assert got["resume"]["relaid"] >= 1 and got["resume"]["without_state"] > 1e-3, got["resume"]
     # differential checkpoints over 2 ranks (train/checkpoint.py): a key is unchanged only if no rank saw
     # it change; after one matrix changed only it is written, and the state is restored bitwise

@@ -96,6 +96,7 @@ def test_sigmoid_loss_by_hand():
     losses, chosen, rejected = preference_loss(PC, PR, RC, RR, beta=0.5)
     # beta*h = 1 and -0.25: -log sigmoid(x) = log(1 + e^-x)
     torch.testing.assert_close(losses, t64(math.log(1 + math.exp(-1)), math.log(1 + math.exp(0.25))))
+    # float64 default tolerances: see the note above PC
     torch.testing.assert_close(losses, t64(0.3132616875182228, 0.8259394198788436))
     torch.testing.assert_close(chosen, t64(0.5, 0.0))  # 0.5 * (pc - rc)
     torch.testing.assert_close(rejected, t64(-0.5, 0.25))  # 0.5 * (pr - rr)
@@ -106,6 +107,7 @@ def test_sigmoid_label_smoothing_by_hand():
     # 0.9 * log(1 + e^-x) + 0.1 * log(1 + e^x) with x = 1 and -0.25
     pair0 = 0.9 * 0.3132616875182228 + 0.1 * 1.3132616875182228
     pair1 = 0.9 * 0.8259394198788436 + 0.1 * 0.5759394198788436
+    # float64 default tolerances: see the note above PC
     torch.testing.assert_close(losses, t64(pair0, pair1))
     torch.testing.assert_close(losses, t64(0.4132616875182228, 0.8009394198788436))
 
@@ -113,6 +115,7 @@ def test_sigmoid_label_smoothing_by_hand():
 def test_ipo_loss_by_hand():
     losses, chosen, rejected = preference_loss(PC, PR, RC, RR, beta=0.25, loss="ipo")
     # target 1 / (2 * 0.25) = 2: (2 - 2)^2 = 0 and (-0.5 - 2)^2 = 6.25
+    # float64 default tolerances (see the note above PC); these values are exact in binary
     torch.testing.assert_close(losses, t64(0.0, 6.25))
     torch.testing.assert_close(chosen, t64(0.25, 0.0))
     torch.testing.assert_close(rejected, t64(-0.25, 0.125))
@@ -154,6 +157,7 @@ def test_sequence_logps_agree_with_next_token_loss():
     torch.testing.assert_close(-logps.sum(), loss_sum, rtol=1e-6, atol=0)
     for i in range(5):  # each row's sum is that row's own loss (<= 26 tokens: 26 u = 1.5e-6; measured equal)
         row_loss, _ = NextTokenLoss(model, chunk=0)(x[i : i + 1], y[i : i + 1])
+        # rtol 1e-5: ~7x the 26 u worst case above; atol 1e-6 is far below row sums of tens
         torch.testing.assert_close(-logps[i], row_loss, rtol=1e-5, atol=1e-6)
 
 
@@ -205,6 +209,7 @@ def test_gradients_vanish_as_beta_goes_to_zero(loss):
         batch = stack_pairs(pairs[:4], SEQ, ref=ref[:4])
         obj.forward_backward(batch, batch.n_targets, 1, FP32)
         norms[beta] = _grad_norm(model)
+    # a floor, not a fit: the beta = 0.1 gradient must be live (not zero) for the ratio below to mean anything
     assert norms[0.1] > 1e-4
     if loss == "ipo":  # the target 1/(2 beta) grows as beta shrinks: the pull gets stronger, not weaker
         assert norms[1e-8] > norms[0.1]
@@ -225,6 +230,7 @@ def test_identical_responses_give_zero_margin_and_log2():
     # rounding, 3e-8; measured equal) and the margin 0 (measured 0)
     torch.testing.assert_close(loss, torch.tensor(LOG2), rtol=1e-6, atol=0)
     m = obj.take_metrics()
+    # h = 0 exactly (see above), so the margin is 0 (measured 0); abs 1e-7 is FP32 rounding room
     assert m["rewards/margins"] == pytest.approx(0.0, abs=1e-7) and m["rewards/accuracies"] == 0.0
     # 0.1 x 0.7 from FP32 log-probabilities near -30 minus (them - 0.7): cancellation leaves ulp(30) = 1.9e-6
     # of 0.7, 2.7e-6 relative; measured 2.4e-7. 1e-4 is 37x the worst case
@@ -406,6 +412,8 @@ def test_reference_logps_split_over_ranks_sum_to_the_whole():
     assert (whole < 0).all() and policy.training  # mode given back
     one = stack_pairs(pairs[2:3], SEQ)
     with torch.no_grad():
+        # the row alone or in a batch: FP32 sums of <= 26 tokens as above (26 u = 1.5e-6 worst case, random
+        # walk sqrt(26) u = 3e-7); measured equal
         np.testing.assert_allclose(
             policy(one.inputs, one.targets).numpy(), whole[2], rtol=1e-6
         )  # measured equal
@@ -426,4 +434,5 @@ def test_rows_are_padded_to_the_longest_pair_and_score_as_full_rows():
     full += [pair_row(p.rejected_ids, p.rejected_mask, 200) for p in pairs]
     x, y, d = (torch.from_numpy(np.stack(c)) for c in zip(*full, strict=True))
     scorer = SequenceLogps(model, chunk=16)
+    # default FP32 tolerances (rtol 1.3e-6 = 22 u, atol 1e-5): the same rows at another padded width
     torch.testing.assert_close(scorer(short.inputs, short.targets, short.doc_ids), scorer(x, y, d))

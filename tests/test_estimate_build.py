@@ -94,6 +94,7 @@ def test_build_peak_per_layout(layout: Layout, ranks: list):
     # the estimate reports every rank's build with the framework's overhead (GPU: 1 GiB + 5%)
     e = estimate(_work(tokens_per_step=layout.micro_batch * T * layout.dp), layout, H100)
     want = [(s + t + b) * 1.05 + GIB for s, t, b in ranks]
+    # float64 byte counts: see the Tolerances note at the top (rel 1e-12 against ~1e-16 rounding)
     assert e.pp_rank_build_totals == pytest.approx(want, rel=1e-12)
     assert e.build_total == pytest.approx(max(want), rel=1e-12) and e.peak >= e.build_total
 
@@ -109,6 +110,7 @@ def test_llama_65b_on_64_gpus_reports_the_sharded_build():
     assert e.build.shards == 4 * p / 64 == 4_080_353_792
     assert e.build.temporary == 4 * 32_000 * 8_192 * (1 + 1 / 64) == 1_064_960_000
     assert e.build.ddp_buckets == 0
+    # approx default rel 1e-6 on float64 byte counts: see the Tolerances note at the top
     assert e.build_total == pytest.approx((4_080_353_792 + 1_064_960_000) * 1.05 + GIB)
     assert e.peak_source == "step" and e.peak == e.total > e.build_total  # activations of 2,048 tokens
 
@@ -128,6 +130,7 @@ def test_cli_shows_the_build_in_text_and_json(estimate_command):
     assert code == 0, err
     e = json.loads(text)["estimate"]
     assert e["build"] == {"shards": 4_080_353_792, "temporary": 1_064_960_000, "ddp_buckets": 0}
+    # approx default rel 1e-6: the JSON's float64 byte count, see the Tolerances note at the top
     assert e["build_total"] == pytest.approx(build) and e["peak_source"] == "step"
     assert e["peak"] == e["total"]
 
@@ -149,6 +152,7 @@ def test_the_build_can_set_the_peak_and_the_estimate_says_so():
     e = estimate(work, Layout(dp_shard=32, tp=2), H100)
     assert param_count(WIDE, 131_072, 64) == WIDE_P
     assert e.build.total == WIDE_BUILD == 1_099_563_392 and e.build.shards == WIDE_SHARDS
+    # approx default rel 1e-6 on float64 byte counts: see the Tolerances note at the top
     assert e.peak_source == "build" and e.peak == e.build_total == pytest.approx(WIDE_BUILD * 1.05 + GIB)
     assert e.build_total > e.total
     (warning,) = [w for w in e.warnings if "build" in w]
@@ -189,6 +193,7 @@ def test_defer_grad_sync_keeps_unsharded_fp32_gradients_and_reduces_once(zero: i
     assert deferred.peak_phase.endswith(", unsharded gradients accumulating")
     assert deferred.gradients_at_peak == 4 * P
     assert deferred.states == plain.states  # at rest (and in the optimizer step) the gradients are sharded
+    # approx default rel 1e-6 on float64 byte counts: see the Tolerances note at the top
     assert deferred.total - plain.total == pytest.approx((4 * P - P) * 1.05)  # + the allocator's 5%
     assert plain.dp_collectives["reduce_scatter"] == ACCUM and deferred.dp_collectives["reduce_scatter"] == 1
     assert plain.comm.dp - deferred.comm.dp == pytest.approx(3 * 0.75 * 4 * P)
@@ -206,6 +211,7 @@ def test_zero2_gathers_once_per_step_and_zero3_for_every_forward_and_backward():
     }
     assert z3.dp_collectives["all_gather_forward"] == z3.dp_collectives["all_gather_backward"] == ACCUM
     # bytes: one FP32 gather of P over 4 ranks, 4 reduce-scatters of the FP32 gradients
+    # approx default rel 1e-6 on float64 byte counts: see the Tolerances note at the top
     assert z2.comm.dp == pytest.approx(0.75 * 4 * P * (1 + ACCUM))
     root = EMBED + 64  # the embedding and final norm, gathered once per micro-batch
     assert z3.comm.dp == pytest.approx(0.75 * 4 * (ACCUM * P + ACCUM * (P - root) + ACCUM * P))
@@ -279,6 +285,7 @@ def test_fused_loss_temporaries_and_vocabulary_parallel_traffic():
     chunked = comm.tp_volume(2, 2, tokens, d, 1000, 2, loss="chunked")
     # the FP32 hidden states all-gathered, their FP32 gradient and 20 bytes of statistics per token
     # (the row maximum in FP32, the sum of exponentials and the target logit in FP64) all-reduced
+    # approx default rel 1e-6 on float64 byte counts: see the Tolerances note at the top
     assert fused - blocks == pytest.approx(
         frac * 4 * tokens * d + 2 * frac * 4 * tokens * d + 2 * frac * 20 * tokens
     )

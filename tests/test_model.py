@@ -55,6 +55,7 @@ def test_initialisation():
     # 1.4e-5 (o_proj), 6.9e-6 (fc_out). Measured (seed 0): +2.1e-5, +2.1e-5, +8e-7. The bounds are 18, 14
     # and 29 standard errors; a missing 1/sqrt(2L) would be off by 0.015
     assert abs(m.blocks[0].attn.q_proj.weight.std().item() - 0.02) < 1e-3
+    # the bounds of the next two: 14 and 29 standard errors, see above
     assert abs(m.blocks[0].attn.o_proj.weight.std().item() - 0.02 / math.sqrt(16)) < 2e-4
     assert abs(m.blocks[3].mlp.fc_out.weight.std().item() - 0.02 / math.sqrt(16)) < 2e-4
     assert (m.blocks[0].attn.q_proj.bias == 0).all() and (m.blocks[0].attn_norm.weight == 1).all()
@@ -85,9 +86,11 @@ def test_changing_one_document_leaves_the_others_unchanged(arch):
     # EPYC with AVX-512-BF16); 1e-6 is ~8 FP32 ulps of these logits (< 1), room for a kernel that blocks
     # the keys by content. A leak across documents moves them by 0.03 to 0.8 (the asserts below)
     torch.testing.assert_close(a[0, keep], b[0, keep], rtol=0, atol=1e-6)
+    # allclose's defaults (rtol 1e-5, atol 1e-8): the changed document's logits move by 0.03 to 0.8 (above)
     assert not torch.allclose(a[0, ~keep], b[0, ~keep])
     # and without the mask, later documents do see the change
     c, d = m.logits(m(x)), m.logits(m(y))
+    # the same defaults, far below the 0.03 to 0.8 the change moves logits that see it (see above)
     assert not torch.allclose(c[0, 18:], d[0, 18:])
 
 

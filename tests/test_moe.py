@@ -65,6 +65,8 @@ def test_experts_kernel_equals_plain_loop(kernel):
     group = [0] * 4 + [2] * 7
     ref = torch.stack([plain_expert(xr[i], *(p[g] for p in params)) for i, g in enumerate(group)])
     ref.backward(grad)
+    # FP32: kernel and per-row reference sum the same 16- and 8-term products in other orders, three matmuls
+    # deep: ~1e-6 on values ~1 (u = 6e-8, ~sqrt(16) u a product); 1e-5 leaves ~10x, gradients included
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(got, [xr.grad] + [p.grad for p in params], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -91,6 +93,7 @@ def test_auto_kernel_takes_grouped_mm_only_where_it_runs():
             plain_expert(x[2:], *(p[1] for p in experts.parameters())),
         ]
     )
+    # default float64 tolerances (rtol 1e-7, atol 1e-7): the loop runs the reference's float64 ops: rounding
     torch.testing.assert_close(experts(x, counts, "auto"), want)  # float64, 6 wide: the loop
 
 
@@ -112,6 +115,7 @@ def test_layer_equals_per_token_reference_with_both_kernels():
         outs[kernel] = layer(x)
         outs[kernel].sum().backward()
         assert layer.router.weight.grad.abs().sum() > 0 and layer.experts.gate_proj.grad.abs().sum() > 0
+    # FP32, the two kernels on the same inputs: the same sums in other orders (~1e-6, as above); 10x margin
     torch.testing.assert_close(outs["grouped_mm"], outs["loop"], atol=1e-5, rtol=1e-5)
     e = layer.experts
     with torch.no_grad():
@@ -125,6 +129,7 @@ def test_layer_equals_per_token_reference_with_both_kernels():
                     for i in top
                 )
             )
+    # FP32 loop against a per-token reference (2 experts weighted, summed): ~1e-6 as above; 10x margin
     torch.testing.assert_close(outs["loop"].detach().reshape(-1, 16), torch.stack(ref), atol=1e-5, rtol=1e-5)
 
 
@@ -133,15 +138,19 @@ def test_routing_top_k_and_score_normalisation():
     soft = logits.softmax(-1)
     experts, weights = route(soft, 2, normalize=False)
     assert experts.tolist() == [[0, 2], [1, 0]]
+    # default FP32 tolerances (rtol 1.3e-6, atol 1e-5): route gathers the very softmax values: rounding only
     torch.testing.assert_close(weights, torch.stack([soft[0, [0, 2]], soft[1, [1, 0]]]))
     sig = logits.sigmoid()
     experts, weights = route(sig, 2, normalize=True)
     s = 1 / (1 + math.exp(-2.0)), 1 / (1 + math.exp(-1.0))
+    # FP32 sigmoid and normalisation against float64 math.exp: a few ulp (~2e-7 relative), inside the default
+    # tolerances of FP32 assert_close (rtol 1.3e-6) and allclose (rtol 1e-5)
     torch.testing.assert_close(weights[0], torch.tensor([s[0], s[1]]) / (s[0] + s[1]))
     assert torch.allclose(weights.sum(-1), torch.ones(2))
     # the bias changes the choice, never the weight
     experts, weights = route(soft, 1, normalize=False, bias=torch.tensor([0.0, 0.0, 10.0]))
     assert experts.tolist() == [[2], [2]]
+    # default FP32 tolerances: the bias changes the choice only, the weight is the same gathered softmax value
     torch.testing.assert_close(weights[:, 0], soft[:, 2])
 
 
@@ -183,8 +192,10 @@ def test_balance_losses_against_hand_computation():
     seq1 = 2 / 2 * (2 * 0.65 + 0 * 0.35)
     seq2 = 2 / 2 * (1 * 0.55 + 1 * 0.45)
     got = sequence_aux_loss(probs.view(2, 2, 2), experts.view(2, 2, 1), 2).item()
+    # pytest.approx's default rel 1e-6: an FP32 loss of a few ops against its float64 hand value (~1e-7)
     assert got == pytest.approx((seq1 + seq2) / 2)
     logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
+    # the same default rel 1e-6: an fp32 logsumexp squared and averaged against the float64 hand value
     assert router_z_loss(logits).item() == pytest.approx((math.log(2) ** 2 + math.log(4) ** 2) / 2)
 
 
@@ -201,6 +212,7 @@ def test_aux_loss_reaches_the_router_and_is_taken_once():
         + 0.25 * sequence_aux_loss(probs.view(2, 6, 4), experts.view(2, 6, 2), 4)
         + 0.1 * router_z_loss(logits)
     )
+    # default FP32 tolerances: the same loss functions on fp32 logits recomputed here, a few ulp apart at most
     torch.testing.assert_close(aux, expected)
     aux.backward()
     assert layer.router.weight.grad.abs().sum() > 0
@@ -239,7 +251,10 @@ def balance(layer: MoE, steps: int, optimizer=None) -> list[float]:
 def test_aux_loss_free_bias_balances_a_skewed_router():
     layer = skewed_layer(bias_update_rate=0.01)
     ratios = balance(layer, 100)
+    # the start is skewed: max/mean measured 2.8 (docs/moe.md); 2.5 is 62% of the tokens on one of 4 experts
     assert ratios[0] > 2.5
+    # balanced: 512 tokens, 128 an expert; a uniform router's spread sqrt(128 x 3/4) = 9.8 tokens puts
+    # max/mean near 1.1, and 1.3 is ~4 such spreads above the mean
     first = next(i for i, r in enumerate(ratios) if r < 1.3)
     assert first <= 60  # measured: step 42 (torch 2.13, CPU)
     assert sorted(ratios[60:])[20] < 1.3  # and it stays balanced: the median of the last 40 steps
@@ -249,6 +264,7 @@ def test_aux_loss_free_bias_balances_a_skewed_router():
 def test_switch_aux_loss_alone_balances_a_skewed_router():
     layer = skewed_layer(aux_loss=1.0)
     ratios = balance(layer, 100, torch.optim.Adam([layer.router.weight], lr=0.02))
+    # as above: the skewed start (measured 2.8) and 1.3 for balanced
     assert ratios[0] > 2.5
     assert next(i for i, r in enumerate(ratios) if r < 1.3) <= 50  # measured: step 34
     assert sorted(ratios[60:])[20] < 1.3
@@ -272,6 +288,7 @@ def test_checkpointed_block_counts_its_routing_once():
         grads.append(model.blocks[0].mlp.router.weight.grad.clone())
         assert take_aux_loss(model) is None  # the recomputation set no second loss
     assert loads[0].sum() == 16 * 2 and torch.equal(loads[0], loads[1])
+    # default FP32 tolerances: the checkpointed block recomputes the same FP32 ops (rounding at most)
     torch.testing.assert_close(grads[0], grads[1])
 
 
@@ -337,6 +354,7 @@ def test_tiny_moe_run_learns_logs_routing_and_resumes_its_bias(corpus_dir, tmp_p
     d, f, t = 32, 128, cfg.data.seq_len
     n = vocab * d + 2 * (4 * d * d + 2 * d + 4 * d + 2 * 3 * d * f) + d
     flops = last["mfu"] * last["peak_tflops"] * 1e12 / last["tokens_per_s"]
+    # float64: mfu = tokens/s x FLOPs per token / peak undone by a few float64 ops (~1e-15); rel 1e-9 is room
     assert flops == pytest.approx(6 * n + 12 * 2 * d * t, rel=1e-9)
     train(cfg, tmp_path / "resumed", progress_bar=False, callbacks=[StopAfter(10)])
     train(cfg, tmp_path / "resumed", resume=True, progress_bar=False)

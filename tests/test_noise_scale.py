@@ -45,6 +45,7 @@ def test_exact_expectations_give_exact_values():
     g_sq, trace = 2.5, 40.0
     sq = {b: g_sq + trace / b for b in (8, 32)}  # E|G_B|^2 = |G|^2 + tr(Sigma) / B
     assert true_grad_sq(8, sq[8], 32, sq[32]) == pytest.approx(g_sq)
+    # the same default (see the note above): float64 formulas on exact inputs, rounding only
     assert noise_trace(8, sq[8], 32, sq[32]) == pytest.approx(trace)
     assert critical_batch(trace, g_sq) == pytest.approx(16.0)
     assert math.isnan(critical_batch(trace, 0.0))
@@ -59,7 +60,7 @@ def test_smoothed_ratio_converges_to_b_simple():
     # sampling error, not rounding: 3000 seeded draws of noisy squared norms, averaged with beta = 0.995
     # (an effective 200 samples); measured 1.7% off for seed 1, 0.15 is the spread such an average allows
     assert gns.value() == pytest.approx(trace / g_sq, rel=0.15)
-    # the ratio of the two averages (their common 1 - beta^n bias cancels)
+    # the ratio of the two averages (their common 1 - beta^n bias cancels); approx's default: float64 rounding
     assert gns.value() == pytest.approx(float(gns.trace) / float(gns.grad_sq))
 
 
@@ -67,6 +68,7 @@ def test_smoothed_values_are_debiased():
     gns = NoiseScale(beta=0.9)
     for _ in range(3):
         gns.update(8, 2.5 + 40.0 / 8, 32, 2.5 + 40.0 / 32)  # constant input: the averages give it back
+    # approx's default rel 1e-6: float64 averages of a constant, debiased, against the hand values: rounding
     assert gns.smoothed() == pytest.approx((40.0, 2.5))
     assert gns.value() == pytest.approx(16.0)
 

@@ -49,6 +49,7 @@ def test_layout_trains_like_one_process(kind, layout, pretrained, tmp_path):  # 
     # float64 (train.precision = fp64) as the pretraining layout tests were: see the report of issue 33
     assert sorted(got) == sorted(want) and all(got[s] == pytest.approx(want[s], rel=1e-4) for s in want)
     summary = json.loads((two / "summary.json").read_text())
+    # the same FP32 room as the losses above, for the final model's validation loss (not measured here)
     assert summary["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4)
     if kind == "dpo":  # TRL-named figures, over both ranks' pairs
         lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]

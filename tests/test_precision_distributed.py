@@ -141,6 +141,7 @@ def test_fp8_under_fsdp_trains_like_one_process_and_resumes_exactly(corpus_dir, 
     launch(2, tmp_path / "fsdp", fsdp)
     got, want = losses(tmp_path / "fsdp"), losses(tmp_path / "single")
     assert sorted(got) == list(range(1, 11))
+    # FP8_LAYOUT_RTOL: see its note above (measured at most 5.4e-4 on one CPU; 2e-3 is a margin over it)
     assert all(got[s] == pytest.approx(want[s], rel=FP8_LAYOUT_RTOL) for s in got), (got, want)
     assert got[10] < got[1]
     state = load_checkpoint(latest_checkpoint(tmp_path / "fsdp"))

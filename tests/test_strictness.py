@@ -54,6 +54,7 @@ def test_level_100_is_the_published_setting_and_levels_interpolate():
     strict = stage_class("gopher_quality").Params.model_validate(spec_at(spec, 100).params)
     default = stage_class("gopher_quality").Params()
     assert strict.min_words == default.min_words == 50
+    # approx default rel 1e-6 on float64 knob values: see the Tolerances note at the top
     assert strict.min_alpha_words == pytest.approx(default.min_alpha_words)
     assert strict.max_hash_ratio == pytest.approx(0.1)  # the knob moves the recipe's own value too
     half = spec_at(spec, 50).params
@@ -67,6 +68,7 @@ def test_a_rule_the_recipe_turned_off_stays_off():
     for level in (10, 100):
         params = spec_at(spec, level).params
         assert params["max_char_dup_ratio"] is None
+        # approx default rel 1e-6: a float64 interpolation against its hand formula (Tolerances note, top)
         assert params["min_line_punct_ratio"] == pytest.approx(0.12 * level / 100)
 
 
@@ -74,6 +76,7 @@ def test_knob_table_lists_values_per_level():
     cfg = _recipe({"name": "langid"}, {"name": "normalize"})
     table = knob_table(cfg, [0, 50, 100])
     assert list(table) == ["langid"]
+    # approx default rel 1e-6: float64 interpolations, see the Tolerances note at the top
     assert table["langid"]["min_score"] == [None, pytest.approx(0.325), pytest.approx(0.65)]
 
 
@@ -99,16 +102,19 @@ def test_diversity_and_entropy_measures():
     assert vocab_entropy(Counter({w: 3 for w in "abcdefgh"})) == pytest.approx(3.0)
     assert vocab_entropy(Counter({"a": 1})) == 0.0
     p = [0.75, 0.25]
+    # approx default rel 1e-6: a float64 entropy against its hand formula (Tolerances note at the top)
     assert vocab_entropy(Counter({"x": 3, "y": 1})) == pytest.approx(-sum(q * math.log2(q) for q in p))
 
 
 def test_tables_move_entry_by_entry_and_on_off_rules_switch_at_50():
     rep = _recipe({"name": "gopher_repetition"}).stages[0]
+    # approx default rel 1e-6: float64 interpolated table entries, see the Tolerances note at the top
     assert spec_at(rep, 50).params["top_ngram_char_frac"] == {
         2: pytest.approx(0.6),
         3: pytest.approx(0.59),
         4: pytest.approx(0.58),
     }
+    # approx default rel 1e-6: a float64 knob value, see the Tolerances note at the top
     assert spec_at(rep, 100).params["dup_ngram_char_frac"][10] == pytest.approx(0.10)
     c4 = _recipe({"name": "c4", "filter_no_terminal_punct": False}).stages[0]
     assert spec_at(c4, 49).params["filter_curly_bracket"] is False

@@ -84,6 +84,7 @@ def test_sweep_measures_size_quality_and_diversity_per_level(corpus, tmp_path, c
     # the copies repeat n-grams and junk pages repeat lines: the strict corpus says more per token
     assert rows[100]["distinct_ngrams_per_token"] > rows[0]["distinct_ngrams_per_token"]
     assert result["k_words"] == rows[100]["words"]  # the fixed-size sample is the smallest level's size
+    # approx default rel 1e-6 on float64 knob values: see the Tolerances note at the top
     assert result["knobs"]["fineweb"]["min_line_punct_ratio"] == [
         None,
         pytest.approx(0.06),
@@ -109,6 +110,7 @@ def test_optimum_weighs_size_quality_and_diversity_scaled_across_levels():
     ]
     best = optimum(rows, higher_is_better=True)
     assert best["size"] == [1.0, 0.75, 0.0] and best["quality"] == [0.0, 0.8, 1.0]
+    # approx default rel 1e-6 on a float64 mean: see the Tolerances note at the top
     assert best["score"][1] == pytest.approx((0.75 + 0.8 + 1.0) / 3) and best["index"] == 1
     assert optimum(rows, True, (1, 0, 0))["index"] == 0  # size alone: keep everything
     assert optimum(rows, False, (0, 1, 0))["index"] == 0  # perplexity: lower is better

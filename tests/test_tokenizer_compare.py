@@ -69,6 +69,7 @@ def test_formulas_on_known_numbers():
     assert vocab_share(64, 256) == 0.25
     # a model that spends exactly ln 2 nats per byte codes one bit per byte; uniform over 256 bytes: 8
     assert bits_per_byte(math.log(2) * 1000, 1000) == pytest.approx(1.0)
+    # approx default rel 1e-6 on float64 formulas: see the Tolerances note at the top
     assert bits_per_byte(500 * math.log(256), 500) == pytest.approx(8.0)
     assert bits_per_byte(3.0 * 40, 100) == pytest.approx(3.0 * 40 / (math.log(2) * 100))
 
@@ -93,12 +94,14 @@ def test_metrics_are_the_counts_of_the_tokenizers_output(tokenizers, kind):
     words = sum(len(d.text.split()) for d in prose)  # 8 + 5
     assert words == 13
     assert rows["prose"]["tokens"] == tokens
+    # approx default rel 1e-6: float64 ratios of counts, see the Tolerances note at the top
     assert rows["prose"]["fertility"] == pytest.approx(tokens / words)
     assert rows["prose"]["bytes_per_token"] == pytest.approx(
         sum(len(d.text.encode()) for d in prose) / tokens
     )
     assert rows["code"]["fertility"] == pytest.approx(len(enc["a"]) / 7)  # def, add(a,, b):, return, a, +, b
     distinct = {i for ids in enc.values() for i in ids}
+    # approx default rel 1e-6: float64 ratios of counts, see the Tolerances note at the top
     assert rows[ALL]["vocab_used"] == pytest.approx(len(distinct) / tok.vocab_size)
     round_trips = sum(tok.decode(enc[d.id]) == d.text for d in HAND)
     assert rows[ALL]["round_trip"] == pytest.approx(round_trips / 3)
@@ -113,12 +116,14 @@ def test_unknown_rates_bpe_none_unigram_bytes_wordpiece_unk(tokenizers):
     pieces = [uni._tok.id_to_token(i) for i in ids]
     assert [p for p in pieces if p in BYTE_PIECES] == ["<0xE2>", "<0x98>", "<0x83>"]  # UTF-8 of U+2603
     row = measure(uni, "unigram", [snow])[ALL]
+    # approx default rel 1e-6: a float64 ratio of counts, see the Tolerances note at the top
     assert row["unknown_rate"] == pytest.approx(3 / len(ids))
     assert row["round_trip"] == 1.0  # byte fallback gives the snowman back
     wp = tokenizers["wordpiece"]
     ids = wp.encode(snow.text)
     assert ids.count(wp._tok.token_to_id(WORDPIECE_UNK)) == 1
     row = measure(wp, "wordpiece", [snow])[ALL]
+    # approx default rel 1e-6: a float64 ratio of counts, see the Tolerances note at the top
     assert row["unknown_rate"] == pytest.approx(1 / len(ids))
     assert row["round_trip"] == 0.0  # normalised: the double space and the snowman are gone
 
@@ -212,6 +217,7 @@ def test_compare_end_to_end_with_two_training_steps(corpus_dir, tmp_path, capsys
         m = r["model"]
         assert m["steps"] == 2
         row = m["domains"]["code"]
+        # approx default rel 1e-6: the run's float64 figures recombined (see the Tolerances note at the top)
         assert row["bpb"] == pytest.approx(
             row["loss_per_token"] * row["targets"] / (math.log(2) * row["bytes"])
         )

@@ -44,6 +44,7 @@ def test_compute_saved_by_hand():
     assert got["active_params"] == 400
     assert got["moe_flops"] == 6 * 400 + 768 == 3168
     assert got["dense_flops"] == 6 * 1000 + 768 == 6768
+    # float64 arithmetic on integers: one division and a subtraction, ~1e-16; rel 1e-12 is rounding room
     assert got["saved"] == pytest.approx(1 - 3168 / 6768, rel=1e-12)
     assert got["sparsity"] == 0.25
 
@@ -61,6 +62,8 @@ def test_api_gating_is_the_trained_routers_top_k(tmp_path: Path):
         for layer in inp["layers"]:
             experts, weights = router_choice(model, text, layer["layer"])
             assert layer["experts"] == experts
+            # the page's FP32 router (64-wide logits, ~sqrt(64) x 6e-8 of their size) and softmax against
+            # float64 here: a few 1e-7 relative on each weight; rel 1e-5 leaves 10x+
             assert flat(layer["weights"]) == pytest.approx(flat(weights), rel=1e-5)
             assert "".join(layer["tokens"]) == text
     used = {e for inp in body["inputs"] for es in inp["layers"][0]["experts"] for e in es}
@@ -102,11 +105,13 @@ def test_page_shows_the_real_gating_sparsity_and_savings(tmp_path: Path, serve, 
         experts, weights = router_choice(model, text, 0)
         shown = _routes(page, i, 0, len(text))
         assert [[e for e, _ in row] for row in shown] == experts
+        # the page's FP32 gate weights against float64 here: a few 1e-7 (the API test); rel 1e-5 is 10x+
         assert [w for row in shown for _, w in row] == pytest.approx(flat(weights), rel=1e-5)
     assert figure(page, "compute.sparsity") == 0.25
     n = sum(p.numel() for p in model.parameters())
     routed = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
     expected = moe_flops_per_token(n, routed, 8, 2, RECIPE.n_layers, RECIPE.d_model, RECIPE.seq_len)
+    # the same float64 formula on both sides, through JSON (exact round trip): rel 1e-12 is rounding room
     assert figure(page, "compute.saved") == pytest.approx(expected["saved"], rel=1e-12)
     assert page.evaluate("document.getElementById('chart-moe-gate-0').data[0].type") == "heatmap"
     screenshot(page, "moe", tmp_path)

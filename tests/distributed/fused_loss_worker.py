@@ -100,6 +100,7 @@ def close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = FP32_SU
     if got.shape == want.shape:
         share = ((got - want.detach()).abs() / (tol + tol * want.detach().abs())).max().item()
         USED["share"] = max(USED["share"], share)
+    # tol: FP32_SUMS unless a caller says otherwise; see the note above FP32_SUMS
     if got.shape != want.shape or not torch.allclose(got, want.detach(), rtol=tol, atol=tol):
         diff = (got - want).abs().max().item() if got.shape == want.shape else f"shape {tuple(got.shape)}"
         raise AssertionError(f"{name}: differs from the replicated loss (max |diff| {diff})")
@@ -206,6 +207,7 @@ def run_model(mesh) -> None:
             # sums of <= 64 token losses: 1e-6 of the largest is 16 u of it (measured: 0.12 of the bounds)
             close(f"{name} {objective.__name__}", got, want, tol=1e-6 * want.abs().max().item())
             for (pname, p), q in zip(ref.named_parameters(), tp.parameters(), strict=True):
+                # gradients: 1e-5, one product more than the losses (the note above FP32_SUMS)
                 close(f"{name} {objective.__name__} grad {pname}", q.grad, p.grad, tol=1e-5)
             ref.zero_grad(), tp.zero_grad()
     if dist.get_rank() == 0:
