@@ -66,7 +66,9 @@ def test_experts_kernel_equals_plain_loop(kernel):
     ref = torch.stack([plain_expert(xr[i], *(p[g] for p in params)) for i, g in enumerate(group)])
     ref.backward(grad)
     # FP32: kernel and per-row reference sum the same 16- and 8-term products in other orders, three matmuls
-    # deep: ~1e-6 on values ~1 (u = 6e-8, ~sqrt(16) u a product); 1e-5 leaves ~10x, gradients included
+    # deep: ~1e-6 on values ~1 (u = 6e-8, ~sqrt(16) u a product); 1e-5 leaves ~10x, gradients included.
+    # Measured (2-core Xeon with AMX, default and AVX2-forced kernels, 1 and 2 threads): outputs 2.4e-7,
+    # gradients 2.9e-6 (a 3.5x margin before rtol, less than the derivation's 10x), both kernels
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(got, [xr.grad] + [p.grad for p in params], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -116,6 +118,7 @@ def test_layer_equals_per_token_reference_with_both_kernels():
         outs[kernel].sum().backward()
         assert layer.router.weight.grad.abs().sum() > 0 and layer.experts.gate_proj.grad.abs().sum() > 0
     # FP32, the two kernels on the same inputs: the same sums in other orders (~1e-6, as above); 10x margin
+    # (measured 0 on the CPU above, both kernel paths, 1 and 2 threads)
     torch.testing.assert_close(outs["grouped_mm"], outs["loop"], atol=1e-5, rtol=1e-5)
     e = layer.experts
     with torch.no_grad():
@@ -130,6 +133,7 @@ def test_layer_equals_per_token_reference_with_both_kernels():
                 )
             )
     # FP32 loop against a per-token reference (2 experts weighted, summed): ~1e-6 as above; 10x margin
+    # (measured 8.9e-8 default kernels, 2.4e-7 AVX2-forced, same CPU)
     torch.testing.assert_close(outs["loop"].detach().reshape(-1, 16), torch.stack(ref), atol=1e-5, rtol=1e-5)
 
 
