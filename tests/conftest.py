@@ -334,3 +334,27 @@ def estimate_cli(capsys, *argv: str, part: str | None = "estimate"):
     assert exc.value.code in (0, None)
     out = json.loads(capsys.readouterr().out)
     return out if part is None else out[part]
+
+
+# ---- the fast set's time budget (tests/README.md) -----------------------------------------------------
+
+FAST_SET = "not slow and not distributed"  # pyproject's addopts: the README's test command
+FAST_TEST_LIMIT_S = 30.0
+_test_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Every test's setup + call + teardown, the shared fixtures it was the first to build included."""
+    _test_seconds[report.nodeid] = _test_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """A warning line for each test of the fast set over its per-test limit (the other sets have none)."""
+    if config.getoption("markexpr") != FAST_SET:
+        return
+    for nodeid, seconds in sorted(_test_seconds.items(), key=lambda x: -x[1]):
+        if seconds > FAST_TEST_LIMIT_S:
+            terminalreporter.write_line(
+                f"WARNING: {nodeid} took {seconds:.0f} s, over the fast set's {FAST_TEST_LIMIT_S:.0f} s a "
+                "test: make it smaller or mark it slow (tests/README.md)"
+            )
