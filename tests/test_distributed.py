@@ -106,6 +106,10 @@ def launch(
     done = torchrun(nproc, args)
     if check:
         assert done.returncode == 0, done.stderr[-4000:]
+        # the run itself says it ran on NPROC processes: a launch that fell back to one would match the
+        # one-process reference too
+        layout = json.loads((run_dir / "summary.json").read_text()).get("layout", "one process")
+        assert layout.startswith(f"{nproc} processes:"), layout
     return done
 
 
@@ -434,10 +438,10 @@ def test_a_model_bigger_than_a_rank_is_built_and_trained_in_shards(corpus_dir, c
     its own shards plus the largest parameter (within 10%), and 3 training steps stay below the whole
     model's bytes, measured by PyTorch's MemTracker (tensor bytes) and by the resident set.
 
-    ``MALLOC_MMAP_THRESHOLD_`` fixes glibc's threshold for returning freed blocks to the system: with its
-    default dynamic threshold (raised up to 32 MiB by the first large free) the freed parameter and
-    all-gather buffers stay in the heap, and the resident set measured 1.2-1.46 GB per rank here for
-    0.73 GB of live tensors."""
+    The worker fixes glibc's threshold for returning freed blocks to the system (``fix_mmap_threshold``:
+    ``mallopt``, what ``MALLOC_MMAP_THRESHOLD_`` does): with its default dynamic threshold (raised up to
+    32 MiB by the first large free) the freed parameter and all-gather buffers stay in the heap, and the
+    resident set measured 1.2-1.46 GB per rank here for 0.73 GB of live tensors."""
     over = _overrides(corpus_dir, cache, **{"train.precision": "fp32"})  # the FP32 bytes measured
     over.update(
         {
@@ -451,11 +455,7 @@ def test_a_model_bigger_than_a_rank_is_built_and_trained_in_shards(corpus_dir, c
         }
     )
     over.pop("train.tokens_per_step")  # one micro-batch per rank and step
-    done = torchrun(
-        8,
-        [worker("big_model_worker.py"), json.dumps(over)],
-        env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)},
-    )
+    done = torchrun(8, [worker("big_model_worker.py"), json.dumps(over)])
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.split("BIG ", 1)[1].splitlines()[0])
     model, largest = out["model_bytes"], out["largest_param"]
@@ -512,9 +512,7 @@ def test_sharded_build_peaks_at_the_shards_plus_the_largest_parameter(corpus_dir
     over["train.precision"] = "fp32"  # the FP32 bytes measured
     over.update({"data.seq_len": 16, "train.micro_batch_size": 1})
     over.pop("train.tokens_per_step")
-    done = torchrun(
-        2, [worker("big_model_worker.py"), json.dumps(over)], env={"MALLOC_MMAP_THRESHOLD_": "1048576"}
-    )
+    done = torchrun(2, [worker("big_model_worker.py"), json.dumps(over)])
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.split("BIG ", 1)[1].splitlines()[0])
     for rank in out["ranks"]:

@@ -20,6 +20,7 @@ prints one line ``BIG {json}`` with every rank's figures and the losses.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import sys
 from pathlib import Path
@@ -56,8 +57,20 @@ def tracked_peak(tracker: MemTracker) -> int:
     return sum(stats["Total"] for device, stats in peaks.items() if device.type != "meta")
 
 
+def fix_mmap_threshold(nbytes: int = 1 << 20) -> None:
+    """glibc's ``mallopt(M_MMAP_THRESHOLD, nbytes)``: blocks of ``nbytes`` or more are mapped on their own and
+    returned to the system when freed, and the dynamic threshold is off (what ``MALLOC_MMAP_THRESHOLD_``
+    does at process start). With glibc's default, raised up to 32 MiB by the first large free, the freed
+    parameter and all-gather buffers stay in the heap and the resident set measured 1.2-1.46 GB per rank
+    for 0.73 GB of live tensors."""
+    m_mmap_threshold = -3  # malloc.h
+    if ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, nbytes) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    fix_mmap_threshold()
     cfg = load_config(None, json.loads(sys.argv[1]))
     from lmforge.parallel.layout import init_layout
 
