@@ -225,12 +225,16 @@ def run_overrides(case: Case, workdir: Path, device: str = "cpu") -> dict:
     return over | paths | {"train.device": device}
 
 
-def measure(case: Case, workdir: Path, timeout: float = 600, device: str = "cpu") -> dict:
+def measure(case: Case, workdir: Path, timeout: float = 600, device: str = "cpu", launch=None) -> dict:
     """Run the case's worker; ``{"ranks": [{"total", "rows", "categories", "states"[, "allocator"]}, ...],
-    "vocab_size"[, "device_name"]}`` (``allocator``, ``device_name``: on CUDA)."""
+    "vocab_size"[, "device_name"]}`` (``allocator``, ``device_name``: on CUDA). ``launch(nproc, args,
+    timeout) -> CompletedProcess`` starts a multi-process case instead of ``torchrun`` (the tests' warm
+    launcher)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src"), "PYTHONFAULTHANDLER": "1"}
     args = [__file__, "--worker", json.dumps(run_overrides(case, workdir, device))]
-    if case.processes > 1:
+    if case.processes > 1 and launch is not None:
+        proc = launch(case.processes, args, timeout)
+    elif case.processes > 1:
         cmd = [
             sys.executable,
             "-m",
@@ -238,9 +242,11 @@ def measure(case: Case, workdir: Path, timeout: float = 600, device: str = "cpu"
             "--standalone",
             f"--nproc-per-node={case.processes}",
         ]
+        proc = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=timeout)
     else:
-        cmd = [sys.executable]
-    proc = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout
+        )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("STEP ")]
     if proc.returncode != 0 or len(lines) != 1:
         raise RuntimeError(

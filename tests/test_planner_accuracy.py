@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.plan.request import NOT_MODELLED
+from tests.torchrun import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
@@ -52,7 +53,9 @@ def test_the_subset_has_at_least_8_cases_not_all_default_shapes():
 @pytest.mark.parametrize("name", matrix.TEST_CASES)
 def test_planned_peak_within_5_percent_and_states_exact(name: str, workdir: Path):
     case = matrix.BY_NAME[name]
-    measured = matrix.measure(case, workdir, timeout=300)
+    measured = matrix.measure(
+        case, workdir, timeout=300, launch=lambda n, args, t: torchrun(n, args, timeout=t)
+    )
     c = matrix.compare(case, measured, matrix.plan(case, measured["vocab_size"]))
     p, m = c["planned"], c["measured"]
     report = (
