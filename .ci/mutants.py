@@ -1,0 +1,98 @@
+"""Four planted bugs the suite must catch: each is applied to a clean worktree of a revision, the tests named
+for it are run, and the bug counts as caught only if they fail (and pass without it).
+
+    .venv/bin/python .ci/mutants.py [REV]     (default HEAD; exit 1 if any bug is missed)
+
+The tests run with this checkout's virtual environment and the worktree's sources first on the path
+(PYTHONPATH), so a revision before or after a change of the suite is checked the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ALL = ["-m", "slow or distributed or not slow"]  # node ids of any set
+
+# name: (file, text, replacement, tests that must fail)
+MUTANTS = {
+    # the gradient averaged over dp * (1 + 2**-23) instead of dp: one ulp of FP32 (issue "any CPU")
+    "gradient scale one ulp off": (
+        "src/lmforge/train/modules.py",
+        "precision.backward(objective * dp if dp != 1 else objective)",
+        "precision.backward(objective * (dp / (1 + 2**-23)) if dp != 1 else objective)",
+        ["tests/test_distributed.py::test_layout_matches_one_process[ddp]"],
+    ),
+    # the cosine decays the wrong way: the rate rises from the floor to the peak
+    "cosine schedule sign": (
+        "src/lmforge/optim/schedules.py",
+        "0.5 * (1.0 + math.cos(math.pi * q))",
+        "0.5 * (1.0 - math.cos(math.pi * q))",
+        ["tests/test_schedules.py"],
+    ),
+    # a resumed loader starts one sequence after where the checkpoint stopped
+    "resume data position off by one": (
+        "src/lmforge/data/loader.py",
+        'self.position = int(state["position"])',
+        'self.position = int(state["position"]) + 1',
+        ["tests/test_loader.py"],
+    ),
+    # the squared gradient norms of the pipeline stages are never summed: each stage clips by its own norm
+    "missing all-reduce of the pipeline's gradient norm": (
+        "src/lmforge/optim/clip.py",
+        "        dist.all_reduce(squared, group=across)\n",
+        "",
+        ["tests/test_distributed.py::test_pipeline_matches_one_process[gpipe]"],
+    ),
+}
+
+
+def run_tests(tree: Path, tests: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *ALL, *tests]
+    return subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+
+
+def main(argv: list[str]) -> int:
+    rev = argv[0] if argv else "HEAD"
+    missed = 0
+    with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(tree), rev], check=True
+        )
+        try:
+            for name, (rel, text, replacement, tests) in MUTANTS.items():
+                path = tree / rel
+                source = path.read_text()
+                if source.count(text) != 1:
+                    print(
+                        f"{name}: {rel} at {rev} does not hold the mutated text once: not applied", flush=True
+                    )
+                    missed += 1
+                    continue
+                clean = run_tests(tree, tests)
+                path.write_text(source.replace(text, replacement))
+                try:
+                    bad = run_tests(tree, tests)
+                finally:
+                    path.write_text(source)
+                caught = clean.returncode == 0 and bad.returncode != 0
+                missed += not caught
+                last = (bad.stdout.strip().splitlines() or [""])[-1]
+                print(
+                    f"{name}: {'caught' if caught else 'MISSED'} by {' '.join(tests)} at {rev} "
+                    f"(clean exit {clean.returncode}; mutated: {last})",
+                    flush=True,
+                )
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
