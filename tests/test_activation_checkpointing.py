@@ -29,12 +29,16 @@ B, T, D, H, L, V = 2, 64, 64, 4, 4, 512
 FF = 192  # llama: 64 * ceil(8 * 64 / 3 / 64)
 
 
-@pytest.fixture
-def setup():
+def _setup(n_layers: int) -> tuple:
     torch.manual_seed(0)
-    model = model_of(ModelConfig(n_layers=L, d_model=D, n_heads=H), V, T)
+    model = model_of(ModelConfig(n_layers=n_layers, d_model=D, n_heads=H), V, T)
     batch = (torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T)))
     return model, NextTokenLoss(model, 0), batch
+
+
+@pytest.fixture
+def setup():
+    return _setup(L)
 
 
 def _loss_and_grads(model, objective, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -118,14 +122,18 @@ def test_saved_bytes_count_views_once_and_dtype_sizes():
 
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
-def test_compiled_objective_checkpoints_like_eager(policy, setup):
-    """In float64: compiled kernels fuse and sum in their own order, which FP32 shows at the scale of its
-    rounding (measured here in FP32: gradients 1.4e-6 apart, half the 1e-4 / 1e-6 bound this test had, on
-    a 2-core AMD EPYC with AVX-512-BF16, no AMX). In float64 the same orders differ by float64's unit
-    roundoff (1.1e-16) times a few hundred operations: measured loss 1.4e-16 relative, gradients <= 2.7e-15
-    absolute (largest 4.9; ATen's default and AVX2 kernels, 1 and 2 threads). 1e-10 leaves 10^4 and still
-    sees any wrong recomputation (an FP32-sized error is 10^4 times over it)."""
-    model, objective, batch = setup
+def test_compiled_objective_checkpoints_like_eager(policy):
+    """Two blocks, the fewest in which a recomputed block feeds another block's backward (compile time
+    grows with every block traced; the policies' block choices are checked eagerly above on four). In
+    float64: compiled kernels fuse and sum in their own order, which FP32 shows at the scale of its
+    rounding (measured in FP32 on four blocks: gradients 1.4e-6 apart, half the 1e-4 / 1e-6 bound this test
+    had, on a 2-core AMD EPYC with AVX-512-BF16, no AMX). In float64 the same orders differ by float64's
+    unit roundoff (1.1e-16) times a few hundred operations: measured on four blocks loss 1.4e-16 relative,
+    gradients <= 2.7e-15 absolute (largest 4.9; ATen's default and AVX2 kernels, 1 and 2 threads); on these
+    two, on a 2-core Xeon with AMX, loss equal, gradients <= 2.2e-15 (largest 7.2; both kernel paths and
+    thread counts). 1e-10 leaves 10^4 and still sees any wrong recomputation (an FP32-sized error is 10^4
+    times over it)."""
+    model, objective, batch = _setup(2)
     model.double()
     loss, grads = _loss_and_grads(model, objective, batch)
     set_activation_checkpointing(model, policy)
