@@ -435,8 +435,12 @@ def test_guard_sees_a_nan_on_any_rank(corpus_dir, cache, tmp_path):
 @pytest.mark.distributed
 def test_a_model_bigger_than_a_rank_is_built_and_trained_in_shards(corpus_dir, cache):
     """8 ranks, ZeRO-3, AdamW, a 1.06 GB FP32 model (21 blocks of width 1024): each rank's build peaks at
-    its own shards plus the largest parameter (within 10%), and 3 training steps stay below the whole
-    model's bytes, measured by PyTorch's MemTracker (tensor bytes) and by the resident set.
+    its own shards plus the largest parameter (within 10%), and 2 training steps stay below the whole
+    model's bytes, measured by PyTorch's MemTracker (tensor bytes) and by the resident set. Two steps are
+    every state a step can be in: the first allocates AdamW's moments (beside the gradients), the second
+    is the steady state, in which the moments, the gradients and a gathered block are alive together in
+    the backward; a third repeats the second (each step here is about 48 s of gloo all-gathers and
+    reduce-scatters of the 1 GB over loopback on 2 cores).
 
     The worker fixes glibc's threshold for returning freed blocks to the system (``fix_mmap_threshold``:
     ``mallopt``, what ``MALLOC_MMAP_THRESHOLD_`` does): with its default dynamic threshold (raised up to
@@ -450,7 +454,7 @@ def test_a_model_bigger_than_a_rank_is_built_and_trained_in_shards(corpus_dir, c
             "model.n_heads": 8,
             "data.seq_len": 16,
             "train.micro_batch_size": 1,
-            "train.steps": 3,
+            "train.steps": 2,
             "parallel.dp_shard": 8,
         }
     )
@@ -459,7 +463,7 @@ def test_a_model_bigger_than_a_rank_is_built_and_trained_in_shards(corpus_dir, c
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.split("BIG ", 1)[1].splitlines()[0])
     model, largest = out["model_bytes"], out["largest_param"]
-    assert model > 1e9 and all(math.isfinite(x) for x in out["losses"])
+    assert model > 1e9 and len(out["losses"]) == 2 and all(math.isfinite(x) for x in out["losses"])
     # bytes, not rounding (the same on every CPU): 10% over what a rank holds by design for its tensors, 25%
     # for the process (the allocator's and the runtime's pages); a whole-model build would be 8x over
     for rank in out["ranks"]:

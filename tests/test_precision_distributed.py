@@ -77,6 +77,15 @@ FP8 = {"train.precision": "fp8", "model.d_model": 64}  # 4 blocks: 28 linear lay
 FP8_LAYOUT_RTOL = 2e-3
 
 
+@pytest.fixture(scope="module")
+def fp8_single(corpus_dir, cache, tmp_path_factory) -> dict[int, float]:
+    """The losses of the one-process fp8 run (``_overrides(**FP8)``, 10 steps) that the fp8 layouts trained
+    through ``lmforge train`` are compared with: trained once for the module's three such tests."""
+    run = tmp_path_factory.mktemp("fp8-single") / "single"
+    train(load_config(None, _overrides(corpus_dir, cache, **FP8)), run, progress_bar=False)
+    return losses(run)
+
+
 def _fp8_worker(nproc: int, over: dict) -> dict:
     done = torchrun(nproc, [worker("fp8_worker.py"), json.dumps(over)])
     assert done.returncode == 0, done.stderr[-4000:]
@@ -130,16 +139,15 @@ def test_fp8_fsdp_all_gathers_float8(recipe, corpus_dir, cache):
 
 
 @pytest.mark.distributed
-def test_fp8_under_fsdp_trains_like_one_process_and_resumes_exactly(corpus_dir, cache, tmp_path):
+def test_fp8_under_fsdp_trains_like_one_process_and_resumes_exactly(corpus_dir, cache, fp8_single, tmp_path):
     """fp8 through ``lmforge train`` with FSDP2 gathering float8 weights: close to the same fp8 run in one
     process; the checkpoint holds plain FP32 weights (no torchao tensor subclass), and a run stopped at
     step 5 and resumed gives the uninterrupted run's losses (the resumed scales follow the loaded
     weights)."""
     over = _overrides(corpus_dir, cache, **FP8)
-    train(load_config(None, over), tmp_path / "single", progress_bar=False)
     fsdp = {**over, "parallel.dp_shard": 2}
     launch(2, tmp_path / "fsdp", fsdp)
-    got, want = losses(tmp_path / "fsdp"), losses(tmp_path / "single")
+    got, want = losses(tmp_path / "fsdp"), fp8_single
     assert sorted(got) == list(range(1, 11))
     # FP8_LAYOUT_RTOL: see its note above (measured at most 5.4e-4 on one CPU; 2e-3 is a margin over it)
     assert all(got[s] == pytest.approx(want[s], rel=FP8_LAYOUT_RTOL) for s in got), (got, want)
@@ -159,15 +167,14 @@ def test_fp8_under_fsdp_trains_like_one_process_and_resumes_exactly(corpus_dir, 
     [(2, {"parallel.tp": 2}), (4, {"parallel.tp": 2, "parallel.dp_shard": 2})],
     ids=["tp2", "fsdp2_tp2"],
 )
-def test_fp8_tensor_parallel_trains_like_one_process(nproc, layout, corpus_dir, cache, tmp_path):
+def test_fp8_tensor_parallel_trains_like_one_process(nproc, layout, corpus_dir, cache, fp8_single, tmp_path):
     """fp8 with ``parallel.tp = 2`` (and with FSDP2 over a second dimension: 4 ranks) through ``lmforge
     train``: the float8 layers are sharded by the tensor-parallel plan, and the run's losses are close to
     the same fp8 run in one process."""
     over = _overrides(corpus_dir, cache, **FP8)
-    train(load_config(None, over), tmp_path / "single", progress_bar=False)
     done = launch(nproc, tmp_path / "tp", {**over, **layout})
     assert "28 of 29 linear layers converted to float8" in done.stderr
-    got, want = losses(tmp_path / "tp"), losses(tmp_path / "single")
+    got, want = losses(tmp_path / "tp"), fp8_single
     assert sorted(got) == list(range(1, 11))
     error = max(abs(got[s] - want[s]) / want[s] for s in got)
     print(f"fp8 {layout}: against one process, largest relative loss difference {error:.2e}")
