@@ -72,16 +72,23 @@ def estimate_command(capsys, cli_logging):
     return run
 
 
+def _workers() -> int:
+    """Test processes sharing the machine: pytest-xdist's worker count (``-n N``), else 1."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 def suite_threads() -> int:
     """Torch threads of the tests: ``LMFORGE_TEST_THREADS`` where set (a positive integer; every set is meant
-    to pass at 1 and at 2), else 2, the cores of the CI machine."""
-    value = os.environ.get("LMFORGE_TEST_THREADS", "2")
+    to pass at 1 and at 2), else 2, the cores of the CI machine, shared among pytest-xdist's workers (the
+    README's ``-n 2``: one thread each, so that two workers do not oversubscribe two cores)."""
+    value = os.environ.get("LMFORGE_TEST_THREADS", str(max(1, 2 // _workers())))
     if not value.isdigit() or int(value) < 1:
         raise pytest.UsageError(f"LMFORGE_TEST_THREADS={value!r}: set it to a positive integer, e.g. 1 or 2")
     return int(value)
 
 
-if "LMFORGE_TEST_THREADS" in os.environ:  # child processes (lmforge CLI runs, torchrun workers) follow it too
+# child processes (lmforge CLI runs, torchrun workers) follow the tests' threads where they were chosen
+if "LMFORGE_TEST_THREADS" in os.environ or _workers() > 1:
     os.environ["OMP_NUM_THREADS"] = str(suite_threads())
 
 
