@@ -54,15 +54,17 @@ def test_parquet_missing_column(tmp_path):
 
 
 def test_pystdlib_has_both_domains_and_is_deterministic():
-    first = [(d.id, d.domain) for d in read_pystdlib()]
-    assert first == [(d.id, d.domain) for d in read_pystdlib()]
-    ids = [i for i, _ in first]
+    """Two reads give the same documents (ids, domains and texts), in the same order."""
+    docs = list(read_pystdlib())
+    first = [(d.id, d.domain, d.text) for d in docs]
+    assert first == [(d.id, d.domain, d.text) for d in read_pystdlib()]
+    ids = [i for i, _, _ in first]
     assert len(ids) == len(set(ids))
-    domains = {dom for _, dom in first}
+    domains = {dom for _, dom, _ in first}
     assert domains == {"code", "prose"}
     assert "pystdlib/code/json/decoder.py" in ids
     assert any(i.startswith("pystdlib/prose/topics/") for i in ids)
-    prose = {d.id: d.text for d in read_pystdlib() if d.domain == "prose"}
+    prose = {d.id: d.text for d in docs if d.domain == "prose"}
     assert "Deserialize" in prose["pystdlib/prose/json/__init__.py"]
     assert not any("/test/" in i for i in ids)
 
