@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
+from lmforge.config import check_moe
 from lmforge.errors import ConfigError
-from lmforge.model.moe import check_moe
 from lmforge.parallel.layout import check_layout
 from lmforge.recipe import load_config
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint

@@ -15,24 +15,12 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch.utils.checkpoint import checkpoint
 
-from lmforge.config import ModelConfig
+from lmforge.config import ModelConfig, check_moe
 from lmforge.errors import ConfigError
-from lmforge.model.moe import (
-    GroupedExperts,
-    MoE,
-    after_optimizer_step,
-    check_moe,
-    expert_capacity,
-    grouped_mm_fits,
-    imbalance,
-    keep_mask,
-    route,
-    router_z_loss,
-    sequence_aux_loss,
-    start_step,
-    switch_aux_loss,
-    take_aux_loss,
-)
+from lmforge.model.moe import MoE, after_optimizer_step, start_step, take_aux_loss
+from lmforge.model.moe_balance import imbalance, router_z_loss, sequence_aux_loss, switch_aux_loss
+from lmforge.model.moe_experts import GroupedExperts, grouped_mm_fits
+from lmforge.model.moe_routing import expert_capacity, keep_mask, route
 from lmforge.parallel.model_layout import check_model_layout
 from lmforge.recipe import load_config
 from lmforge.train.callbacks.control import StopAfter
@@ -185,6 +173,76 @@ def test_capacity_drops_in_priority_order_and_counts_them():
     assert torch.equal(y[0, 2], torch.zeros(8))  # token 2 lost both experts: only the residual carries it
     layer.eval()
     assert layer(x)[0, 2].abs().sum() > 0  # evaluation is dropless
+
+
+def test_capacity_computes_only_the_experts_capacity_and_equals_the_kept_assignments():
+    """Dropped assignments are not computed: with a capacity factor of 0.5 the experts take exactly
+    ``E x C = T k / 2`` rows (not ``T k``), and the output equals a per-token sum over the kept
+    assignments alone (the keep rule by hand: first choices by position, then second choices)."""
+    layer = moe_layer("loop", capacity_factor=0.5)
+    x = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(3))
+    rows = []
+    hook = layer.experts.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0]))
+    y = layer(x)
+    hook.remove()
+    t, k, e = 8, 2, 4
+    capacity = math.floor(0.5 * t * k / e)  # 2 slots each
+    assert rows == [e * capacity] and e * capacity == t * k // 2
+    with torch.no_grad():
+        flat = x.reshape(-1, 16)
+        probs = (flat @ layer.router.weight.T).softmax(-1)
+        top = probs.topk(k).indices
+        taken = [0] * e
+        kept = set()
+        for slot in range(k):  # priority: every first choice by position, then every second choice
+            for tok in range(t):
+                i = int(top[tok, slot])
+                if taken[i] < capacity:
+                    taken[i] += 1
+                    kept.add((tok, i))
+        ex = layer.experts
+        ref = torch.stack(
+            [
+                sum(
+                    (
+                        probs[tok, i]
+                        * plain_expert(flat[tok], ex.gate_proj[i], ex.up_proj[i], ex.down_proj[i])
+                        for i in top[tok].tolist()
+                        if (tok, i) in kept
+                    ),
+                    torch.zeros(16),
+                )
+                for tok in range(t)
+            ]
+        )
+    assert layer.sums[4].item() == t * k - len(kept)  # dropped assignments counted
+    # FP32 loop against the per-token FP32 reference: rounding of the same few products (~1e-7); 1e-5
+    torch.testing.assert_close(y.detach().reshape(-1, 16), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_float64_layer_computes_in_float64_throughout():
+    """``train.precision = "fp64"``: routing, the experts, the combination and the balance losses stay
+    float64 (no FP32 cast inside the layer): the output equals a float64 per-token reference to float64
+    rounding, far below FP32's (an FP32 cast anywhere gives ~1e-8)."""
+    layer = moe_layer("loop", z_loss=0.01).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = layer(x)
+    assert y.dtype == torch.float64 and layer.aux_loss.dtype == torch.float64
+    e = layer.experts
+    with torch.no_grad():
+        flat = x.reshape(-1, 16)
+        probs = (flat @ layer.router.weight.T).softmax(-1)
+        ref = torch.stack(
+            [
+                sum(
+                    p[i] * plain_expert(flat[t], e.gate_proj[i], e.up_proj[i], e.down_proj[i])
+                    for i in p.topk(2).indices
+                )
+                for t, p in enumerate(probs)
+            ]
+        )
+    # float64 sums of the same products in other orders: ~1e-16 relative; 1e-12 leaves room, 1e4 x below FP32
+    torch.testing.assert_close(y.detach().reshape(-1, 16), ref, atol=1e-12, rtol=1e-12)
 
 
 def test_balance_losses_against_hand_computation():

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lmforge.errors import ConfigError
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -1125,3 +1127,69 @@ POSTTRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
         "train.sample_tokens": 0,  # a reward model scores; its language-model head is not trained
     },
 }
+
+
+# -- checks of a recipe that span sections (beside the config they read, before any work) ----------------
+
+
+def min_capacity_factor(tokens: int, k: int, experts: int) -> float:
+    """The smallest ``capacity_factor`` that leaves each expert one slot: ``floor(f T k / E) >= 1`` holds
+    exactly when ``f >= E / (T k)`` (``T`` tokens of a training micro-batch on one rank)."""
+    return experts / (tokens * k)
+
+
+def check_moe(cfg: Config, chunks: int = 1) -> None:
+    """An MoE recipe (``model/moe.py``) against what the layer supports, before any work (one line naming the key):
+    ``parallel.ep`` dividing the experts, expert groups inside one pipeline stage, capacity for at least
+    one token per expert in each of the ``chunks`` parts a micro-batch runs as (a pipeline's microbatches,
+    computed by ``parallel/model_layout.py``), and no mode it does not
+    handle yet (the zero-bubble pipeline schedules, FP8, DPO)."""
+    m, ep = cfg.model.moe, cfg.parallel.ep
+    if ep > 1 and not m.experts:
+        raise ConfigError(
+            f"parallel.ep: {ep} splits the experts of MoE layers, and this model has none; set "
+            "model.moe.experts or parallel.ep = 1"
+        )
+    if not m.experts:
+        return
+    if m.experts % ep:
+        raise ConfigError(
+            f"parallel.ep: {ep} does not divide model.moe.experts ({m.experts}); choose an ep that divides the "
+            "number of experts"
+        )
+    dp = cfg.parallel.dp_replicate * cfg.parallel.dp_shard
+    if ep > 1 and cfg.parallel.pp > 1 and dp % ep:
+        raise ConfigError(
+            f"parallel.ep: an expert group of {ep} ranks would span pipeline stages (each of the "
+            f"parallel.pp = {cfg.parallel.pp} stages has dp_replicate x dp_shard = {dp} ranks); set "
+            f"--parallel.dp_shard to a multiple of {ep} so every expert group sits inside one stage"
+        )
+    if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in ("zero_bubble", "zbv"):
+        raise ConfigError(
+            f"parallel.pp_schedule: {cfg.parallel.pp_schedule} splits the backward into input and weight "
+            "gradients, which MoE balance losses are not verified under; use gpipe, 1f1b or "
+            "interleaved_1f1b with model.moe"
+        )
+    mbs = cfg.train.micro_batch_size
+    if m.capacity_factor and mbs != "auto":
+        tokens = mbs * cfg.data.seq_len // chunks
+        least = min_capacity_factor(tokens, m.top_k, m.experts)
+        if m.capacity_factor < least:
+            raise ConfigError(
+                f"model.moe.capacity_factor: {m.capacity_factor:g} leaves each expert floor(factor x {tokens} "
+                f"tokens x top_k {m.top_k} / {m.experts} experts) = 0 slots per micro-batch; use at least "
+                f"{least:.4g} (experts / (tokens x top_k)), or 0 for dropless routing"
+            )
+    refused = {
+        "train.precision": (
+            cfg.train.precision == "fp8",
+            "fp8 converts linear layers, not the experts' grouped weights; use bf16 with model.moe",
+        ),
+        "train.objective": (
+            cfg.train.objective == "dpo",
+            "dpo does not add MoE balance losses yet; use lm or sft",
+        ),
+    }
+    for key, (bad, fix) in refused.items():
+        if bad:
+            raise ConfigError(f"{key}: with model.moe.experts > 0, {fix}")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lmforge.model.moe import GroupedExperts
+from lmforge.model.moe_experts import GroupedExperts
 
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj", "fc_out")
 OUTPUT_HEAD = "lm_head"

@@ -1,33 +1,33 @@
 """Mixture of experts: a block's MLP replaced by routed SwiGLU experts (``model.moe``, docs/moe.md).
 
-Token-choice top-k routing. For the ``T`` tokens of a micro-batch (rows of ``x``, width ``d``) the router
-computes logits ``z = x W_r^T`` (FP32, ``E`` experts), scores ``s = softmax(z)`` or ``s = sigmoid(z)``,
-picks each token's ``k`` experts by ``topk(s + b)`` (``b``: the balancing bias, zero unless
-``model.moe.bias_update_rate``; it only chooses, it never weighs) and weighs expert ``e``'s output by
-``s_e`` (divided by the chosen scores' sum with ``normalize``). The token's output is
-``sum_chosen g_e SwiGLU_e(x) (+ the shared experts' SwiGLU(x))``.
+The layer is composed of parts that each do one job:
 
-The experts' weights are 3-D parameters ``[experts, d_in, d_out]`` (``gate_proj``, ``up_proj``,
-``down_proj``), so expert parallelism can shard dim 0. The assignments are sorted by expert and each
-projection is one grouped matrix product over the groups (``torch._grouped_mm``: CPU in FP32, BF16,
-FP16 with rows of a multiple of 16 bytes; torch 2.13), or a loop of one matmul per expert where that
-kernel is missing (``train.moe_kernel``); both give the same numbers (``tests/test_moe.py``). Under
-expert parallelism (``parallel.ep``) the rows go to the experts' ranks and back through the layer's
-``exchange`` (``parallel/expert.py::ExpertExchange``, set from outside); routing stays here. Under tensor
-parallelism the router and the routed experts are replicated over the TP ranks and the layer gets the
-whole gathered input (``parallel/tensor.py::_moe_plan``): the forward reads their local tensors.
+* the **router**, ``self.router``: an ordinary ``nn.Linear(d_model, experts)`` called through its own
+  forward (``moe_routing.py::router_logits``), so every feature that replaces linear layers (LoRA,
+  QLoRA, QAT; ``model/wrap.py`` lists what each may wrap) reaches it like any other layer;
+* **routing, dispatch and combine** (``model/moe_routing.py``, pure functions): token-choice top-k over
+  the scores ``softmax(z)`` or ``sigmoid(z)`` with the balancing bias choosing only, the capacity, the
+  rows sorted by expert for the experts and their weighted outputs added back per token. The token's
+  output is ``sum_chosen g_e SwiGLU_e(x) (+ the shared experts' SwiGLU(x))``;
+* the **experts** (``model/moe_experts.py::GroupedExperts``): 3-D weights and grouped matrix products;
+  under expert parallelism (``parallel.ep``) the rows go to the experts' ranks and back through the
+  layer's ``exchange`` (``parallel/expert.py::ExpertExchange``, set from outside);
+* the **balance rules** (``model/moe_balance.py``, pure functions) and the counters below.
+
+Under tensor parallelism the router and the routed experts are replicated over the TP ranks and the
+layer gets the whole gathered input (``parallel/tensor.py::_moe_plan``). The recipe's checks (``ep``,
+capacity, what does not combine with MoE) live beside the config: ``config.py::check_moe``.
 
 Capacity (``capacity_factor > 0``, training only: evaluation and generation are dropless): each expert
 takes at most ``C = floor(factor * T * k / E)`` assignments of a micro-batch, in priority order: every
 token's first choice before any second choice, then by token position; the rest are dropped (the token
-keeps its other experts and the residual) and counted.
+keeps its other experts and the residual), counted, and not computed (``moe_routing.py::dispatch``).
 
-Balancing, each term's coefficient in ``model.moe`` (the losses are averaged over the step's micro-batches
-by the training module and added to the loss; a pipeline stage carries its layers' losses on its output,
-:func:`carry_aux_loss`; formulas in the functions below): the Switch/GShard loss
-(:func:`switch_aux_loss`), DeepSeek-V3's sequence-wise loss (:func:`sequence_aux_loss`), the router
-z-loss (:func:`router_z_loss`), and auxiliary-loss-free balancing (:func:`update_bias`, run after each
-optimizer step by :func:`register_balance_step`).
+Routing, the combination and the balance losses compute in FP32, or FP64 for a float64 model, whatever
+the input's dtype; the experts compute in the input's (or autocast's) dtype. The balance losses are
+averaged over the step's micro-batches by the training module and added to the loss; a pipeline stage
+carries its layers' losses on its output (:func:`carry_aux_loss`); auxiliary-loss-free balancing runs
+after each optimizer step (:func:`register_balance_step`).
 
 What each MoE layer counts during a training step (non-persistent buffers, restarted by
 :func:`start_step` at a step's first micro-batch, read by :func:`moe_metrics`): tokens routed to each
@@ -37,247 +37,36 @@ activation checkpointing in backward counts nothing twice.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from lmforge.config import Config, ModelConfig
-from lmforge.errors import ConfigError
+from lmforge.config import ModelConfig
+from lmforge.model.moe_balance import (
+    imbalance,
+    router_entropy,
+    router_z_loss,
+    sequence_aux_loss,
+    switch_aux_loss,
+    update_bias,
+)
+from lmforge.model.moe_experts import GroupedExperts
+from lmforge.model.moe_routing import (
+    accumulation_dtype,
+    combine,
+    dispatch,
+    expert_capacity,
+    expert_counts,
+    route,
+    router_logits,
+    router_scores,
+    score_distribution,
+)
 
-KERNELS = ("auto", "grouped_mm", "loop")
 LOSSES = ("aux_loss", "seq_aux_loss", "z_loss")  # the order of MoE.sums' first entries
-
-
-def min_capacity_factor(tokens: int, k: int, experts: int) -> float:
-    """The smallest ``capacity_factor`` that leaves each expert one slot: ``floor(f T k / E) >= 1`` holds
-    exactly when ``f >= E / (T k)`` (``T`` tokens of a training micro-batch on one rank)."""
-    return experts / (tokens * k)
-
-
-def check_moe(cfg: Config, chunks: int = 1) -> None:
-    """An MoE recipe against what the layer supports, before any work (one line naming the key):
-    ``parallel.ep`` dividing the experts, expert groups inside one pipeline stage, capacity for at least
-    one token per expert in each of the ``chunks`` parts a micro-batch runs as (a pipeline's microbatches,
-    computed by ``parallel/model_layout.py``), and no mode it does not
-    handle yet (the zero-bubble pipeline schedules, FP8, DPO)."""
-    m, ep = cfg.model.moe, cfg.parallel.ep
-    if ep > 1 and not m.experts:
-        raise ConfigError(
-            f"parallel.ep: {ep} splits the experts of MoE layers, and this model has none; set "
-            "model.moe.experts or parallel.ep = 1"
-        )
-    if not m.experts:
-        return
-    if m.experts % ep:
-        raise ConfigError(
-            f"parallel.ep: {ep} does not divide model.moe.experts ({m.experts}); choose an ep that divides the "
-            "number of experts"
-        )
-    dp = cfg.parallel.dp_replicate * cfg.parallel.dp_shard
-    if ep > 1 and cfg.parallel.pp > 1 and dp % ep:
-        raise ConfigError(
-            f"parallel.ep: an expert group of {ep} ranks would span pipeline stages (each of the "
-            f"parallel.pp = {cfg.parallel.pp} stages has dp_replicate x dp_shard = {dp} ranks); set "
-            f"--parallel.dp_shard to a multiple of {ep} so every expert group sits inside one stage"
-        )
-    if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in ("zero_bubble", "zbv"):
-        raise ConfigError(
-            f"parallel.pp_schedule: {cfg.parallel.pp_schedule} splits the backward into input and weight "
-            "gradients, which MoE balance losses are not verified under; use gpipe, 1f1b or "
-            "interleaved_1f1b with model.moe"
-        )
-    mbs = cfg.train.micro_batch_size
-    if m.capacity_factor and mbs != "auto":
-        tokens = mbs * cfg.data.seq_len // chunks
-        least = min_capacity_factor(tokens, m.top_k, m.experts)
-        if m.capacity_factor < least:
-            raise ConfigError(
-                f"model.moe.capacity_factor: {m.capacity_factor:g} leaves each expert floor(factor x {tokens} "
-                f"tokens x top_k {m.top_k} / {m.experts} experts) = 0 slots per micro-batch; use at least "
-                f"{least:.4g} (experts / (tokens x top_k)), or 0 for dropless routing"
-            )
-    refused = {
-        "train.precision": (
-            cfg.train.precision == "fp8",
-            "fp8 converts linear layers, not the experts' grouped weights; use bf16 with model.moe",
-        ),
-        "train.objective": (
-            cfg.train.objective == "dpo",
-            "dpo does not add MoE balance losses yet; use lm or sft",
-        ),
-    }
-    for key, (bad, fix) in refused.items():
-        if bad:
-            raise ConfigError(f"{key}: with model.moe.experts > 0, {fix}")
-
-
-# -- routing (pure) ----------------------------------------------------------------------------------
-
-
-def router_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
-    """``softmax(z)`` over the experts or ``sigmoid(z)`` per expert, in FP32."""
-    logits = logits.float()
-    return logits.softmax(-1) if score == "softmax" else logits.sigmoid()
-
-
-def score_distribution(scores: torch.Tensor, score: str) -> torch.Tensor:
-    """The scores as a distribution over the experts: softmax's as they are, sigmoid's divided by their
-    sum over the experts (``s_i / sum_j s_j``, as DeepSeek-V3's balance loss normalises them)."""
-    return scores if score == "softmax" else scores / scores.sum(-1, keepdim=True)
-
-
-def route(
-    scores: torch.Tensor, k: int, normalize: bool, bias: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-choice top-k: ``experts = topk(s + b, k)`` (``(T, k)``, best first), ``weights = s`` at
-    those experts, divided by their sum when ``normalize``. The bias ``b`` changes the choice only."""
-    choice = scores if bias is None else scores + bias
-    experts = choice.topk(k, dim=-1).indices
-    weights = scores.gather(-1, experts)
-    if normalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return experts, weights
-
-
-def expert_capacity(tokens: int, k: int, experts: int, factor: float) -> int:
-    """Assignments one expert takes: ``floor(factor * tokens * k / experts)``; ``factor = 0``: ``tokens``
-    (dropless: a token is never sent twice to one expert, so no expert gets more)."""
-    if factor == 0:
-        return tokens
-    return math.floor(factor * tokens * k / experts + 1e-9)
-
-
-def keep_mask(experts: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
-    """Which assignments of ``experts`` (``(T, k)``) fit in the experts' ``capacity``: an expert takes
-    them in priority order, all first choices (by token position) before all second choices, and so on."""
-    t, k = experts.shape
-    slot_major = experts.t().reshape(-1)
-    onehot = F.one_hot(slot_major, n_experts)
-    position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # place in the expert's queue
-    return (position < capacity).view(k, t).t()
-
-
-def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """Assignments per expert (FP32, ``(E,)``) of ``experts`` (any shape of expert ids)."""
-    flat = experts.reshape(-1)
-    return torch.zeros(n_experts, device=flat.device).index_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.float32)
-    )
-
-
-# -- balance losses and the bias rule (pure) ------------------------------------------------------------
-
-
-def switch_aux_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """Switch Transformer / GShard load-balancing loss over a micro-batch's ``T`` tokens:
-    ``L = E * sum_i f_i P_i`` with ``f_i = (assignments to i) / (T k)`` (not differentiable) and
-    ``P_i = mean_t p_t,i`` (``probs``: :func:`score_distribution`, ``(T, E)``). 1 when both are uniform."""
-    t, k = experts.shape
-    f = expert_counts(experts, n_experts) / (t * k)
-    return n_experts * (f * probs.mean(0)).sum()
-
-
-def sequence_aux_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss, averaged over the ``B`` sequences: per sequence of ``S``
-    tokens ``L = sum_i f_i P_i`` with ``f_i = E / (k S) * (assignments to i in the sequence)`` and
-    ``P_i = mean_t p_t,i`` over the sequence (``probs`` ``(B, S, E)``, ``experts`` ``(B, S, k)``)."""
-    b, s, k = experts.shape
-    counts = torch.zeros(b, n_experts, device=experts.device).scatter_add_(
-        1, experts.reshape(b, -1), torch.ones(b, s * k, device=experts.device)
-    )
-    f = counts * n_experts / (k * s)
-    return (f * probs.mean(1)).sum(-1).mean()
-
-
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE's router z-loss: ``mean_t (log sum_i exp z_t,i)^2`` (keeps the router logits small)."""
-    return torch.logsumexp(logits.float(), -1).square().mean()
-
-
-def router_entropy(probs: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens of ``-sum_i p_i log p_i`` (nats; ``log E`` at most)."""
-    return -(probs * probs.clamp_min(1e-30).log()).sum(-1).mean()
-
-
-def imbalance(load: torch.Tensor) -> torch.Tensor:
-    """``max_i load_i / mean_i load_i`` (1: perfectly balanced, ``E``: one expert takes all)."""
-    return load.max() / load.mean().clamp_min(1e-30)
-
-
-@torch.no_grad()
-def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
-    """Auxiliary-loss-free balancing (DeepSeek-V3): ``b_i += u * sign(mean_j load_j - load_i)``, in
-    place: an overloaded expert's bias falls, an underloaded one's rises."""
-    bias.add_(rate * torch.sign(load.mean() - load))
-
-
-# -- the experts' matrix products -----------------------------------------------------------------------
-
-
-def grouped_mm_fits(device: torch.device, dtype: torch.dtype, *dims: int) -> bool:
-    """Whether ``torch._grouped_mm`` runs here: on a CPU FP32 / BF16 / FP16 with every row a multiple of 16
-    bytes (measured, torch 2.13); on CUDA assumed for BF16 on compute capability 9.0 or newer only (the
-    kernel's documented case; not yet run on a GPU here, so ``train.moe_kernel = "loop"`` is the way out)."""
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    if any(d * torch.finfo(dtype).bits // 8 % 16 for d in dims):
-        return False
-    if device.type == "cuda":
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
-    return device.type == "cpu"
-
-
-@torch.compiler.disable
-def _eager_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm`` outside the compiled graph (a graph break where its dtype cannot be traced)."""
-    return torch._grouped_mm(x, w, offs=offs)
-
-
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kernel: str) -> torch.Tensor:
-    """``x`` (``(N, d_in)``, rows sorted by group) times each group's matrix of ``w``
-    (``(G, d_in, d_out)``): rows ``counts[:g].sum()`` onwards ``counts[g]`` rows use ``w[g]``; rows past
-    ``counts.sum()`` belong to the last group. ``kernel``: ``grouped_mm`` or ``loop``."""
-    if kernel == "grouped_mm":
-        offs = counts.cumsum(0).to(torch.int32)
-        offs = torch.cat([offs[:-1], offs.new_full((1,), x.shape[0])])
-        if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
-            return _eager_grouped_mm(x, w, offs)  # torch 2.13's meta kernel takes BF16 only
-        return torch._grouped_mm(x, w, offs=offs)
-    sizes = counts.tolist()
-    sizes[-1] = x.shape[0] - sum(sizes[:-1])
-    return torch.cat([part @ w[g] for g, part in enumerate(x.split(sizes))])
-
-
-class GroupedExperts(nn.Module):
-    """``n`` SwiGLU experts ``down(silu(gate(x)) * up(x))`` as 3-D parameters ``[n, d_in, d_out]``."""
-
-    def __init__(self, n: int, d_model: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Parameter(torch.empty(n, d_model, hidden))
-        self.up_proj = nn.Parameter(torch.empty(n, d_model, hidden))
-        self.down_proj = nn.Parameter(torch.empty(n, hidden, d_model))
-
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, kernel: str) -> torch.Tensor:
-        """``x`` rows sorted by expert, ``counts`` rows per expert (see :func:`grouped_matmul`)."""
-        dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-        if kernel == "auto":
-            d, h = self.down_proj.shape[2], self.down_proj.shape[1]
-            kernel = "grouped_mm" if grouped_mm_fits(x.device, dtype, d, h) else "loop"
-        x = x.to(dtype)
-        # under expert parallelism the weights are DTensors: this rank's experts are their local shard
-        weights = (self.gate_proj, self.up_proj, self.down_proj)
-        gate, up, down = ((p.to_local() if isinstance(p, DTensor) else p).to(dtype) for p in weights)
-        with torch.autocast(x.device.type, enabled=False):
-            h = F.silu(grouped_matmul(x, gate, counts, kernel)) * grouped_matmul(x, up, counts, kernel)
-            return grouped_matmul(h, down, counts, kernel)
 
 
 def _recomputing() -> bool:
@@ -317,33 +106,22 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, flat = x.shape, x.reshape(-1, x.shape[-1])
         t, k, e = flat.shape[0], self.top_k, self.n_experts
-        router = self.router.weight  # under tensor parallelism a Replicate DTensor: the whole matrix here
-        router = router.to_local() if isinstance(router, DTensor) else router
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(flat.float(), router.float())
+        acc = accumulation_dtype(x.dtype)
+        logits = router_logits(self.router, flat)
         scores = router_scores(logits, self.score)
         experts, weights = route(scores, k, self.normalize, self.expert_bias if self.bias_rate else None)
         capacity = expert_capacity(t, k, e, self.capacity_factor if self.training else 0.0)
-        keep = keep_mask(experts, e, capacity) if capacity < t else None
-        key = experts.reshape(-1) if keep is None else torch.where(keep.reshape(-1), experts.reshape(-1), e)
-        order = key.argsort(stable=True)
-        token = order // k
-        counts = torch.zeros(e + 1, dtype=torch.long, device=x.device).index_add_(
-            0, key, torch.ones_like(key)
-        )
+        d = dispatch(experts, weights, e, capacity)
+        rows = flat[d.token]
         if self.exchange is None:
-            ys = self.experts(flat[token], counts[:e], self.kernel).float()
+            ys = self.experts(rows, d.counts[:e], self.kernel)
         else:
-            ys = self.exchange(self.experts, flat[token], counts, self.kernel).float()
-        w = weights.reshape(-1)[order]
-        if keep is not None:  # dropped assignments ran with the last expert: weight 0
-            w = torch.where(keep.reshape(-1)[order], w, 0.0)
-        out = torch.zeros(t, shape[-1], device=x.device).index_add_(0, token, ys * w[:, None])
+            ys = self.exchange(self.experts, rows, d.counts, self.kernel)
+        out = combine(ys.to(acc), d, t)
         if self.shared is not None:
-            out = out + self.shared(flat).float()
+            out = out + self.shared(flat).to(acc)
         if self.training and torch.is_grad_enabled():
-            dropped = (t * k - counts[:e].sum()).float() if keep is not None else 0.0
-            self._count(logits, scores, experts, shape, dropped)
+            self._count(logits, scores, experts, shape, d.dropped)
         return out.to(x.dtype).view(shape)
 
     def _count(self, logits, scores, experts, shape, dropped) -> None:
@@ -366,9 +144,9 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.load += expert_counts(experts, self.n_experts)
             zero = torch.zeros((), device=logits.device)
-            entries = [raw[n].detach() if raw[n] is not None else zero for n in LOSSES]
-            entries += [router_entropy(probs), zero + dropped, zero + 1]
-            self.sums += torch.stack(entries)
+            entries = [raw[n].detach().float() if raw[n] is not None else zero for n in LOSSES]
+            entries += [router_entropy(probs).float(), zero + dropped, zero + 1]
+            self.sums += torch.stack(entries).to(self.sums.dtype)
 
 
 # -- the model's MoE layers, as the training module and the optimizer hook see them ----------------------

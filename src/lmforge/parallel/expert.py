@@ -40,7 +40,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from lmforge.model.moe import GroupedExperts, expert_params, moe_layers
+from lmforge.model.moe import expert_params, moe_layers
+from lmforge.model.moe_experts import GroupedExperts
 
 
 class AllToAll(torch.autograd.Function):

@@ -7,10 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmforge.config import Config
+from lmforge.config import Config, check_moe
 from lmforge.errors import ConfigError
 from lmforge.model.lora import target_names
-from lmforge.model.moe import check_moe
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.pipeline import check_pipeline, pipeline_settings
 from lmforge.parallel.tensor import check_tensor_parallel

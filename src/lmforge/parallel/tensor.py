@@ -79,6 +79,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -268,7 +269,7 @@ def _moe_plan(moe: MoE) -> dict[str, object]:
             desired_output_layouts=(seq,),
             use_local_output=True,
         ),
-        "mlp.router": ReplicateParameters(),
+        "mlp.router": ReplicatedLinear(),
         "mlp.experts": ReplicateParameters(),
     }
     if moe.shared is not None:
@@ -290,6 +291,31 @@ class ReplicateParameters(ParallelStyle):
         for name, param in list(module.named_parameters(recurse=False)):
             full = distribute_tensor(param.data, device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(full, requires_grad=param.requires_grad))
+        return module
+
+
+class ReplicatedLinear(ReplicateParameters):
+    """A linear layer replicated over the TP mesh (:class:`ReplicateParameters`) that is called through its
+    own forward with local tensors (the MoE router, ``model/moe_routing.py::router_logits``, and whatever
+    LoRA or QAT made of it): its input becomes a ``Replicate`` DTensor on the way in and its output the
+    local tensor on the way out, so every rank computes the whole product, as one process does, with no
+    communication in forward or backward."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
+
+        def to_dtensor(_module, args):
+            return tuple(
+                DTensor.from_local(a, device_mesh, [Replicate()], run_check=False)
+                if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+                else a
+                for a in args
+            )
+
+        module.register_forward_pre_hook(to_dtensor)
+        module.register_forward_hook(
+            lambda _m, _args, out: out.to_local() if isinstance(out, DTensor) else out
+        )
         return module
 
 

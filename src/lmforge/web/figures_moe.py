@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from lmforge.config import ModelConfig, MoEConfig
 from lmforge.corpus.pystdlib import stdlib_root
 from lmforge.model.loss import NextTokenLoss
-from lmforge.model.moe import MoE, expert_params, moe_layers, route, router_scores, start_step, take_aux_loss
+from lmforge.model.moe import MoE, expert_params, moe_layers, start_step, take_aux_loss
+from lmforge.model.moe_routing import route, router_logits, router_scores
 from lmforge.model.transformer import Transformer
 from lmforge.plan.flops import flops_per_token
 
@@ -176,7 +176,7 @@ def routing(model: Transformer, text: str, recipe: Recipe = RECIPE) -> list[dict
     out = []
     for index, layer in layers:
         x = inputs[index].reshape(-1, inputs[index].shape[-1])
-        scores = router_scores(F.linear(x.float(), layer.router.weight.float()), layer.score)
+        scores = router_scores(router_logits(layer.router, x), layer.score)
         bias = layer.expert_bias if layer.bias_rate else None
         experts, weights = route(scores, layer.top_k, layer.normalize, bias)
         out.append(
