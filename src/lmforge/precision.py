@@ -368,18 +368,31 @@ def fp8_config(recipe: str, device: torch.device, fsdp: bool = False):
     )
 
 
-def convert_fp8(model: nn.Module, recipe: str, device: torch.device, fsdp: bool = False, tp: int = 1) -> int:
+def convert_fp8(
+    model: nn.Module,
+    recipe: str,
+    device: torch.device,
+    fsdp: bool = False,
+    tp: int = 1,
+    targets: set[str] | None = None,
+) -> int:
     """Swap ``model``'s linear layers for torchao ``Float8Linear`` with ``recipe`` (emulated off CUDA);
     returns how many were converted (logged with the skipped ones). ``fsdp``: FSDP2 will shard the model,
     so the weights of a tensorwise recipe are wrapped for its float8 all-gather (then
     :func:`register_fp8_scale_precompute` must be called once the optimizer exists); ``tp``: the
-    tensor-parallel degree (:func:`fp8_takes`). Works on a meta-device model (nothing is allocated)."""
+    tensor-parallel degree (:func:`fp8_takes`); ``targets``: the layers FP8 may wrap at all
+    (``model/wrap.py::linear_targets``; None: every linear layer). Works on a meta-device model (nothing
+    is allocated)."""
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
     config = fp8_config(recipe, device, fsdp)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fp8_takes(m, fqn, tp), config=config)
+
+    def takes(m: nn.Module, fqn: str) -> bool:
+        return (targets is None or fqn in targets) and fp8_takes(m, fqn, tp)
+
+    convert_to_float8_training(model, module_filter_fn=takes, config=config)
     converted = [m for m in model.modules() if isinstance(m, Float8Linear)]
     if config.emulate:
         for m in converted:

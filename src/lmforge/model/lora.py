@@ -16,7 +16,8 @@ inside each forward; the adapters stay in full precision. A weight whose element
 multiple of 64 x 256 stays in full precision (torchao's block sizes).
 
 The adapters are attached from outside (``parallel/apply.py``'s ``lora`` stage, :func:`apply_lora`): a
-target ``nn.Linear`` becomes a :class:`LoRALinear` in place, keeping its ``weight`` / ``bias`` names, so
+target ``nn.Linear`` is replaced by a :class:`LoRALinear` around its own ``weight`` / ``bias``
+(``model/wrap.py``, which also says which layers LoRA may wrap), so
 the base's checkpoint keys and export maps are unchanged; the adapters are ``<layer>.lora_A`` and
 ``<layer>.lora_B``. A quantised layer holds its NF4 weight as five plain buffers
 ``<layer>.weight_nf4.<part>`` (checkpointed as any tensor) and loads a full-precision ``<layer>.weight``
@@ -35,6 +36,7 @@ from torch.nn import functional as F
 
 from lmforge.config import LoraConfig
 from lmforge.model.init import InitStep
+from lmforge.model.wrap import linear_targets, replace, trained_heads
 
 log = logging.getLogger(__name__)
 
@@ -42,21 +44,19 @@ ADAPTERS = ("lora_A", "lora_B")
 NF4_PARTS = ("quantized_data", "scaler_mean", "quantization_factor", "quantized_scalers", "nf4")
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 ALL_LINEAR = "all-linear"
-HEAD = "lm_head"
 
 
 def target_names(model: nn.Module, targets: str) -> list[str]:
-    """Names of the linear layers of ``model`` that ``targets`` (``lora.targets``) selects: each
+    """Names of the linear layers of ``model`` that ``targets`` (``lora.targets``) selects among those LoRA
+    may wrap (``model/wrap.py``: not the output head, not a head the objective trains in full): each
     comma-separated pattern matches a layer whose name ends with ``.pattern`` (or equals it);
-    ``all-linear``: every linear layer but the output head."""
+    ``all-linear``: every one of them (an MoE layer's router included)."""
     patterns = [t.strip() for t in targets.split(",") if t.strip()]
-    names = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] == HEAD:
-            continue
-        if ALL_LINEAR in patterns or any(name == p or name.endswith("." + p) for p in patterns):
-            names.append(name)
-    return names
+
+    def chosen(name: str, _layer: nn.Linear) -> bool:
+        return ALL_LINEAR in patterns or any(name == p or name.endswith("." + p) for p in patterns)
+
+    return linear_targets(model, "lora", chosen)
 
 
 class LoRALinear(nn.Linear):
@@ -67,9 +67,21 @@ class LoRALinear(nn.Linear):
     scale: float
     nf4_meta: dict | None
 
+    @classmethod
+    def around(cls, layer: nn.Linear, rank: int, alpha: float, dropout: float) -> LoRALinear:
+        """A LoRA layer holding ``layer``'s own ``weight`` and ``bias`` (the same parameters) and new
+        adapters (:meth:`attach`); ``layer`` itself is left as it was."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = layer.in_features, layer.out_features
+        new.weight = layer.weight
+        new.register_parameter("bias", layer.bias)
+        new.attach(rank, alpha, dropout)
+        return new
+
     def attach(self, rank: int, alpha: float, dropout: float) -> None:
         """Add ``lora_A`` [rank, d_in] and ``lora_B`` [d_out, rank] on the weight's device (meta: values come
-        from :func:`adapter_plan`) and freeze the base."""
+        from :func:`adapter_plan`)."""
         self.rank, self.scale, self.nf4_meta = rank, alpha / rank, None
         self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         like = dict(device=self.weight.device, dtype=self.weight.dtype)
@@ -136,16 +148,17 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
-    """Adapters on the target layers of ``model`` (``lora.targets``) and every other parameter frozen
-    (``requires_grad = False``); returns the adapted layers' names. On a meta model nothing is allocated."""
+    """Adapters on the target layers of ``model`` (``lora.targets``; each layer replaced by a
+    :class:`LoRALinear` around its own parameters, ``model/wrap.py::replace``) and every other parameter
+    frozen (``requires_grad = False``) but those of the heads the model trains in full
+    (``model/wrap.py::trained_heads``: a reward model's score, PPO's value head); returns the adapted
+    layers' names. On a meta model nothing is allocated."""
     names = target_names(model, cfg.targets)
-    modules = dict(model.named_modules())
     for name in names:
-        layer = modules[name]
-        layer.__class__ = LoRALinear
-        layer.attach(cfg.rank, cfg.alpha, cfg.dropout)
+        replace(model, name, lambda layer: LoRALinear.around(layer, cfg.rank, cfg.alpha, cfg.dropout))
+    heads = tuple(h + "." for h in trained_heads(model))
     for name, p in model.named_parameters():
-        p.requires_grad_(name.rsplit(".", 1)[-1] in ADAPTERS)
+        p.requires_grad_(name.rsplit(".", 1)[-1] in ADAPTERS or name.startswith(heads))
     return names
 
 

@@ -29,11 +29,12 @@ The arithmetic is torchao's (``torchao.quantization.qat.IntxFakeQuantizer`` with
 ``IntxFakeQuantizeConfig``), the same its post-training configs of :func:`ptq_config` apply on export.
 
 The layers are transformed from outside (``parallel/apply.py``'s ``qat`` stage, :func:`apply_qat`): a
-target ``nn.Linear`` becomes a :class:`QATLinear` in place, keeping its ``weight`` / ``bias`` (no new
+target ``nn.Linear`` is replaced by a :class:`QATLinear` around its own ``weight`` / ``bias`` (no new
 parameters or buffers: checkpoints, optimizer state and export maps are those of the plain model). The
 fake quantizers are switched on from ``qat.start_step`` on by :func:`set_fake_quant`, which the
 training callback ``train/callbacks/control.py`` calls from the step count alone, so a resume restores it.
-Targets: every ``nn.Linear`` of the model but the output head (and a reward model's ``score``).
+Targets: every ``nn.Linear`` of the model but the output head and the heads an objective trains
+(``model/wrap.py``), an MoE layer's router included.
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lmforge.errors import ConfigError
-
-HEADS = ("lm_head", "score")
+from lmforge.model.wrap import linear_targets, replace
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,10 @@ def check_scheme(scheme: str, field: str = "qat.scheme") -> Scheme:
 
 
 def target_names(model: nn.Module) -> list[str]:
-    """The linear layers QAT and the export quantize: every ``nn.Linear`` but the output heads."""
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in HEADS
-    ]
+    """The linear layers QAT and the export quantize: every ``nn.Linear`` QAT may wrap (``model/wrap.py``:
+    not the output head, nor a head the objective trains, such as a reward model's score), an MoE
+    layer's router included."""
+    return linear_targets(model, "qat")
 
 
 def check_group_size(model: nn.Module, group_size: int, field: str = "qat.group_size") -> None:
@@ -136,8 +134,19 @@ def ptq_config(scheme: str, group_size: int):
 
 
 class QATLinear(nn.Linear):
-    """An ``nn.Linear`` that fake-quantizes its input and weight (module docstring), made from an
-    existing layer in place by :meth:`attach`."""
+    """An ``nn.Linear`` that fake-quantizes its input and weight (module docstring), made around an
+    existing layer's parameters by :meth:`around`."""
+
+    @classmethod
+    def around(cls, layer: nn.Linear, act_config, weight_config) -> QATLinear:
+        """A fake-quantizing layer holding ``layer``'s own ``weight`` and ``bias`` (the same parameters)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = layer.in_features, layer.out_features
+        new.weight = layer.weight
+        new.register_parameter("bias", layer.bias)
+        new.attach(act_config, weight_config)
+        return new
 
     def attach(self, act_config, weight_config) -> None:
         """Add the fake quantizers (torchao ``IntxFakeQuantizer``; they hold no tensors that persist)."""
@@ -158,16 +167,13 @@ def qat_layers(model: nn.Module) -> dict[str, QATLinear]:
 
 
 def apply_qat(model: nn.Module, scheme: str, group_size: int) -> list[str]:
-    """Turn every target layer of ``model`` (:func:`target_names`) into a :class:`QATLinear` of
-    ``scheme``; returns their names. Works on a meta model (nothing is allocated)."""
+    """Replace every target layer of ``model`` (:func:`target_names`) by a :class:`QATLinear` of
+    ``scheme`` around its parameters (``model/wrap.py::replace``); returns their names. Works on a meta model (nothing is allocated)."""
     check_group_size(model, group_size)
     act, weight = fake_quant_configs(scheme, group_size)
-    modules = dict(model.named_modules())
     names = target_names(model)
     for name in names:
-        layer = modules[name]
-        layer.__class__ = QATLinear
-        layer.attach(act, weight)
+        replace(model, name, lambda layer: QATLinear.around(layer, act, weight))
     return names
 
 

@@ -9,15 +9,16 @@ this is the only place the order is written. The model arrives on the meta devic
 every stage but the last only rearranges it, and the last gives this rank's shards their storage and
 values. The order is forced by what each stage needs to see:
 
-0. ``lora`` (``[lora]``, ``lmforge/model/lora.py``) turns the target linear layers into LoRA layers
+0. ``lora`` (``[lora]``, ``lmforge/model/lora.py``) replaces the target linear layers by LoRA layers
    (adapters ``lora_A`` / ``lora_B`` added, parameter names of the base unchanged) and freezes every
-   other parameter. It comes first because it changes what the later stages see: which modules exist
+   other parameter but the heads the objective trains in full. Which layers each of LoRA, QAT and FP8
+   may replace, and how a layer is replaced, is written once, in ``lmforge/model/wrap.py``. It comes first because it changes what the later stages see: which modules exist
    (compile traces and FSDP2 wraps the adapted layers), which parameters there are (FSDP2 shards the
    adapters with their block; the materialize stage initialises them) and which train (DDP and FSDP2
    register gradient hooks and reduce only for parameters that require grad, so freezing must precede
    them). QLoRA's quantisation of the frozen weights needs their values, so it happens in ``materialize``.
-0b. ``qat`` (``[qat]``, ``lmforge/model/qat.py``) makes the blocks' linear layers fake-quantize their
-   weights and inputs, in place (same parameters): compile must trace the quantize-dequantize and FSDP2
+0b. ``qat`` (``[qat]``, ``lmforge/model/qat.py``) replaces the linear layers by ones that fake-quantize
+   their weights and inputs (same parameters): compile must trace the quantize-dequantize and FSDP2
    gathers the whole weight before a layer's forward, so the groups of a row are all there. It refuses
    to meet LoRA's layers, FP8's conversion and tensor parallelism (``train/build.py::validate``).
 1. ``convert`` swaps module types (FP8 linear layers, lmforge/precision): every later stage must see the
@@ -72,6 +73,7 @@ from lmforge.config import LoraConfig, QATConfig, TrainConfig, check_activation_
 from lmforge.model.lora import adapter_plan, apply_lora, quantize_base
 from lmforge.model.moe import expert_params
 from lmforge.model.qat import apply_qat
+from lmforge.model.wrap import linear_targets
 from lmforge.parallel.comm_hooks import CommHook
 from lmforge.parallel.data_parallel import apply_ddp, apply_fsdp
 from lmforge.parallel.layout import SINGLE, Layout
@@ -139,7 +141,10 @@ def convert(module: nn.Module, model: nn.Module, ctx: ApplyContext) -> nn.Module
         from lmforge.precision import convert_fp8
 
         layout = ctx.layout
-        convert_fp8(model, ctx.train.fp8_recipe, ctx.device, layout.kind == "fsdp", layout.degrees["tp"])
+        targets = set(linear_targets(model, "fp8"))
+        convert_fp8(
+            model, ctx.train.fp8_recipe, ctx.device, layout.kind == "fsdp", layout.degrees["tp"], targets
+        )
     return module
 
 

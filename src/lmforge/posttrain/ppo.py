@@ -81,6 +81,8 @@ class PolicyValueModel(Transformer):
     """The transformer (language-model head and all) plus ``value_head = Linear(d_model, 1)``; its
     parameter names are the transformer's plus ``value_head.weight`` and ``value_head.bias``."""
 
+    trained_heads = ("value_head",)  # trained in full under LoRA, never wrapped (model/wrap.py)
+
     def __init__(
         self,
         cfg: ModelConfig,

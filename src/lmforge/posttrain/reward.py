@@ -55,6 +55,8 @@ class RewardModel(Transformer):
     language-model head; parameter names are the transformer's plus ``score.weight``, so a language
     model's checkpoint fills everything but the head (:func:`start_state`)."""
 
+    trained_heads = ("score",)  # trained in full under LoRA, never wrapped (model/wrap.py)
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -84,10 +86,10 @@ def last_token_index(inputs: torch.Tensor, pad_id: int) -> torch.Tensor:
 
 def start_state(base: dict[str, torch.Tensor], model: RewardModel) -> dict[str, torch.Tensor]:
     """A reward model's starting weights: ``base`` (a language model's state) for every tensor the reward
-    model has (its language-model head dropped), ``model``'s own initialised ``score.weight`` for the
-    head."""
+    model has (its language-model head dropped; a QLoRA layer takes the full-precision weight and
+    quantises it, ``model/lora.py``), ``model``'s own initialised ``score.weight`` for the head."""
     own = model.state_dict()
-    state = {k: v for k, v in base.items() if k in own}
+    state = {k: v for k, v in base.items() if not k.startswith("lm_head.")}
     state["score.weight"] = own["score.weight"].detach().cpu()
     return state
 

@@ -95,11 +95,6 @@ def check_rl(cfg: Config) -> None:
             f"rl.group_size: {rl.group_size} completion per prompt gives no baseline to compare with; set 2 "
             "or more (e.g. 8)"
         )
-    if rl.algorithm == "ppo" and cfg.lora.rank:
-        raise ConfigError(
-            "lora.rank: LoRA freezes every weight but the adapters, the value head of rl.algorithm = ppo "
-            "included; use grpo or rloo with LoRA, or --lora.rank=0"
-        )
     if rl.max_new_tokens >= cfg.data.seq_len:
         raise ConfigError(
             f"rl.max_new_tokens: {rl.max_new_tokens} leaves no room for a prompt within data.seq_len = "
