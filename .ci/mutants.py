@@ -1,4 +1,4 @@
-"""Four planted bugs the suite must catch: each is applied to a clean worktree of a revision, the tests named
+"""Planted bugs the suite must catch: each is applied to a clean worktree of a revision, the tests named
 for it are run, and the bug counts as caught only if they fail (and pass without it).
 
     .venv/bin/python .ci/mutants.py [REV]     (default HEAD; exit 1 if any bug is missed)
@@ -47,6 +47,23 @@ MUTANTS = {
         "        dist.all_reduce(squared, group=across)\n",
         "",
         ["tests/test_distributed.py::test_pipeline_matches_one_process[gpipe]"],
+    ),
+    # the MoE router's product computed beside its module: LoRA, QLoRA and QAT never reach it
+    "router bypasses its module": (
+        "src/lmforge/model/moe_routing.py",
+        "return router(x.to(module_dtype(router, acc))).to(acc)",
+        "return torch.nn.functional.linear(x.to(acc), router.weight.to(acc))",
+        [
+            "tests/test_combinations.py::test_combination_works_or_is_refused[moe+lora]",
+            "tests/test_combinations.py::test_combination_works_or_is_refused[moe+qat]",
+        ],
+    ),
+    # LoRA freezes a reward model's score head with the base: the run trains against a random projection
+    "reward head frozen under LoRA": (
+        "src/lmforge/model/lora.py",
+        'p.requires_grad_(name.rsplit(".", 1)[-1] in ADAPTERS or name.startswith(heads))',
+        'p.requires_grad_(name.rsplit(".", 1)[-1] in ADAPTERS)',
+        ["tests/test_combinations.py::test_combination_works_or_is_refused[lora+reward]"],
     ),
 }
 
