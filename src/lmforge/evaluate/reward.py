@@ -7,8 +7,10 @@
     rewards = score_chats(scorer, [(prompt, response), ...])  # rendered by the chat template
 
 A text is encoded whole by the run's tokenizer, as the exported Hugging Face tokenizer encodes it (a chat
-marker's text is the marker); a longer one keeps its first ``data.seq_len`` ids. It is scored at its last
-real token (``posttrain/reward.py``), in the run's precision, in eval mode. :class:`RewardScorer` (the
+marker's text is the marker); a longer one keeps its last ``data.seq_len`` ids (after its leading
+``<|endoftext|>``, which stays: ``reward_model_reward.py::keep_end``), so the token it is scored at, its
+last real one (``posttrain/reward.py``), is the text's own end. Scored in the run's precision, in eval
+mode. :class:`RewardScorer` (the
 scoring itself) lives in ``posttrain/reward_model_reward.py``, where ``rl.reward = "run:PATH"`` scores RL
 completions with it.
 """
@@ -58,6 +60,7 @@ def score_chats(
     run: str | Path | RewardScorer, chats: Sequence[tuple[str, str]], batch_size: int = SCORE_BATCH
 ) -> list[float]:
     """One reward per ``(prompt, response)`` of ``chats``: the prompt as a user turn, the response as the
-    assistant's, rendered into ids by the run's chat template exactly as training rendered its pairs."""
+    assistant's, rendered into ids by the run's chat template exactly as training rendered its pairs (a
+    longer one than ``data.seq_len`` loses the start of its prompt, as :func:`score`'s texts do)."""
     scorer = run if isinstance(run, RewardScorer) else load_reward_model(run)
     return scorer.score_ids(scorer.chat_ids(chats), batch_size)

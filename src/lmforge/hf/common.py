@@ -19,6 +19,18 @@ def refuse_import(path: str, field: str, value: Any, why: str) -> UserError:
     return UserError(f"{path}: config.json field {field} = {value!r} is not supported: {why}")
 
 
+Problem = tuple[str, Any, str]  # (config.json field, its value, why lmforge cannot read it and what it reads)
+
+
+def refuse_fields(path: str, problems: list[Problem]) -> UserError:
+    """The one-line error of every ``config.json`` field of ``problems`` that lmforge's model lacks, all of
+    them named at once (a released configuration may have several)."""
+    parts = [
+        f"config.json field {field} = {value!r} is not supported: {why}" for field, value, why in problems
+    ]
+    return UserError(f"{path}: " + "; ".join(parts))
+
+
 def check_mup(model: ModelConfig) -> None:
     """muP away from its base width scales logits by ``1 / width_mult`` and attention by ``1 / d_head``:
     neither Hugging Face class has such factors. At ``d_model = mup_base_width`` muP is the standard

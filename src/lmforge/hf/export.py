@@ -22,8 +22,8 @@ from lmforge.evaluate.run_loading import pick_checkpoint
 from lmforge.hf import glm4_moe, gpt2, llama, mixtral, qwen2_moe, reward
 from lmforge.hf.files import write_json, write_tokenizer, write_weights
 from lmforge.hf.moe import pick_class
-from lmforge.hf.peft import adapter_files, hf_names
-from lmforge.model.lora import dense_base, merged_state
+from lmforge.hf.peft import adapted_modules, adapter_files
+from lmforge.model.lora import dense_base, merged_state, target_names
 from lmforge.model.transformer import Transformer
 from lmforge.posttrain.ppo import language_model_state
 from lmforge.posttrain.template import ChatTemplate, read_template
@@ -93,12 +93,10 @@ def export_run(
             f"--adapter: {run_dir} is not a LoRA run (lora.rank = 0); export it without --adapter"
         )
     with torch.device("meta"):
-        shapes = {
-            k: v.shape
-            for k, v in Transformer(cfg.model, tok.vocab_size, cfg.data.seq_len).state_dict().items()
-        }
-    if adapter:
-        hf_names(arch, cfg, list(shapes))  # refused before anything is written
+        plain = Transformer(cfg.model, tok.vocab_size, cfg.data.seq_len)
+        shapes = {k: v.shape for k, v in plain.state_dict().items()}
+    if adapter:  # refused before anything is written: the map, then each adapted layer
+        adapted_modules(arch, cfg, list(shapes), target_names(plain, cfg.lora.targets))
     state = language_model_state(load_checkpoint(ckpt)["model"])  # a PPO run's value head is not exported
     template = read_template(run_dir)
     if not cfg.lora.rank:

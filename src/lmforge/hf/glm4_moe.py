@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lmforge.config import ModelConfig
-from lmforge.hf.common import check_mup, flag, model_config, refuse_import
+from lmforge.hf.common import Problem, check_mup, flag, model_config
 from lmforge.hf.llama import base_config, base_fields, base_pairs, mlp_pairs
 from lmforge.hf.moe import (
     EXTRA,
@@ -69,28 +69,48 @@ def config_to_hf(model: ModelConfig, vocab_size: int, max_len: int, eot_id: int)
     }
 
 
-def _check(hf: dict, path: str) -> None:
-    """What the class can do and lmforge's layer cannot: refused."""
+def _problems(hf: dict) -> list[Problem]:
+    """What the class can do and lmforge's model cannot (docs/hf.md's table), each with what lmforge reads."""
     rope = hf.get("rope_parameters") or {}
-    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
+    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))  # the class's default
+    values = {
+        "partial_rotary_factor": factor,
+        "use_qk_norm": flag(hf, "use_qk_norm", False),
+        "attention_bias": flag(hf, "attention_bias", False),
+        "n_group": flag(hf, "n_group", 1),
+        "routed_scaling_factor": flag(hf, "routed_scaling_factor", 1.0),
+    }
     wrong = {
-        "partial_rotary_factor": (factor != 1.0, "lmforge rotates every channel of a head"),
-        "use_qk_norm": (bool(flag(hf, "use_qk_norm", False)), "lmforge has no query/key norms"),
-        "attention_bias": (bool(flag(hf, "attention_bias", False)), "lmforge's MoE models have no biases"),
-        "n_group": (int(flag(hf, "n_group", 1)) != 1, "lmforge routes over all experts, not groups"),
+        "partial_rotary_factor": (
+            float(factor) != 1.0,
+            "lmforge rotates every channel of a head (an absent key means the class's 0.5); lmforge reads "
+            "partial_rotary_factor = 1 only",
+        ),
+        "use_qk_norm": (
+            bool(values["use_qk_norm"]),
+            "lmforge has no query/key norms; lmforge reads use_qk_norm = false only",
+        ),
+        "attention_bias": (
+            bool(values["attention_bias"]),
+            "q_proj, k_proj and v_proj then have biases, lmforge's MoE attention has none; lmforge reads "
+            "attention_bias = false only",
+        ),
+        "n_group": (
+            int(values["n_group"]) != 1,
+            "lmforge routes over all experts, not groups of them; lmforge reads n_group = 1 only",
+        ),
         "routed_scaling_factor": (
-            float(flag(hf, "routed_scaling_factor", 1.0)) != 1.0,
-            "lmforge does not scale the routed experts' sum",
+            float(values["routed_scaling_factor"]) != 1.0,
+            "lmforge does not scale the routed experts' sum; lmforge reads routed_scaling_factor = 1 only",
         ),
     }
-    for key, (bad, why) in wrong.items():
-        if bad:
-            raise refuse_import(path, key, factor if key == "partial_rotary_factor" else hf[key], why)
+    return [(key, values[key], why) for key, (bad, why) in wrong.items() if bad]
 
 
 def config_from_hf(hf: dict, path: str) -> tuple[ModelConfig, int]:
-    """(``model.*``, context length) of a ``Glm4MoeForCausalLM`` ``config.json``."""
-    _check(hf, path)
+    """(``model.*``, context length) of a ``Glm4MoeForCausalLM`` ``config.json``; what lmforge's model
+    lacks is refused in one line naming every such field (:func:`_problems`, ``llama.py::base_problems``)."""
+    base = base_fields(hf, path, _problems(hf))
     routing = {
         "experts": int(hf["n_routed_experts"]),
         "top_k": int(flag(hf, "num_experts_per_tok", 8)),
@@ -101,7 +121,7 @@ def config_from_hf(hf: dict, path: str) -> tuple[ModelConfig, int]:
         "normalize": bool(flag(hf, "norm_topk_prob", True)),
         **(training_fields(hf, path) if EXTRA in hf else {"bias_update_rate": FOREIGN_BIAS_RATE}),
     }
-    fields = {**base_fields(hf, path), "d_ff": int(hf["intermediate_size"]), "moe": routing}
+    fields = {**base, "d_ff": int(hf["intermediate_size"]), "moe": routing}
     return model_config(path, fields), int(hf["max_position_embeddings"])
 
 
@@ -119,6 +139,12 @@ def _maps(model: ModelConfig) -> tuple[list[tuple[str, str]], list[tuple[str, st
 
     pairs = base_pairs(model.n_layers, False, model.tie_embeddings, mlp)
     return pairs, [(f"blocks.{i}.mlp.", f"model.layers.{i}.mlp.") for i in sorted(moe)]
+
+
+def renames(model: ModelConfig) -> list[tuple[str, str]]:
+    """(lmforge name, Hugging Face name) of every tensor the export renames without reshaping: all but the
+    routed experts' (``hf/peft.py`` names the adapters' modules by it)."""
+    return _maps(model)[0]
 
 
 def state_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:

@@ -22,13 +22,13 @@ Per block ``i`` (``model.layers.i.`` on the Hugging Face side):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from lmforge.config import ModelConfig
-from lmforge.hf.common import check_mup, flag, model_config, refuse_export, refuse_import, take
+from lmforge.hf.common import Problem, check_mup, flag, model_config, refuse_export, refuse_fields, take
 from lmforge.model.transformer import ff_width, uses_bias
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -82,44 +82,59 @@ def base_config(model: ModelConfig, vocab_size: int, max_len: int, eot_id: int) 
     }
 
 
-def _rope_theta(hf: dict, path: str) -> float:
-    """The rotary base of a ``config.json``; any rope type but the default is refused."""
+def _rope_problems(hf: dict) -> list[Problem]:
+    """A ``config.json``'s rotary settings other than plain RoPE (lmforge's only kind)."""
     if hf.get("rope_scaling"):
-        raise refuse_import(path, "rope_scaling", hf["rope_scaling"], "lmforge has plain RoPE only")
+        return [("rope_scaling", hf["rope_scaling"], "lmforge has plain RoPE only")]
     params = hf.get("rope_parameters") or {}
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default":
-        raise refuse_import(path, "rope_parameters.rope_type", kind, "lmforge has plain RoPE only")
-    return float(params.get("rope_theta", flag(hf, "rope_theta", 10000.0)))
+        return [("rope_parameters.rope_type", kind, "lmforge has plain RoPE only")]
+    return []
 
 
 def config_from_hf(hf: dict, path: str) -> tuple[ModelConfig, int]:
     """(``model.*``, context length) of a ``LlamaForCausalLM`` ``config.json``."""
     attn_bias, mlp_bias = bool(flag(hf, "attention_bias", False)), bool(flag(hf, "mlp_bias", False))
+    problems: list[Problem] = []
     if attn_bias != mlp_bias:
-        raise refuse_import(path, "mlp_bias", mlp_bias, "lmforge's model.bias covers attention and MLP alike")
+        problems.append(("mlp_bias", mlp_bias, "lmforge's model.bias covers attention and MLP alike"))
     fields = {
-        **base_fields(hf, path),
+        **base_fields(hf, path, problems),
         "d_ff": int(hf["intermediate_size"]),
         "bias": True if attn_bias else None,
     }
     return model_config(path, fields), int(hf["max_position_embeddings"])
 
 
-def base_fields(hf: dict, path: str) -> dict[str, Any]:
-    """The ``model.*`` fields of the keys every Llama-like ``config.json`` shares; what lmforge's
-    attention lacks (sliding windows, other activations, a head size of its own) is refused."""
+def base_problems(hf: dict) -> list[Problem]:
+    """What lmforge's attention lacks among the keys every Llama-like ``config.json`` shares: sliding
+    windows, other activations, a head size of its own, rotary scaling."""
+    problems: list[Problem] = []
     act = flag(hf, "hidden_act", "silu")
     if act != "silu":
-        raise refuse_import(path, "hidden_act", act, "lmforge's llama MLP is SwiGLU (silu)")
+        problems.append(("hidden_act", act, "lmforge's llama MLP is SwiGLU (silu)"))
     for key in ("sliding_window", "use_sliding_window", "layer_types", "no_rope_layers"):
         if hf.get(key) and not (key == "layer_types" and set(hf[key]) == {"full_attention"}):
-            raise refuse_import(path, key, hf[key], "lmforge attends over the whole context in every layer")
+            problems.append((key, hf[key], "lmforge attends over the whole context in every layer"))
     heads, d = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     head_dim = flag(hf, "head_dim", d // heads)
     if head_dim * heads != d:
-        raise refuse_import(path, "head_dim", head_dim, "lmforge's head dimension is hidden_size / heads")
+        problems.append(
+            ("head_dim", head_dim, f"lmforge's head dimension is hidden_size / heads ({d} / {heads})")
+        )
+    return problems + _rope_problems(hf)
+
+
+def base_fields(hf: dict, path: str, problems: Sequence[Problem] = ()) -> dict[str, Any]:
+    """The ``model.*`` fields of the keys every Llama-like ``config.json`` shares. Refused in one line:
+    :func:`base_problems` together with the class's own ``problems`` (every field named at once)."""
+    problems = [*problems, *base_problems(hf)]
+    if problems:
+        raise refuse_fields(path, problems)
+    heads, d = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     kv = int(flag(hf, "num_key_value_heads", heads))
+    params = hf.get("rope_parameters") or {}
     return {
         "arch": "llama",
         "n_layers": int(hf["num_hidden_layers"]),
@@ -127,7 +142,7 @@ def base_fields(hf: dict, path: str) -> dict[str, Any]:
         "n_heads": heads,
         "n_kv_heads": None if kv == heads else kv,
         "tie_embeddings": bool(flag(hf, "tie_word_embeddings", False)),
-        "rope_theta": _rope_theta(hf, path),
+        "rope_theta": float(params.get("rope_theta", flag(hf, "rope_theta", 10000.0))),
         "norm_eps": float(flag(hf, "rms_norm_eps", 1e-6)),
         "init_std": float(flag(hf, "initializer_range", 0.02)),
     }
@@ -166,10 +181,15 @@ def _pairs(n_layers: int, bias: bool, tied: bool) -> list[tuple[str, str]]:
     )
 
 
+def renames(model: ModelConfig) -> list[tuple[str, str]]:
+    """(lmforge name, Hugging Face name) of every tensor the export renames without reshaping: all of them
+    (``hf/peft.py`` names the adapters' modules by it)."""
+    return _pairs(model.n_layers, uses_bias(model), model.tie_embeddings)
+
+
 def state_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
     """lmforge model state -> ``LlamaForCausalLM`` tensors (same values, new names)."""
-    pairs = _pairs(model.n_layers, uses_bias(model), model.tie_embeddings)
-    return {theirs: state[ours] for ours, theirs in pairs}
+    return {theirs: state[ours] for ours, theirs in renames(model)}
 
 
 def state_from_hf(tensors: dict[str, torch.Tensor], model: ModelConfig, path: str) -> dict[str, torch.Tensor]:

@@ -72,6 +72,18 @@ def _maps(model: ModelConfig) -> tuple[list[tuple[str, str]], list[tuple[str, st
     return pairs, experts
 
 
+def renames(model: ModelConfig) -> list[tuple[str, str]]:
+    """(lmforge name, Hugging Face name) of every tensor the export renames without reshaping: all but the
+    routed experts' (``hf/peft.py`` names the adapters' modules by it)."""
+    return _maps(model)[0]
+
+
+def module_name(name: str) -> str:
+    """The module ``transformers`` 5 loads the checkpoint tensor ``name`` into: the Hub's
+    ``block_sparse_moe.*`` is its ``mlp.*`` (the router ``mlp.gate``); attention keeps its names."""
+    return name.replace(".block_sparse_moe.", ".mlp.")
+
+
 def state_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
     """lmforge model state -> ``MixtralForCausalLM`` tensors."""
     return tensors_to_hf(state, *_maps(model), NAMES)

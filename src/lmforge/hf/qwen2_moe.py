@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lmforge.config import ModelConfig
-from lmforge.hf.common import check_mup, flag, model_config, refuse_import
+from lmforge.hf.common import Problem, check_mup, flag, model_config
 from lmforge.hf.llama import base_config, base_fields, base_pairs, mlp_pairs
 from lmforge.hf.moe import (
     blocks_pattern,
@@ -58,16 +58,30 @@ def config_to_hf(model: ModelConfig, vocab_size: int, max_len: int, eot_id: int)
     }
 
 
-def config_from_hf(hf: dict, path: str) -> tuple[ModelConfig, int]:
-    """(``model.*``, context length) of a ``Qwen2MoeForCausalLM`` ``config.json``."""
-    if flag(hf, "shared_expert_intermediate_size", 0):
-        why = "its shared expert is gated by sigmoid(x w); lmforge's are ungated"
-        raise refuse_import(
-            path, "shared_expert_intermediate_size", hf["shared_expert_intermediate_size"], why
+def _problems(hf: dict) -> list[Problem]:
+    """What the class can do and lmforge's model cannot, both set in the released checkpoints and in
+    ``Qwen2MoeConfig``'s defaults (docs/hf.md's table): a shared expert (always gated) and q/k/v biases."""
+    problems: list[Problem] = []
+    shared = flag(hf, "shared_expert_intermediate_size", 5632)  # an absent key: the class's default
+    if shared:
+        why = (
+            "Qwen2-MoE gates its shared expert by sigmoid(x w), lmforge's shared experts are ungated; "
+            "lmforge reads shared_expert_intermediate_size = 0 only"
         )
-    if flag(hf, "qkv_bias", True):
-        raise refuse_import(path, "qkv_bias", True, "lmforge's MoE models have no biases")
-    fields = base_fields({k: v for k, v in hf.items() if k != "sliding_window"}, path)
+        problems.append(("shared_expert_intermediate_size", shared, why))
+    if flag(hf, "qkv_bias", True):  # an absent key: the class's default, true
+        why = (
+            "q_proj, k_proj and v_proj then have biases (an absent key means true), lmforge's MoE attention "
+            "has none; lmforge reads qkv_bias = false only"
+        )
+        problems.append(("qkv_bias", True, why))
+    return problems
+
+
+def config_from_hf(hf: dict, path: str) -> tuple[ModelConfig, int]:
+    """(``model.*``, context length) of a ``Qwen2MoeForCausalLM`` ``config.json``; what lmforge's model
+    lacks is refused in one line naming every such field (:func:`_problems`, ``llama.py::base_problems``)."""
+    fields = base_fields({k: v for k, v in hf.items() if k != "sliding_window"}, path, _problems(hf))
     n, step = fields["n_layers"], int(flag(hf, "decoder_sparse_step", 1))
     dense = set(flag(hf, "mlp_only_layers", []))
     moe = {i for i in range(n) if i not in dense and (i + 1) % step == 0}
@@ -95,6 +109,12 @@ def _maps(model: ModelConfig) -> tuple[list[tuple[str, str]], list[tuple[str, st
 
     pairs = base_pairs(model.n_layers, False, model.tie_embeddings, mlp)
     return pairs, [(f"blocks.{i}.mlp.", f"model.layers.{i}.mlp.") for i in sorted(moe)]
+
+
+def renames(model: ModelConfig) -> list[tuple[str, str]]:
+    """(lmforge name, Hugging Face name) of every tensor the export renames without reshaping: all but the
+    routed experts' (``hf/peft.py`` names the adapters' modules by it)."""
+    return _maps(model)[0]
 
 
 def state_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:

@@ -22,7 +22,11 @@ assistant's, closed by ``<|end|>\\n`` (:meth:`RewardScorer.chat_ids`, the ids of
 ``<|endoftext|><|user|>\\nPROMPT<|end|>\\n<|assistant|>\\nCOMPLETION<|end|>\\n``; a completion cut at
 ``rl.max_new_tokens`` is closed the same way); with ``"none"`` it is the text
 ``<|endoftext|>PROMPT COMPLETION`` (no separator) encoded whole. At most the reward run's ``data.seq_len``
-ids are read (the end cut). Every sample gets a finite reward: none is counted as failed.
+ids are read, **the end kept** (:func:`keep_end`): a longer sequence loses the start of its prompt, right
+after its first id when that is the document start ``<|endoftext|>`` (every training sequence began with
+it), so the last token, the one the reward head reads, is always the completion's own end (its closing
+``<|end|>\n`` in the chat form). Cutting the end instead would score every long completion of one prompt
+at the same token, with the same reward. Every sample gets a finite reward: none is counted as failed.
 """
 
 from __future__ import annotations
@@ -51,6 +55,18 @@ SCORE_BATCH = 16  # rows a reward forward reads at once (the default of evaluate
 SECTIONS = ("model", "added_tokens", "normalizer", "pre_tokenizer", "post_processor", "decoder")
 
 
+def keep_end(ids: Sequence[int], seq_len: int, bos_id: int) -> list[int]:
+    """``ids`` within ``seq_len``, the end kept: a longer sequence keeps its last ``seq_len`` ids, or, when it
+    starts with the document start ``bos_id`` (``<|endoftext|>``), that id and the last ``seq_len - 1``; a
+    sequence that fits is returned whole."""
+    ids = list(ids)
+    if len(ids) <= seq_len:
+        return ids
+    if ids[0] == bos_id and seq_len > 1:
+        return [bos_id, *ids[len(ids) - (seq_len - 1) :]]
+    return ids[len(ids) - seq_len :]
+
+
 @dataclass
 class RewardScorer:
     """A reward-model run loaded for scoring: its model, tokenizer, context length and precision."""
@@ -60,15 +76,20 @@ class RewardScorer:
     seq_len: int
     precision: PrecisionPolicy
 
+    def fit(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` within ``seq_len``, the end kept (:func:`keep_end`: the scored last token stays)."""
+        return keep_end(ids, self.seq_len, self.tokenizer.eot_id)
+
     def ids(self, texts: Sequence[str]) -> list[list[int]]:
-        """Each text's ids, at most ``seq_len`` (the end cut)."""
-        return [ids[: self.seq_len] for ids in self.tokenizer.encode_batch(list(texts))]
+        """Each text's ids, at most ``seq_len``: a longer one loses the start of its text (:meth:`fit`)."""
+        return [self.fit(ids) for ids in self.tokenizer.encode_batch(list(texts))]
 
     def chat_ids(self, chats: Sequence[tuple[str, str]]) -> list[list[int]]:
         """Each ``(prompt, response)`` rendered by the chat template (a user turn, the assistant's answer),
-        the ids training used for its pairs, at most ``seq_len``."""
+        the ids training used for its pairs, at most ``seq_len``: a longer one loses the start of its
+        prompt, after the leading ``<|endoftext|>`` (:meth:`fit`)."""
         template = ChatTemplate(self.tokenizer)
-        return [template.render((Turn("user", p), Turn("assistant", r)))[0][: self.seq_len] for p, r in chats]
+        return [self.fit(template.render((Turn("user", p), Turn("assistant", r)))[0]) for p, r in chats]
 
     @torch.no_grad()
     def score_ids(self, rows: Sequence[Sequence[int]], batch_size: int = SCORE_BATCH) -> list[float]:
