@@ -47,7 +47,7 @@ def lmforge(*args: str) -> float:
 
 def load_at(run: Path, step: int | None):
     """(config, model) of ``run``'s checkpoint ``step`` (newest when None), on the CPU."""
-    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.tokenizer import Tokenizer
     from lmforge.train.build import build_model
 
     ckpt = pick_checkpoint(run, step)
@@ -69,8 +69,8 @@ def held_out(run: Path, step: int | None) -> dict:
 
 def answers(run: Path, step: int | None, questions: list[str], n: int) -> list[str]:
     """Greedy answers (up to ``n`` tokens) of ``run``'s model to ``questions`` through its chat template."""
-    from lmforge.data.tokenizer import Tokenizer
     from lmforge.model.sampling import generate
+    from lmforge.tokenizer import Tokenizer
 
     _, model = load_at(run, step)
     template, tok = read_template(run), Tokenizer(run / "tokenizer.json")

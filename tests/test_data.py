@@ -14,8 +14,8 @@ from lmforge.corpus.pystdlib import read_pystdlib
 from lmforge.data.prepare import prepare_data
 from lmforge.data.shards import Shard, ShardWriter, token_dtype
 from lmforge.data.sources import is_validation, read_source
-from lmforge.data.tokenizer import EOT, Tokenizer, train_tokenizer
 from lmforge.errors import DataError
+from lmforge.tokenizer import EOT, Tokenizer, train_tokenizer
 
 
 def _docs(path, **kw):

@@ -106,7 +106,7 @@ def test_multiple_choice_scores_equal_a_hand_computation(scorer_run, tmp_path):
 
 
 def test_the_context_continuation_split_is_the_harness_token_boundary(scorer_run):
-    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.tokenizer import Tokenizer
 
     tok = Tokenizer(scorer_run / "tokenizer.json")
     context, choice = "def insort(a, x):\n    ", "return x"

@@ -28,12 +28,12 @@ from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
 import lmforge.evaluate.harness  # noqa: F401  (registers the model "lmforge")
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
 from lmforge.evaluate.run_loading import load_run
 from lmforge.hf.export import export_run
 from lmforge.model.sampling import generate
 from lmforge.recipe import load_config
+from lmforge.tokenizer import Tokenizer
 from lmforge.train.launch import train
 from tests.conftest import tiny_overrides
 from tests.hf_runs import VARIANTS, sample_text

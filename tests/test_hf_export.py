@@ -12,7 +12,6 @@ from safetensors.torch import load_file, save_file
 
 from lmforge.cli import main
 from lmforge.config import ModelConfig
-from lmforge.data.tokenizer import EOT, Tokenizer
 from lmforge.errors import UserError
 from lmforge.evaluate.generation import prompt_of
 from lmforge.hf import gpt2, llama
@@ -20,6 +19,7 @@ from lmforge.hf.export import export_run, write_folder
 from lmforge.model.sampling import generate
 from lmforge.model.transformer import Transformer
 from lmforge.recipe import load_saved_config
+from lmforge.tokenizer import EOT, Tokenizer
 from lmforge.train.checkpoint import list_checkpoints
 from tests.conftest import cli_args, tiny_overrides
 from tests.hf_runs import (

@@ -59,7 +59,7 @@ def imported(exported, corpus_dir, cache, tmp_path_factory) -> dict[str, Path]:
 
 
 def _ids(run: Path) -> list[int]:
-    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.tokenizer import Tokenizer
 
     return Tokenizer(run / "tokenizer.json").encode(sample_text())[:SEQ_LEN]
 

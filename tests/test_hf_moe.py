@@ -15,7 +15,6 @@ from safetensors.torch import load_file, save_file
 
 from lmforge.cli import main
 from lmforge.config import ModelConfig
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
 from lmforge.hf import glm4_moe
 from lmforge.hf.export import arch_map, export_run
@@ -25,6 +24,7 @@ from lmforge.hf.peft import adapted_modules
 from lmforge.model.transformer import Transformer, ff_width
 from lmforge.posttrain.finetune import start
 from lmforge.recipe import load_config, load_saved_config
+from lmforge.tokenizer import Tokenizer
 from lmforge.train.checkpoint import list_checkpoints, load_checkpoint
 from lmforge.train.launch import train
 from tests.conftest import cli_args, tiny_overrides

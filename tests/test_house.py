@@ -21,8 +21,8 @@ ROOT = SRC.parent.parent
 
 TOP_MODULES = {"__init__", "__main__", "cli", "config", "recipe", "errors", "progress", "precision"}
 PACKAGES = {
-    "cli", "corpus", "data", "model", "optim", "parallel", "plan", "posttrain", "train", "evaluate", "probes",
-    "hf", "report", "web", "experiment",
+    "cli", "tokenizer", "corpus", "data", "model", "optim", "parallel", "plan", "posttrain", "train", "evaluate",
+    "probes", "hf", "report", "web", "experiment",
 }  # fmt: skip
 MAX_FUNCTION_LINES = 100
 

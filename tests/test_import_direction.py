@@ -30,6 +30,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "progress"),  # the progress reporter: standard library only, so every phase may show it
     ("config",),
     ("recipe", "precision"),
+    # the tokenizer: `lmforge data sweep` (corpus/) and training's data preparation (data/) count tokens with it
+    ("tokenizer",),
     ("corpus",),  # `lmforge data`: never data/ or train/
     ("data",),
     ("model", "optim"),  # the model never imports optimizers, nor optimizers the model
@@ -66,8 +68,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 EXCEPTIONS = {
     # a `perplexity` stage scores with a trained run, loaded by `lmforge eval`'s loader (not a copy of it)
     ("lmforge.corpus.lm_scorer", "lmforge.evaluate.run_loading"),
-    # the sweep counts the tokens each level kept with training's tokenizer (the one `lmforge data` shards with)
-    ("lmforge.corpus.sweep", "lmforge.data.tokenizer"),
     # rl.reward = "run:PATH" finds and reads the reward run's checkpoint with training's own checkpoint code
     # (evaluate/run_loading.py, the eval loader, would close a cycle: it builds RL objectives itself)
     ("lmforge.posttrain.reward_model_reward", "lmforge.train.checkpoint"),

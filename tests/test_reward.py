@@ -17,7 +17,6 @@ import torch
 
 from lmforge.cli import main
 from lmforge.config import ModelConfig
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
 from lmforge.evaluate.reward import load_reward_model, score, score_chats
 from lmforge.hf.export import write_folder
@@ -25,6 +24,7 @@ from lmforge.posttrain.finetune import start
 from lmforge.posttrain.records import read_pairs
 from lmforge.posttrain.reward import RewardModel, bradley_terry_loss, last_token_index
 from lmforge.recipe import load_config
+from lmforge.tokenizer import Tokenizer
 from lmforge.train.callbacks.control import StopAfter
 from lmforge.train.checkpoint import latest_checkpoint, load_checkpoint
 from lmforge.train.launch import train

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from lmforge.config import ModelConfig
-from lmforge.data.tokenizer import EOT, Tokenizer, train_tokenizer
 from lmforge.evaluate.reward import score, score_chats
 from lmforge.posttrain.records import Turn
 from lmforge.posttrain.reward import RewardModel
 from lmforge.posttrain.reward_model_reward import RewardModelReward, RewardScorer, keep_end
 from lmforge.posttrain.template import ChatTemplate, add_chat_tokens
 from lmforge.precision import PrecisionPolicy
+from lmforge.tokenizer import EOT, Tokenizer, train_tokenizer
 from tests.conftest import training_texts
 
 SEQ_LEN = 32

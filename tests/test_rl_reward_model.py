@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from lmforge.cli import main
-from lmforge.data.tokenizer import train_tokenizer
 from lmforge.evaluate.reward import score
 from lmforge.posttrain.finetune import start
 from lmforge.posttrain.reward_model_reward import tokenizer_difference
 from lmforge.posttrain.template import add_chat_tokens
+from lmforge.tokenizer import train_tokenizer
 from lmforge.train.callbacks import Callback
 from lmforge.train.launch import train
 from tests.test_reward import base, reward_overrides  # noqa: F401 (fixture)

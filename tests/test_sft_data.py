@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from lmforge.config import ModelConfig
-from lmforge.data.tokenizer import train_tokenizer
 from lmforge.errors import DataError, UserError
 from lmforge.model.loss import NextTokenLoss
 from lmforge.posttrain.records import Example, Pair, Turn, read_examples, read_pairs
@@ -21,6 +20,7 @@ from lmforge.posttrain.template import (
     read_template,
     write_template_file,
 )
+from lmforge.tokenizer import train_tokenizer
 from tests.conftest import model_of
 
 WORDS = (
@@ -46,7 +46,7 @@ def chat_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def template(chat_dir) -> ChatTemplate:
-    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.tokenizer import Tokenizer
 
     return ChatTemplate(Tokenizer(chat_dir / "run" / "tokenizer.json"))
 
@@ -183,7 +183,7 @@ def test_missing_file_is_a_user_error_naming_the_key(tmp_path):
 
 
 def test_chat_tokens_are_added_once(chat_dir, tmp_path):
-    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.tokenizer import Tokenizer
 
     plain = Tokenizer(chat_dir / "plain" / "tokenizer.json")
     with pytest.raises(UserError, match="lacks the chat tokens"):

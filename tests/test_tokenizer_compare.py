@@ -13,7 +13,6 @@ import pytest
 from lmforge.cli import main
 from lmforge.corpus.document import Doc
 from lmforge.corpus.pystdlib import stdlib_root
-from lmforge.data.tokenizer import EOT, Tokenizer
 from lmforge.data.tokenizer_compare import (
     ALL,
     CompareSettings,
@@ -25,8 +24,9 @@ from lmforge.data.tokenizer_compare import (
     measure,
     vocab_share,
 )
-from lmforge.data.tokenizer_kinds import BYTE_PIECES, KINDS, WORDPIECE_UNK, train_kind
 from lmforge.errors import UserError
+from lmforge.tokenizer import EOT, Tokenizer
+from lmforge.tokenizer.kinds import BYTE_PIECES, KINDS, WORDPIECE_UNK, train_kind
 
 MODULES = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py", "colorsys.py"]
 

@@ -17,9 +17,8 @@ kept documents of every level are measured with the same fixed references:
 
 Writes ``OUT/sweep.json`` and ``OUT/sweep.png`` (the three curves against the level).
 
-The tokens are counted by training's tokenizer (``data/tokenizer.py``), imported inside
-:func:`_reference_tokenizer` only: importing ``corpus`` still loads nothing of ``data/``
-(``tests/test_import_direction.py`` lists this import, with ``lm_scorer.py``'s, as the exceptions).
+The tokens are counted by training's tokenizer (:mod:`lmforge.tokenizer`, the layer below both
+``corpus/`` and ``data/``), so the sweep's token counts are those ``lmforge data`` shards with.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from lmforge.corpus.config import PipelineConfig
 from lmforge.corpus.strictness import check_level, config_at, knob_table
 from lmforge.errors import ConfigError
 from lmforge.progress import Progress
+from lmforge.tokenizer import Tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,6 @@ def _kept_texts(out: Path) -> list[tuple[str, str]]:
 
 
 def _reference_tokenizer(out: Path, tokenizer: str | None, ref: Reference, texts: list[str], vocab: int):
-    from lmforge.data.tokenizer import Tokenizer, train_tokenizer
-
     if tokenizer:
         return Tokenizer(tokenizer), tokenizer
     if ref.kind == "perplexity" and (Path(ref.path) / "tokenizer.json").is_file():

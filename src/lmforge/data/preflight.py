@@ -10,7 +10,7 @@ import logging
 from lmforge.config import Config
 from lmforge.data.prepare import PreparedData
 from lmforge.data.shards import Shard
-from lmforge.data.tokenizer import Tokenizer
+from lmforge.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from lmforge.corpus.document import Doc
 from lmforge.corpus.pystdlib import stdlib_files, topics_file
 from lmforge.data.shards import Shard, ShardWriter, open_shards, read_meta, token_dtype, write_meta
 from lmforge.data.sources import is_validation, read_source, source_files
-from lmforge.data.tokenizer import Tokenizer, batched, train_tokenizer
 from lmforge.errors import DataError
 from lmforge.progress import Progress
+from lmforge.tokenizer import Tokenizer, batched, train_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from lmforge.corpus.config import PipelineConfig
 from lmforge.corpus.pipeline import Layout, iter_kept, kept_fingerprint, run_pipeline, write_report
 from lmforge.data.prepare import write_token_shards
 from lmforge.data.shards import read_meta
-from lmforge.data.tokenizer import Tokenizer
+from lmforge.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

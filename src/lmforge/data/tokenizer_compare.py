@@ -29,9 +29,9 @@ from lmforge.config import SourceConfig
 from lmforge.corpus import readers
 from lmforge.corpus.document import Doc
 from lmforge.data.sources import FORMATS, is_validation, read_source
-from lmforge.data.tokenizer import Tokenizer, batched
-from lmforge.data.tokenizer_kinds import KINDS, MIN_VOCAB, train_kind, unknown_tokens
 from lmforge.errors import UserError
+from lmforge.tokenizer import Tokenizer, batched
+from lmforge.tokenizer.kinds import KINDS, MIN_VOCAB, train_kind, unknown_tokens
 
 log = logging.getLogger(__name__)
 

@@ -25,12 +25,12 @@ from lmforge.corpus import readers
 from lmforge.data.loader import Batch, TokenStream, eval_batches, stack
 from lmforge.data.shards import Shard
 from lmforge.data.sources import FORMATS, read_source
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
 from lmforge.evaluate.run_loading import load_run
 from lmforge.evaluate.validation import loss_sum, perplexity
 from lmforge.model.loss import NextTokenLoss
 from lmforge.precision import PrecisionPolicy
+from lmforge.tokenizer import Tokenizer
 
 
 @dataclass

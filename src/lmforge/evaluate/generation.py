@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
 from lmforge.evaluate.run_loading import load_run
 from lmforge.model.sampling import generate
 from lmforge.posttrain.records import Turn
 from lmforge.posttrain.template import ChatTemplate, read_template
+from lmforge.tokenizer import Tokenizer
 
 
 def check_sampling(

@@ -34,11 +34,11 @@ from lm_eval.api.registry import model_registry, register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from lmforge.data.tokenizer import EOT
 from lmforge.errors import UserError
 from lmforge.evaluate.run_loading import load_run
 from lmforge.model.sampling import generate_batch
 from lmforge.precision import PrecisionPolicy
+from lmforge.tokenizer import EOT
 
 log = logging.getLogger(__name__)
 

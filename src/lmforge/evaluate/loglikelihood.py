@@ -23,8 +23,8 @@ from contextlib import nullcontext
 
 import torch
 
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.transformer import Transformer
+from lmforge.tokenizer import Tokenizer
 
 
 def split_pair(tok: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:

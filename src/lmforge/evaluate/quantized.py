@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from lmforge.config import Config
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
 from lmforge.model.qat import check_group_size, check_scheme, ptq_config, target_names
 from lmforge.recipe import load_saved_config
+from lmforge.tokenizer import Tokenizer
 
 INFO = "quantization.json"
 WEIGHTS = "model.pt"

@@ -12,7 +12,6 @@ import torch
 from lmforge.config import Config
 from lmforge.data.loader import TokenStream
 from lmforge.data.prepare import prepare_data
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import DataError, UserError
 from lmforge.evaluate.quantized import is_quantized_export, load_quantized
 from lmforge.evaluate.validation import evaluate, perplexity
@@ -32,6 +31,7 @@ from lmforge.posttrain.run import (
 )
 from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_saved_config
+from lmforge.tokenizer import Tokenizer
 from lmforge.train.build import build_model
 from lmforge.train.checkpoint import list_checkpoints, load_checkpoint
 from lmforge.train.modules import DPOModule, LanguageModelModule, RewardModule, RLModule

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
 from lmforge.evaluate.loglikelihood import continuation_logprobs, split_pair
 from lmforge.evaluate.scoring import binomial_stderr, choice_correct, cut_at_stops, exact_match, extract
@@ -15,6 +14,7 @@ from lmforge.evaluate.task_files import TASK_DATA, Task, read_spec
 from lmforge.evaluate.task_yaml import read_yaml_task
 from lmforge.model.sampling import generate_batch
 from lmforge.model.transformer import Transformer
+from lmforge.tokenizer import Tokenizer
 
 
 def shipped_tasks() -> list[str]:

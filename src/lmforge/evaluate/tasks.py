@@ -24,7 +24,6 @@ import torch
 
 from lmforge.config import SourceConfig
 from lmforge.data.sources import read_source
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
 from lmforge.evaluate.files import check_files, score, tokenize_file
 from lmforge.evaluate.run_loading import load_run, pick_checkpoint
@@ -37,6 +36,7 @@ from lmforge.evaluate.validation import perplexity
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
 from lmforge.precision import PrecisionPolicy
+from lmforge.tokenizer import Tokenizer
 
 
 def check_tokenizer(run_dir: Path) -> None:

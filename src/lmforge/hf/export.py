@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 from lmforge.config import ModelConfig
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import UserError
 from lmforge.evaluate.run_loading import pick_checkpoint
 from lmforge.hf import glm4_moe, gpt2, llama, mixtral, qwen2_moe, reward
@@ -28,6 +27,7 @@ from lmforge.model.transformer import Transformer
 from lmforge.posttrain.ppo import language_model_state
 from lmforge.posttrain.template import ChatTemplate, read_template
 from lmforge.recipe import load_saved_config
+from lmforge.tokenizer import Tokenizer
 from lmforge.train.checkpoint import load_checkpoint
 
 MAPS = {"llama": llama, "gpt2": gpt2}

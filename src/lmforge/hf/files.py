@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
-from lmforge.data.tokenizer import EOT
 from lmforge.errors import UserError
+from lmforge.tokenizer import EOT
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

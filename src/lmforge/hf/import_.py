@@ -19,12 +19,12 @@ from typing import Any
 import torch
 
 from lmforge.config import Config
-from lmforge.data.tokenizer import EOT, Tokenizer
 from lmforge.errors import DataError, UserError
 from lmforge.hf import glm4_moe, gpt2, llama, mixtral, qwen2_moe
 from lmforge.hf.common import refuse_import
 from lmforge.hf.files import read_config, read_weights
 from lmforge.recipe import load_config
+from lmforge.tokenizer import EOT, Tokenizer
 from lmforge.train.callbacks.checkpointing import config_state
 from lmforge.train.checkpoint import latest_checkpoint, save_checkpoint
 from lmforge.train.resume import config_text

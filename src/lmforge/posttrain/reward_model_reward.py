@@ -40,7 +40,6 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from lmforge.config import Config
-from lmforge.data.tokenizer import EOT, Tokenizer
 from lmforge.errors import ConfigError
 from lmforge.model.lora import merged_state
 from lmforge.posttrain.records import Turn
@@ -49,6 +48,7 @@ from lmforge.posttrain.reward_fn import Scores
 from lmforge.posttrain.template import ChatTemplate
 from lmforge.precision import PrecisionPolicy
 from lmforge.recipe import load_saved_config
+from lmforge.tokenizer import EOT, Tokenizer
 
 PREFIX = "run:"
 SCORE_BATCH = 16  # rows a reward forward reads at once (the default of evaluate/reward.py's score())

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from lmforge.config import Config
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import ConfigError, DataError
 from lmforge.model.lora import dense_base
 from lmforge.posttrain.dpo import DPOObjective, SequenceLogps, check_dpo
@@ -33,6 +32,7 @@ from lmforge.posttrain.rl_data import PromptLoader, prompt_eval_batches, read_pr
 from lmforge.posttrain.sft_data import SFTLoader, sft_eval_batches, tokenize_examples
 from lmforge.posttrain.template import ChatTemplate
 from lmforge.precision import PrecisionPolicy
+from lmforge.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
-from lmforge.data.tokenizer import EOT, Tokenizer
 from lmforge.errors import UserError
 from lmforge.posttrain.records import ROLES, Turn
+from lmforge.tokenizer import EOT, Tokenizer
 
 SPECIAL_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 END = "<|end|>"

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from lmforge.corpus.document import Doc
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.data.tokenizer_compare import (
     ALL,
     CompareSettings,
@@ -30,6 +29,7 @@ from lmforge.data.tokenizer_compare import (
 )
 from lmforge.evaluate.files import evaluate_files
 from lmforge.recipe import load_config
+from lmforge.tokenizer import Tokenizer
 from lmforge.train.launch import train
 
 MODEL_OVERRIDES: dict = {

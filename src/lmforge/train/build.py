@@ -38,7 +38,6 @@ from lmforge.config import Config
 from lmforge.data.loader import TokenStream, TrainLoader
 from lmforge.data.mixture import build_train_loader, check_domains
 from lmforge.data.prepare import PreparedData, input_files, prepare_data
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import ConfigError
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.moe import register_balance_step
@@ -74,6 +73,7 @@ from lmforge.posttrain.run import (
 )
 from lmforge.precision import PrecisionPolicy, check_precision, register_fp8_scale_precompute
 from lmforge.probes.auto_batch import probe, resolve_micro_batch
+from lmforge.tokenizer import Tokenizer
 from lmforge.train.modules import (
     DPOModule,
     LanguageModelModule,
@@ -382,7 +382,7 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
         optimizer=optimizer,
         schedule=Schedule(cfg.schedule, cfg.train.steps),
         clipper=clipper,
-        loader=posttrain_loader(cfg, data, layout.dp_rank, layout.dp, run_dir)
+        loader=posttrain_loader(cfg, data, layout.dp_rank, layout.dp, run_dir, accum)
         if post
         else build_train_loader(cfg, data, accum, layout.dp_rank, layout.dp),
         val=None if post else TokenStream(data.val),

@@ -9,11 +9,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lmforge.data.preflight import default_sample_prompt
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.sampling import generate
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.layout import Layout
 from lmforge.posttrain.run import chat_sample
+from lmforge.tokenizer import Tokenizer
 from lmforge.train.build import Run, build_model
 from lmforge.train.callbacks import Callback
 from lmforge.train.trainer import Trainer

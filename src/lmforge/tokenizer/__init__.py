@@ -1,8 +1,13 @@
-"""Byte-level BPE tokenizer: training and encoding with Hugging Face ``tokenizers``.
+"""The tokenizer: lmforge's byte-level BPE, trained and used with Hugging Face ``tokenizers``.
 
 The vocabulary holds the 256 byte symbols, the learned merges and one special token, ``<|endoftext|>``,
 which separates (and begins) documents in packed sequences. Encoding of a batch runs on all cores
-(the library's Rust thread pool).
+(the library's Rust thread pool). :class:`Tokenizer` reads any ``tokenizer.json`` with that token (also
+the other kinds of :mod:`lmforge.tokenizer.kinds`).
+
+A layer of its own, below ``corpus/`` and ``data/``: both count tokens with it (``lmforge data sweep``
+sizes what each strictness level kept; training's data preparation trains it and writes the shards), so
+neither has to reach into the other for it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Three tokenizer kinds trained with Hugging Face ``tokenizers``, each a ``tokenizer.json`` lmforge trains with.
 
-* ``bpe``: lmforge's own byte-level BPE (:func:`lmforge.data.tokenizer.train_tokenizer`): 256 byte symbols,
+* ``bpe``: lmforge's own byte-level BPE (:func:`lmforge.tokenizer.train_tokenizer`): 256 byte symbols,
   so every string has a tokenization and there is no unknown token by construction.
 * ``unigram``: SentencePiece's unigram language model on the same pre-tokens as byte-level BPE (GPT-2's
   split: a word with its leading space, runs of digits, of punctuation, of whitespace), spaces written as
@@ -30,7 +30,7 @@ from pathlib import Path
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from lmforge.data.tokenizer import EOT, Tokenizer, train_tokenizer
+from lmforge.tokenizer import EOT, Tokenizer, train_tokenizer
 
 KINDS = ("bpe", "unigram", "wordpiece")
 UNIGRAM_UNK = "<unk>"
