@@ -65,6 +65,16 @@ MUTANTS = {
         'p.requires_grad_(name.rsplit(".", 1)[-1] in ADAPTERS)',
         ["tests/test_combinations.py::test_combination_works_or_is_refused[lora+reward]"],
     ),
+    # RL's old log-probabilities taken from the update's own forward: the ratio is 1, no clip ever binds
+    "old log-probabilities from the same forward": (
+        "src/lmforge/posttrain/rl.py",
+        "logp, ro.old_logp, ro.ref_logp, mask",
+        "logp, logp.detach(), ro.ref_logp, mask",
+        [
+            "tests/test_rl_clipping.py",
+            "tests/test_combinations.py::test_combination_works_or_is_refused[dense+grpo]",
+        ],
+    ),
 }
 
 

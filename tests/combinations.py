@@ -33,6 +33,11 @@ class Feature:
 
 MOE = {"model.moe.experts": 4, "model.moe.top_k": 2, "model.moe.d_expert": 32, "model.moe.aux_loss": 0.01}
 
+# RL trains two updates on one step's rollouts (drawn at step 1, reused at step 2) with a clip tight enough
+# that it must bind at the second: the ratio is 1 at the first update and differs from 1 at the second
+RL_CYCLE = {"rl.ppo_epochs": 2, "rl.clip_epsilon": 1e-5}
+RL = ("grpo", "rloo", "ppo")
+
 AXES: dict[str, tuple[Feature, ...]] = {
     "model": (Feature("dense", "model.moe.experts"), Feature("moe", "model.moe.experts", MOE)),
     "adapter": (
@@ -62,9 +67,9 @@ AXES: dict[str, tuple[Feature, ...]] = {
         Feature("sft", "train.objective", {"train.objective": "sft"}),
         Feature("dpo", "train.objective", {"train.objective": "dpo"}),
         Feature("reward", "train.objective", {"train.objective": "reward"}),
-        Feature("grpo", "rl.algorithm", {"train.objective": "rl", "rl.algorithm": "grpo"}),
-        Feature("rloo", "rl.algorithm", {"train.objective": "rl", "rl.algorithm": "rloo"}),
-        Feature("ppo", "rl.algorithm", {"train.objective": "rl", "rl.algorithm": "ppo"}),
+        Feature("grpo", "rl.algorithm", {"train.objective": "rl", "rl.algorithm": "grpo", **RL_CYCLE}),
+        Feature("rloo", "rl.algorithm", {"train.objective": "rl", "rl.algorithm": "rloo", **RL_CYCLE}),
+        Feature("ppo", "rl.algorithm", {"train.objective": "rl", "rl.algorithm": "ppo", **RL_CYCLE}),
     ),
 }
 FEATURES = {f.name: (axis, f) for axis, values in AXES.items() for f in values}
@@ -143,6 +148,7 @@ class Probe(Callback):
         self.had_grad: dict[str, bool] = {}
         self.calls: dict[str, int] = {}
         self.clip_ratios: list[float] = []
+        self.rl_clip: list[float] = []  # RL: the share of tokens (RLOO: sequences) clipped, by step
         self.losses: list[float] = []
         self.after: dict[str, torch.Tensor] = {}
         self.compiled_graphs = 0
@@ -204,6 +210,10 @@ class Probe(Callback):
         if result.clip is not None:
             self.clip_ratios.append(float(result.clip.ratio))
 
+    def on_log(self, trainer, record: dict) -> None:
+        if "rl/clip_fraction" in record:
+            self.rl_clip.append(float(record["rl/clip_fraction"]))
+
     def on_train_end(self, trainer) -> None:
         self.after = {n: p.detach().clone() for n, p in trainer.run.model.named_parameters()}
         self.compiled_graphs = _graphs() - self._graphs_at_start
@@ -219,7 +229,8 @@ def _graphs() -> int:
 def check(combo: tuple[str, ...], probe: Probe) -> list[str]:
     """What is wrong with a run of ``combo`` (empty: nothing): the loss finite at every step; every trainable
     parameter had a non-zero gradient and moved; every frozen one bitwise unchanged; every transform of
-    :func:`transforms` counted; the gradient clip (set to bind) bound at every step."""
+    :func:`transforms` counted; the gradient clip (set to bind) bound at every step; RL: the PPO clip
+    (set to bind) bound at the second update of the rollouts and not at their first."""
     problems = []
     if not probe.losses or not all(math.isfinite(x) for x in probe.losses):
         problems.append(f"losses {probe.losses}")
@@ -244,6 +255,8 @@ def check(combo: tuple[str, ...], probe: Probe) -> list[str]:
             problems.append(f"{kind}: never ran")  # (compiled code reruns no Python forward to count)
     if not probe.clip_ratios or not all(r < 1 for r in probe.clip_ratios):
         problems.append(f"train.grad_clip did not bind: ratios {probe.clip_ratios}")
+    if set(RL) & set(combo) and not (len(probe.rl_clip) == 2 and probe.rl_clip[0] == 0 < probe.rl_clip[1]):
+        problems.append(f"rl.clip_epsilon: clipped shares {probe.rl_clip}, not 0 at update 1 and > 0 at 2")
     return problems
 
 
@@ -255,7 +268,8 @@ def table() -> str:
         "Generated from `tests/combinations.py` (`python -m tests.combinations > docs/compatibility.md`); "
         "`tests/test_combinations.py` runs every row below for two steps on a tiny model and checks that "
         "a row marked *works* trains (finite loss, every trainable parameter gets a gradient and moves, "
-        "every frozen one stays bitwise equal, every transform asked for runs, the gradient clip binds) and "
+        "every frozen one stays bitwise equal, every transform asked for runs, the gradient clip binds; RL: "
+        "two updates on the same rollouts, `rl.clip_epsilon` binding at the second and not at the first) and "
         "that a row marked *refused* stops before any work with one line naming both keys (exit status 2).",
         "",
         "| axis | features |",

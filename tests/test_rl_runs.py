@@ -63,7 +63,11 @@ def _records(run: Path) -> list[dict]:
 
 
 def test_rl_trains_with_kl_zero_at_step_one_and_resumes_exactly(pretrained, tmp_path):
-    over = _overrides(tmp_path)
+    """GRPO in cycles of 3 epochs over one step's rollouts (``rl.ppo_epochs = 3``, DeepSeekMath's mu): the
+    rollouts are drawn at steps 1 and 4; the clip does not bind at step 1 (ratio 1) and binds at step 2
+    (the same rollouts, the policy moved); a resume from step 2, inside a cycle, equals the uninterrupted
+    run bitwise (its kept rollouts come from the checkpoint)."""
+    over = _overrides(tmp_path, **{"rl.ppo_epochs": 3, "rl.clip_epsilon": 0.01})
     cfg, _ = start("rl", pretrained, tmp_path / "a", overrides=over)
     assert (tmp_path / "a" / "reference_model.pt").is_file()
     summary = train(cfg, tmp_path / "a", resume=True, progress_bar=False)
@@ -71,14 +75,17 @@ def test_rl_trains_with_kl_zero_at_step_one_and_resumes_exactly(pretrained, tmp_
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert steps[0]["rl/kl"] == 0.0  # policy = reference before the first update
     assert steps[-1]["rl/kl"] > 0.0  # and it moves away after
+    assert [("rl/reward_mean" in r) for r in steps] == [True, False, False, True]  # drawn at 1 and 4
     for key in ("rl/reward_mean", "rl/reward_std", "rl/clip_fraction", "rl/entropy", "rl/response_length"):
         assert key in steps[-1], key
     assert steps[0]["rl/clip_fraction"] == 0.0 and steps[0]["rl/entropy"] > 0
+    assert steps[1]["rl/clip_fraction"] > 0.0  # the second update of the same rollouts
     assert 1 <= steps[0]["rl/response_length"] <= 6 and steps[0]["rl/failed_rewards"] == 0
     assert "val_reward" in summary and summary["val_loss"] == -summary["val_reward"]
 
     cfg_b, _ = start("rl", pretrained, tmp_path / "b", overrides=over)
     train(cfg_b, tmp_path / "b", resume=True, progress_bar=False, callbacks=[StopAfter(2)])
+    assert (latest_checkpoint(tmp_path / "b") / "rollouts").is_dir()  # stopped inside the cycle
     train(cfg_b, tmp_path / "b", resume=True, progress_bar=False)
     a = load_checkpoint(latest_checkpoint(tmp_path / "a"))["model"]
     b = load_checkpoint(latest_checkpoint(tmp_path / "b"))["model"]
@@ -86,7 +93,8 @@ def test_rl_trains_with_kl_zero_at_step_one_and_resumes_exactly(pretrained, tmp_
     # AMX, default and AVX2-forced kernels, 1 and 2 threads); the rewards match exactly below
     assert all(torch.equal(a[k], b[k]) for k in a)
     after = [r for r in _records(tmp_path / "b") if "rl/kl" in r]
-    assert [r["rl/reward_mean"] for r in after] == [r["rl/reward_mean"] for r in steps]
+    assert [r.get("rl/reward_mean") for r in after] == [r.get("rl/reward_mean") for r in steps]
+    assert [r["rl/clip_fraction"] for r in after] == [r["rl/clip_fraction"] for r in steps]
 
 
 def test_a_reward_that_raises_or_hangs_is_counted_and_the_run_goes_on(pretrained, tmp_path):
@@ -145,19 +153,24 @@ def test_ppo_trains_resumes_exactly_with_its_value_head_and_exports_without_it(p
 
     from lmforge.hf.export import export_run
 
-    over = _overrides(tmp_path, **{"rl.algorithm": "ppo", "rl.group_size": 2})
+    # 2 epochs over 2 mini-batches: one cycle of 4 steps, drawn at step 1; the resume at step 2 is inside it
+    ppo = {"rl.algorithm": "ppo", "rl.group_size": 2, "rl.ppo_epochs": 2, "rl.mini_batches": 2}
+    over = _overrides(tmp_path, **ppo, **{"rl.clip_epsilon": 0.01})
     cfg, step0 = start("rl", pretrained, tmp_path / "a", overrides=over)
     start_head = load_checkpoint(step0)["model"]["value_head.weight"]
     train(cfg, tmp_path / "a", resume=True, progress_bar=False)
     steps = [r for r in _records(tmp_path / "a") if "rl/kl" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert steps[0]["rl/kl"] == 0.0 and steps[-1]["rl/kl"] > 0.0  # policy = reference before the first update
-    for key in ("rl/value_loss", "rl/explained_variance", "rl/clip_fraction", "rl/entropy", "rl/reward_std"):
+    for key in ("rl/value_loss", "rl/explained_variance", "rl/clip_fraction", "rl/entropy"):
         assert key in steps[-1], key
+    assert "rl/reward_std" in steps[0] and "rl/reward_std" not in steps[-1]  # the one cycle's draws
     assert steps[0]["rl/clip_fraction"] == 0.0 and steps[0]["rl/value_loss"] > 0.0
+    assert all(r["rl/clip_fraction"] > 0.0 for r in steps[1:])  # rollouts drawn before the last update
 
     cfg_b, _ = start("rl", pretrained, tmp_path / "b", overrides=over)
     train(cfg_b, tmp_path / "b", resume=True, progress_bar=False, callbacks=[StopAfter(2)])
+    assert (latest_checkpoint(tmp_path / "b") / "rollouts").is_dir()  # stopped inside the cycle
     train(cfg_b, tmp_path / "b", resume=True, progress_bar=False)
     a = load_checkpoint(latest_checkpoint(tmp_path / "a"))["model"]
     b = load_checkpoint(latest_checkpoint(tmp_path / "b"))["model"]

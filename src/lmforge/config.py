@@ -920,6 +920,20 @@ class RLConfig(_Section):
         description="weight of KL(policy || reference): k3 estimator in the loss; ppo: k1 per token in the reward",
     )
     clip_epsilon: float = Field(0.2, gt=0, description="PPO clip range of the importance ratio: 1 +- eps")
+    ppo_epochs: int = Field(
+        1,
+        ge=1,
+        description="passes over each rollout batch (GRPO's mu): its completions, old log-probabilities "
+        "(ppo: values, advantages) are computed once when it is drawn, then trained on for ppo_epochs x "
+        "mini_batches optimizer steps; 1 with mini_batches 1: each rollout trained on once (ratio 1)",
+    )
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        description="optimizer steps per pass over a rollout batch: a rollout batch holds mini_batches "
+        "steps' prompts (each step's batch: train.tokens_per_step), all sampled from the weights of its "
+        "first step, one mini-batch a step",
+    )
     gae_gamma: float = Field(
         1.0, ge=0, le=1, description="ppo: discount gamma of the per-token rewards in GAE"
     )

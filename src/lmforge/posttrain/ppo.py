@@ -16,8 +16,8 @@ The head is no part of the language model: ``lmforge export`` drops it (:func:`l
 
 1. sample ``G = rl.group_size`` completions per prompt and score them, as GRPO (``posttrain/rl.py``);
 2. one forward of the policy gives ``log p``, the entropy and ``V`` on the completion tokens; the frozen
-   reference's ``log p_ref`` (``rl.beta > 0``);
-3. per-token rewards (sequence reward on the last token, ``-beta (log q - log p_ref)`` on every token),
+   reference's ``log p_ref`` (``rl.beta > 0``); at the rollout's first update they are also the old ones;
+3. (when drawn) per-token rewards (sequence reward on the last token, ``-beta (log q - log p_ref)`` on every token),
    GAE advantages and returns from the detached values (``rl.gae_gamma``, ``rl.gae_lambda``), whitened
    over the micro-batch's completion tokens (``rl.whiten_advantages``);
 4. the clipped policy loss plus ``rl.value_coef`` times the clipped value loss, backward.
@@ -38,10 +38,11 @@ forward. The price of per micro-batch: ``train.micro_batch_size`` (prompts) time
 completions set the rows whitened over, so the micro-batch size is part of the update, as the batch is
 for a PPO that whitens per batch; the layout is not.
 
-lmforge takes one optimizer step per batch of rollouts (as for GRPO; no PPO epochs over a stored batch):
-``log q`` is ``log p`` detached and ``V^old`` is ``V`` detached, so at the update the ratio is exactly 1,
-the clip never binds (clip fraction 0) and the clipped value loss equals the plain one; the gradients are
-the policy gradient with GAE advantages and the value regression's.
+**Epochs over mini-batches** (``rl.ppo_epochs``, ``rl.mini_batches``; the rollout cycles of
+``posttrain/rl.py``): ``log q``, ``V^old``, the advantages and the returns are fixed when a rollout is
+drawn and reused at each of its updates. At a rollout's first update the ratio is exactly 1 and
+``V = V^old``, so neither clip binds (with the default ``E = M = 1`` that is every update: the policy
+gradient with GAE advantages and the value regression's); from its second on they do.
 
 Metrics: GRPO's (``rl/reward_mean``, ``rl/reward_std``, ``rl/kl`` as the k3 estimate per completion
 token, ``rl/clip_fraction`` of tokens, ``rl/entropy``, ``rl/response_length``, ``rl/failed_rewards``) and
@@ -69,8 +70,8 @@ from lmforge.posttrain.ppo_loss import (
     token_rewards,
     whiten,
 )
-from lmforge.posttrain.rl import RLObjective, at_least_fp32, with_balance_losses
-from lmforge.posttrain.rl_data import PromptBatch, rollout_rows
+from lmforge.posttrain.rl import DRAWN, RLObjective, Rollout, at_least_fp32, with_balance_losses
+from lmforge.posttrain.rl_data import PromptBatch
 from lmforge.posttrain.rl_loss import k3
 from lmforge.precision import PrecisionPolicy
 
@@ -151,51 +152,59 @@ class PPOObjective(RLObjective):
         super().__init__(*args, **kwargs)
         self._ppo_sums: torch.Tensor | None = None
 
-    def forward_backward(
-        self, batch: PromptBatch, n_targets: int, dp: int, precision: PrecisionPolicy
-    ) -> torch.Tensor:
-        """Sample, score and backward of ``sum(group losses) / n_targets * dp``; returns ``sum(group
-        losses) / n_targets``, detached (as :meth:`RLObjective.forward_backward`)."""
-        c, device = self.cfg, precision.device
-        rows, completions, scores, failed = self.rollout(batch)
-        rowed = rollout_rows(rows, completions, self.pad_id, self.row_multiple)
-        inputs, targets, docs = (t.to(device) for t in rowed)
-        with precision.autocast():
-            logp, entropy, values = self.policy(inputs, targets, docs)
-        logp, values = at_least_fp32(logp), at_least_fp32(values)
-        ref = self.reference_logps(inputs, targets, docs, precision)
-        mask = targets != -100
-        old_logp, old_values = logp.detach(), values.detach()
+    def set_old(self, rollout: Rollout, outputs: tuple[torch.Tensor, ...]) -> None:
+        """The old log-probabilities and values of the weights that drew ``rollout`` (``outputs``: the
+        policy's ``(logp, entropy, values)`` on its rows), and from them, without gradient, the per-token
+        rewards, GAE advantages (whitened per micro-batch with ``rl.whiten_advantages``) and returns."""
+        c, mask = self.cfg, rollout.mask
+        old_logp, old_values = at_least_fp32(outputs[0]).detach(), at_least_fp32(outputs[2]).detach()
         with torch.no_grad():
-            per_token = token_rewards(scores.to(device), old_logp, ref, mask, c.beta)
+            per_token = token_rewards(
+                rollout.rewards.to(old_logp.device), old_logp, rollout.ref_logp, mask, c.beta
+            )
             adv, returns = gae(per_token, old_values, mask, c.gae_gamma, c.gae_lambda)
             if c.whiten_advantages:
                 adv = whiten(adv, mask)
+        rollout.old_logp, rollout.old_values, rollout.advantages, rollout.returns = (
+            old_logp,
+            old_values,
+            adv,
+            returns,
+        )
+
+    def forward_backward(
+        self, batch: PromptBatch, n_targets: int, dp: int, precision: PrecisionPolicy
+    ) -> torch.Tensor:
+        """One update on ``batch``'s rollouts: backward of ``sum(group losses) / n_targets * dp``; returns
+        ``sum(group losses) / n_targets``, detached (as :meth:`RLObjective.forward_backward`)."""
+        c = self.cfg
+        ro = self.rollout_of(batch, precision)
+        with precision.autocast():
+            logp, entropy, values = self.policy(ro.inputs, ro.targets, ro.docs)
+        logp, values = at_least_fp32(logp), at_least_fp32(values)
+        if ro.old_logp is None:  # drawn in this step by these weights
+            self.set_old(ro, (logp, entropy, values))
+        mask, ref = ro.mask, ro.ref_logp
         parts = ppo_loss(
-            logp, old_logp, values, old_values, returns, adv, mask, c.group_size,
+            logp, ro.old_logp, values, ro.old_values, ro.returns, ro.advantages, mask, c.group_size,
             c.clip_epsilon, c.value_clip, c.value_coef,
         )  # fmt: skip
         loss = parts.groups.sum() / n_targets
-        objective = with_balance_losses(self.policy, loss, len(batch.prompts), n_targets)
+        objective = with_balance_losses(self.policy, loss, ro.prompts, n_targets)
         precision.backward(objective * dp if dp != 1 else objective)
         with torch.no_grad():
             m = mask.float()
-            kl = (k3(old_logp, ref) * m).sum() if ref is not None else torch.zeros((), device=device)
-            k = len(batch.prompts)
-            stats = torch.stack(
-                [
-                    torch.tensor(float(k)), torch.tensor(float(len(rows))), scores.sum(), (scores**2).sum(),
-                    kl.cpu(), parts.clipped.cpu(), parts.tokens.cpu(), m.sum().cpu(),
-                    (entropy * m).sum().cpu(), torch.tensor(float(failed)),
-                ]
-            )  # fmt: skip
+            kl = float((k3(logp, ref) * m).sum()) if ref is not None else 0.0
+            self._add(
+                [kl, float(parts.clipped), float(parts.tokens), float(m.sum()), float((entropy * m).sum())],
+                DRAWN,
+            )
             extra = torch.cat(
                 [
                     parts.value_loss_sum.double().cpu()[None],
-                    explained_variance_sums(returns, old_values, mask).cpu(),
+                    explained_variance_sums(ro.returns, ro.old_values, mask).cpu(),
                 ]
             )
-        self._sums = stats if self._sums is None else self._sums + stats
         self._ppo_sums = extra if self._ppo_sums is None else self._ppo_sums + extra
         return loss.detach()
 

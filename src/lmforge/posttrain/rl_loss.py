@@ -36,9 +36,11 @@ and a group's loss aggregates them (``rl.loss``):
   k3_it]``; at ``rho_i = 1`` its gradient is REINFORCE's ``-A_i grad log p(o_i)``.
 
 The step's loss is ``sum_g L_g / n`` (the mean over the step's groups, every micro-batch and rank).
-lmforge takes one optimizer step per batch of rollouts, so ``log q`` is ``log p`` detached: the ratio is
-exactly 1 and the clip never binds (clip fraction 0), but ``grad rho = rho grad log p = grad log p`` is not
-zero: the loss's gradient is the policy gradient ``-A grad log p`` (plus the KL term's).
+At a rollout's first update ``log q`` is the policy's own (``posttrain/rl.py``: rollout cycles): the ratio
+is exactly 1 and the clip does not bind, but ``grad rho = rho grad log p = grad log p`` is not zero: the
+gradient is the policy gradient ``-A grad log p`` (plus the KL term's). From its second update on
+(``rl.ppo_epochs`` or ``rl.mini_batches`` above 1) the policy has moved and the clip binds where
+``rho A`` leaves the trust region.
 """
 
 from __future__ import annotations

@@ -110,6 +110,12 @@ def check_rl(cfg: Config) -> None:
             "--parallel.dp_replicate (DDP), --parallel.dp_shard (ZeRO-1, FSDP2), --parallel.tp or "
             "--parallel.ep instead"
         )
+    if rl.ppo_epochs * rl.mini_batches > 1 and cfg.train.batch_schedule.name != "constant":
+        raise ConfigError(
+            f"train.batch_schedule: a rollout cycle (rl.ppo_epochs = {rl.ppo_epochs}, rl.mini_batches = "
+            f"{rl.mini_batches}) trains on a fixed number of micro-batches a step; use a constant batch "
+            "(remove train.batch_schedule) or rl.ppo_epochs = rl.mini_batches = 1"
+        )
     if p.offload:
         raise ConfigError(
             "parallel.offload: not with lmforge rl (each rollout gathers the policy's weights on the device); "
@@ -214,8 +220,11 @@ def report_bad(bad: list[BadRecord], run_dir: Path | None) -> None:
             f.writelines(json.dumps({"source": b.source, "reason": b.reason}) + "\n" for b in bad)
 
 
-def posttrain_loader(cfg: Config, data: PostTrainData, rank: int, world: int, run_dir: Path | None):
-    """The training loader of the run's objective (a ``TrainLoader``)."""
+def posttrain_loader(
+    cfg: Config, data: PostTrainData, rank: int, world: int, run_dir: Path | None, accum: int = 1
+):
+    """The training loader of the run's objective (a ``TrainLoader``); ``accum``: micro-batches a step
+    (RL's rollout cycles count them)."""
     t = cfg.train
     pad = data.tokenizer.eot_id
     if t.objective == "sft":
@@ -223,7 +232,10 @@ def posttrain_loader(cfg: Config, data: PostTrainData, rank: int, world: int, ru
             data.train, cfg.data.seq_len, t.micro_batch_size, t.seed, cfg.posttrain.packing, rank, world, pad
         )
     if t.objective == "rl":
-        return PromptLoader(data.train, t.micro_batch_size, t.seed, rank, world, pad)
+        rl = cfg.rl
+        return PromptLoader(
+            data.train, t.micro_batch_size, t.seed, rank, world, pad, accum, rl.ppo_epochs, rl.mini_batches
+        )
     if t.objective == "reward":
         return RewardPairLoader(data.train, cfg.data.seq_len, t.micro_batch_size, t.seed, rank, world, pad)
     loader = PairLoader(data.train, cfg.data.seq_len, t.micro_batch_size, t.seed, rank, world, pad)

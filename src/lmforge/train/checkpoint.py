@@ -11,6 +11,8 @@ A checkpoint is a folder ``checkpoints/step_00000120/`` holding
   clipping, precision, callbacks, the resolved config);
 * ``rng/rank_00003.pt``: each rank's random-generator states; ``comm/rank_00003.pt``: each rank's state
   of DDP's gradient compression (PowerSGD's error feedback, ``parallel/comm_hooks.py``), when it has one;
+  ``rollouts/rank_00003.pt``: an RL run's rollouts kept for the later updates of a cycle
+  (``posttrain/rl.py``), when the checkpoint falls inside one;
 * ``config.toml``: the resolved config as a recipe;
 * ``differential.json`` in a differential checkpoint only (``train.checkpoint_full_every``,
   below): the full checkpoint it is relative to and the keys read from there; its DCP
@@ -95,7 +97,7 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d{8})$")
 TENSOR_KEYS = ("model", "optimizer")  # the parts of a training state that DCP writes
-PER_RANK_KEYS = ("rng", "comm")  # the parts each rank writes for itself, as KEY/rank_N.pt
+PER_RANK_KEYS = ("rng", "comm", "rollouts")  # the parts each rank writes for itself, as KEY/rank_N.pt
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # what DCP warns at every save and load without a process group
 _NO_GROUP = (
@@ -603,8 +605,9 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
     rng = path / "rng" / f"rank_{_rank():05d}.pt"
     state["rng"] = torch.load(rng if rng.is_file() else path / "rng" / "rank_00000.pt", weights_only=False)
-    comm = path / "comm" / f"rank_{_rank():05d}.pt"
-    state["comm"] = torch.load(comm, map_location="cpu", weights_only=False) if comm.is_file() else {}
+    for key in ("comm", "rollouts"):
+        mine = path / key / f"rank_{_rank():05d}.pt"
+        state[key] = torch.load(mine, map_location="cpu", weights_only=False) if mine.is_file() else {}
     return state
 
 

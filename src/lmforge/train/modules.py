@@ -95,6 +95,13 @@ class TrainModule(Protocol):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
+    def rank_state(self) -> dict:
+        """This rank's state of the objective beside the weights (RL: a rollout cycle's kept rollouts),
+        written per rank into checkpoints; ``{}`` when there is none."""
+        ...
+
+    def load_rank_state(self, state: dict) -> None: ...
+
 
 @contextlib.contextmanager
 def eval_mode(*modules: nn.Module):
@@ -119,6 +126,15 @@ class ModelState:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         load_model_state(self.model, state)
+
+    def rank_state(self) -> dict:
+        """What this rank's objective keeps between steps, beside the weights (a checkpoint's per-rank
+        part; RL: the rollouts of the current cycle); none for most objectives."""
+        return {}
+
+    def load_rank_state(self, state: dict) -> None:
+        if state:
+            raise ValueError("this objective keeps no state between steps, but the checkpoint holds some")
 
 
 class LanguageModelModule(ModelState):
@@ -319,6 +335,12 @@ class RLModule(ModelState):
 
     def take_metrics(self) -> dict[str, float]:
         return {**self.objective.take_metrics(self.group), **moe_metrics(self.model)}
+
+    def rank_state(self) -> dict:
+        return self.objective.state_dict()
+
+    def load_rank_state(self, state: dict) -> None:
+        self.objective.load_state_dict(state)
 
 
 class RewardModule(DPOModule):

@@ -197,6 +197,7 @@ class Trainer:
             "grad_transforms": run.transforms.state_dict(),
             "batch_schedule": self.batch_schedule.state_dict(),
             "comm": run.comm.state_dict() if run.comm is not None else {},
+            "rollouts": run.module.rank_state(),
             "precision": run.precision.state_dict(),
             "rng": rng_state(),
             "runtime": runtime_state(),
@@ -225,6 +226,7 @@ class Trainer:
         """Resume from a checkpoint's state."""
         self.restore(state)
         self.run.loader.load_state_dict(state["loader"])
+        self.run.module.load_rank_state(state.get("rollouts", {}))
         set_rng_state(state["rng"])
         check_runtime_state(state.get("runtime", {}), self.run.cfg.train.deterministic)
         for cb in self.callbacks:
