@@ -72,7 +72,16 @@ AXES: dict[str, tuple[Feature, ...]] = {
         Feature("ppo", "rl.algorithm", {"train.objective": "rl", "rl.algorithm": "ppo", **RL_CYCLE}),
     ),
 }
-FEATURES = {f.name: (axis, f) for axis, values in AXES.items() for f in values}
+# The layouts, run under torchrun in the distributed set (tests/test_combinations_distributed.py): each
+# alone and with every feature above that is not its axis's plain value; two processes each. EP needs MoE.
+LAYOUTS: tuple[Feature, ...] = (
+    Feature("ddp", "parallel.dp_replicate", {"parallel.dp_replicate": 2}),
+    Feature("fsdp", "parallel.dp_shard", {"parallel.dp_shard": 2}),
+    Feature("tp", "parallel.tp", {"parallel.tp": 2}),
+    Feature("pp", "parallel.pp", {"parallel.pp": 2}),
+    Feature("ep", "parallel.ep", {"parallel.ep": 2, "parallel.dp_shard": 2}),
+)
+FEATURES = {f.name: (axis, f) for axis, values in {**AXES, "layout": LAYOUTS}.items() for f in values}
 
 # (feature, feature) -> why lmforge refuses the pair (the refusal's one line names both keys)
 REFUSED: dict[frozenset[str], str] = {
@@ -83,6 +92,23 @@ REFUSED: dict[frozenset[str], str] = {
     frozenset({"qat", "fp8"}): "both replace the same linear layers",
     frozenset({"lora", "fp8"}): "both replace the same linear layers",
     frozenset({"qlora", "fp8"}): "both replace the same linear layers",
+    # the layouts (distributed set)
+    **{
+        frozenset({x, "qlora"}): "QLoRA's NF4 weights run in one process" for x in ("ddp", "fsdp", "tp", "ep")
+    },
+    frozenset({"tp", "lora"}): "tensor parallelism would shard the adapters as their base layer",
+    frozenset({"tp", "qat"}): "a fake-quantization group would span the tensor-parallel shards",
+    frozenset(
+        {"tp", "compile"}
+    ): "the compiled blocks' backward fails on tensor-parallel DTensors (torch 2.13)",
+    frozenset({"tp", "reward"}): "the reward head is not tensor-parallel",
+    frozenset({"pp", "lora"}): "pipeline stages are not adapted",
+    frozenset({"pp", "qlora"}): "pipeline stages are not adapted",
+    frozenset({"pp", "fp16"}): "the pipeline schedule runs backward itself, without the loss scale",
+    **{
+        frozenset({"pp", o}): "the pipeline's last stage computes the next-token loss, not this objective's"
+        for o in ("dpo", "reward", "grpo", "rloo", "ppo")
+    },
 }
 
 
@@ -97,17 +123,41 @@ def pairs() -> list[tuple[str, ...]]:
     return singles + doubles
 
 
+def layout_pairs(layout: str) -> list[tuple[str, ...]]:
+    """``layout`` alone, then with each feature of :data:`AXES` that is not its axis's plain value (EP: on
+    the MoE model, so ``moe`` is implied and not paired)."""
+    others = [
+        f.name for values in AXES.values() for f in values[1:] if not (layout == "ep" and f.name == "moe")
+    ]
+    return [(layout,)] + [(layout, name) for name in others]
+
+
+def refused_pair(combo: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The pair of :data:`REFUSED` that refuses ``combo`` (an ``ep`` row also by the MoE model it implies),
+    or None: it must work."""
+    if len(combo) != 2:
+        return None
+    candidates = [combo] + [("moe", f) for f in combo if f != "ep"] * ("ep" in combo)
+    return next((c for c in candidates if frozenset(c) in REFUSED), None)
+
+
 def refusal(combo: tuple[str, ...]) -> str | None:
     """Why ``combo`` is refused (None: it must work)."""
-    return REFUSED.get(frozenset(combo)) if len(combo) == 2 else None
+    pair = refused_pair(combo)
+    return REFUSED[frozenset(pair)] if pair is not None else None
 
 
 def overrides(combo: tuple[str, ...]) -> dict:
-    """The recipe overrides of ``combo``'s features (the plain values set none)."""
+    """The recipe overrides of ``combo``'s features (the plain values set none; ``ep`` brings ``moe``)."""
     out: dict = {}
-    for name in combo:
+    for name in ("moe", *combo) if "ep" in combo else combo:
         out |= FEATURES[name][1].overrides
     return out
+
+
+def model_kind(combo: tuple[str, ...]) -> str:
+    """The model ``combo`` trains: ``moe`` (asked for, or implied by ``ep``) or ``dense``."""
+    return "moe" if {"moe", "ep"} & set(combo) else "dense"
 
 
 def keys(combo: tuple[str, ...]) -> list[str]:
@@ -131,9 +181,14 @@ def transforms(combo: tuple[str, ...]) -> list[str]:
         out.append("compiled")
     if "qlora" in combo:
         out.append("lora")
-    if "moe" in combo:
+    if model_kind(combo) == "moe":
         out.append("router")
     return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded (DTensor) parameter or gradient; ``t`` itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class Probe(Callback):
@@ -176,7 +231,9 @@ class Probe(Callback):
         model: nn.Module = trainer.run.model
         self.heads = trained_heads(model)
         for name, p in model.named_parameters():
-            self.before[name] = p.detach().clone()
+            if _local(p.detach()).numel() == 0:
+                continue  # a shard this rank holds nothing of (FSDP2's dim-0 shard of a 1-row head): its owner checks
+            self.before[name] = _local(p.detach()).clone()
             self.trainable[name] = p.requires_grad
             self.had_grad[name] = False
         for name, m in model.named_modules():
@@ -202,7 +259,7 @@ class Probe(Callback):
 
     def after_backward(self, trainer) -> None:
         for name, p in trainer.run.model.named_parameters():
-            if p.grad is not None and bool(p.grad.detach().abs().sum() > 0):
+            if name in self.before and p.grad is not None and bool(_local(p.grad.detach()).abs().sum() > 0):
                 self.had_grad[name] = True
 
     def on_step_end(self, trainer, result) -> None:
@@ -215,7 +272,9 @@ class Probe(Callback):
             self.rl_clip.append(float(record["rl/clip_fraction"]))
 
     def on_train_end(self, trainer) -> None:
-        self.after = {n: p.detach().clone() for n, p in trainer.run.model.named_parameters()}
+        self.after = {
+            n: _local(p.detach()).clone() for n, p in trainer.run.model.named_parameters() if n in self.before
+        }
         self.compiled_graphs = _graphs() - self._graphs_at_start
 
 
@@ -281,6 +340,28 @@ def table() -> str:
     for combo in pairs():
         why = refusal(combo)
         lines.append(f"| {' + '.join(combo)} | {'refused: ' + why if why else 'works'} |")
+    lines += [
+        "",
+        "## Layouts",
+        "",
+        "`tests/test_combinations_distributed.py` (the distributed set) runs each layout alone and with every "
+        "feature above, two processes under torchrun (gloo), with the same checks on each rank's own shards "
+        "and stages. `ep` trains the MoE model (with `parallel.dp_shard = 2`).",
+        "",
+        "| layout | " + " | ".join(f"`{f.name}` (`{f.key}`)" for f in LAYOUTS) + " |",
+        "|---|" + "---|" * len(LAYOUTS),
+    ]
+    others = [f.name for values in AXES.values() for f in values[1:]]
+    for name in ["alone", *others]:
+        cells = []
+        for layout in LAYOUTS:
+            combo = (layout.name,) if name == "alone" else (layout.name, name)
+            if combo not in layout_pairs(layout.name):
+                cells.append("(implied)")
+                continue
+            why = refusal(combo)
+            cells.append("refused: " + why if why else "works")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

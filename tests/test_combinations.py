@@ -72,7 +72,11 @@ def _posttrain_files(root: Path, objective: str) -> dict:
 @pytest.fixture(scope="module")
 def bases(corpus_dir, tmp_path_factory) -> dict[str, Path]:
     """A pretrained run of each model kind (dense, MoE) for the post-training objectives to start from."""
-    root = tmp_path_factory.mktemp("bases")
+    return make_bases(corpus_dir, tmp_path_factory.mktemp("bases"))
+
+
+def make_bases(corpus_dir: Path, root: Path) -> dict[str, Path]:
+    """One-step pretrained runs ``root / "dense"`` and ``root / "moe"`` (their data cached in ``root / "data"``)."""
     out = {}
     for kind in ("dense", "moe"):
         over = tiny_overrides(corpus_dir, root / "data") | MODEL | RUN | matrix.FEATURES[kind][1].overrides
@@ -81,23 +85,32 @@ def bases(corpus_dir, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+def prepare_combo(combo: tuple[str, ...], root: Path, corpus_dir: Path, bases: dict[str, Path], cache: Path):
+    """``(cfg, resume, None)`` for a run of ``combo`` in ``root / "run"`` (a post-training run is started
+    from its base here: ``start`` writes its step 0), or ``(None, False, message)`` when it is refused."""
+    over = matrix.overrides(combo)
+    objective = matrix.objective(combo)
+    try:
+        if objective == "lm":
+            return load_config(None, tiny_overrides(corpus_dir, cache) | MODEL | RUN | over), False, None
+        kind = "rl" if objective in ("grpo", "rloo", "ppo") else objective
+        post = {k: v for k, v in over.items() if not k.startswith("model.") and k != "train.objective"}
+        post = RUN | _posttrain_files(root, objective) | post
+        cfg, _ = start(kind, bases[matrix.model_kind(combo)], root / "run", overrides=post)
+        return cfg, True, None
+    except UserError as e:
+        return None, False, str(e)
+
+
 def run_combo(combo: tuple[str, ...], root: Path, corpus_dir: Path, bases: dict[str, Path]):
     """Train ``combo`` two steps in ``root / "run"``: ``(probe, None)``, or ``(None, message)`` when refused."""
     probe = matrix.Probe()
-    over = matrix.overrides(combo)
-    objective = matrix.objective(combo)
     run_dir = root / "run"
+    cfg, resume, message = prepare_combo(combo, root, corpus_dir, bases, root / "data")
+    if message is not None:
+        return None, message, run_dir
     try:
-        if objective == "lm":
-            cfg = load_config(None, tiny_overrides(corpus_dir, root / "data") | MODEL | RUN | over)
-            train(cfg, run_dir, callbacks=[probe], progress_bar=False)
-        else:
-            model = "moe" if "moe" in combo else "dense"
-            kind = "rl" if objective in ("grpo", "rloo", "ppo") else objective
-            post = {k: v for k, v in over.items() if not k.startswith("model.") and k != "train.objective"}
-            post = RUN | _posttrain_files(root, objective) | post
-            cfg, _ = start(kind, bases[model], run_dir, overrides=post)
-            train(cfg, run_dir, resume=True, callbacks=[probe], progress_bar=False)
+        train(cfg, run_dir, resume=resume, callbacks=[probe], progress_bar=False)
     except UserError as e:
         return None, str(e), run_dir
     return probe, None, run_dir

@@ -30,6 +30,11 @@ def check_lora(cfg: Config) -> None:
             f"lora.targets: {lora.targets!r} names no linear layer of the model; use all-linear or names "
             f"among {','.join(x for x in linears if x != 'lm_head')}"
         )
+    layout = ", ".join(
+        f"parallel.{k} = {getattr(p, k)}"
+        for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep")
+        if getattr(p, k) > 1
+    )
     refusals = (
         (p.tp > 1, "parallel.tp", "tensor parallelism would shard the adapters as their base layer"),
         (p.pp > 1, "parallel.pp", "pipeline stages are not adapted"),
@@ -37,7 +42,7 @@ def check_lora(cfg: Config) -> None:
         (
             lora.quantize == "nf4" and p.pp * p.dp_replicate * p.dp_shard * p.tp > 1,
             "lora.quantize",
-            "nf4 (QLoRA) runs in one process; use lora.quantize = none under torchrun",
+            f"nf4 (QLoRA) runs in one process, not with {layout}; use lora.quantize = none under torchrun",
         ),
     )
     for refused, key, why in refusals:
@@ -45,10 +50,28 @@ def check_lora(cfg: Config) -> None:
             raise ConfigError(f"{key}: not with lora.rank > 0 ({why})")
 
 
+# the objectives a pipeline cannot run: its last stage computes the next-token loss of its microbatches
+PIPELINE_REFUSES = {
+    "dpo": "DPO compares whole sequences' log-probabilities, which one stage does not hold",
+    "reward": "the reward head reads the whole network's last hidden state, which one stage does not hold",
+    "rl": "no stage holds the whole policy to sample from, and the last computes a next-token loss, not the "
+    "completions' log-probabilities weighed by their advantages",
+}
+
+
 def check_model_layout(cfg: Config) -> None:
     """The model and batch must divide as the layout cuts them (pipeline stages, tensor-parallel shards);
     MoE layers only where they are supported (``model/moe.py::check_moe``); LoRA (:func:`check_lora`)."""
     p = cfg.parallel
+    objective = cfg.train.objective
+    if p.pp > 1 and objective in PIPELINE_REFUSES:
+        which = f"train.objective = {objective}" + (
+            f" (rl.algorithm = {cfg.rl.algorithm})" if objective == "rl" else ""
+        )
+        raise ConfigError(
+            f"parallel.pp: not with {which}: {PIPELINE_REFUSES[objective]}; use data parallelism, FSDP2 "
+            "or tensor parallelism (--parallel.pp=1)"
+        )
     # a pipeline runs each micro-batch as its microbatches: MoE capacity is per part
     chunks = (
         pipeline_settings(p.pp, p.pp_schedule, p.pp_microbatches, p.pp_stages_per_rank)[0] if p.pp > 1 else 1
@@ -83,3 +106,11 @@ def check_model_layout(cfg: Config) -> None:
             )
     if p.tp > 1:
         check_tensor_parallel(cfg.model, cfg.data.vocab_size, cfg.data.seq_len, p.tp)
+    if p.tp > 1 and cfg.train.compile:
+        # the blocks compiled in place pass sequence-parallel DTensors between them; in backward AOTAutograd
+        # hands the eager redistribution before the first block a plain tensor ("'Tensor' object has no
+        # attribute '_local_tensor'", torch 2.13, gloo; Dynamo alone, without AOTAutograd, runs)
+        raise ConfigError(
+            f"train.compile: not with parallel.tp = {p.tp} (the compiled blocks' backward fails on the "
+            "tensor-parallel DTensors in torch 2.13); set --train.compile=false, or use FSDP2 / DDP with compile"
+        )
