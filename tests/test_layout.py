@@ -106,6 +106,13 @@ def test_layouts_name_their_machinery():
             {"parallel.pp": 2, "parallel.pp_schedule": "zero_bubble", "parallel.tp": 2, "model.n_layers": 4},
             "parallel.tp:",
         ),
+        # compiled TP blocks fail in backward (seen in the distributed matrix, torch 2.13): refused by name
+        ({"parallel.tp": 2, "train.compile": True}, "train.compile: not with parallel.tp = 2"),
+        # a pipeline cannot run an objective over whole sequences: named before the microbatch checks
+        (
+            {"parallel.pp": 2, "train.objective": "rl", "rl.algorithm": "ppo", "train.micro_batch_size": 1},
+            "parallel.pp: not with train.objective = rl (rl.algorithm = ppo)",
+        ),
     ],
 )
 def test_model_must_divide_as_the_layout_cuts_it(over, key):
