@@ -1,7 +1,7 @@
 """Planted bugs the suite must catch: each is applied to a clean worktree of a revision, the tests named
 for it are run, and the bug counts as caught only if they fail (and pass without it).
 
-    .venv/bin/python .ci/mutants.py [REV]     (default HEAD; exit 1 if any bug is missed)
+    .venv/bin/python .ci/mutants.py [REV [NAME ...]]     (default HEAD and every bug; exit 1 if one is missed)
 
 The tests run with this checkout's virtual environment and the worktree's sources first on the path
 (PYTHONPATH), so a revision before or after a change of the suite is checked the same way.
@@ -72,7 +72,7 @@ MUTANTS = {
         "logp, logp.detach(), ro.ref_logp, mask",
         [
             "tests/test_rl_clipping.py",
-            "tests/test_combinations.py::test_combination_works_or_is_refused[dense+grpo]",
+            "tests/test_combinations.py::test_combination_works_or_is_refused[grpo]",
         ],
     ),
 }
@@ -86,6 +86,11 @@ def run_tests(tree: Path, tests: list[str]) -> subprocess.CompletedProcess:
 
 def main(argv: list[str]) -> int:
     rev = argv[0] if argv else "HEAD"
+    only = set(argv[1:])
+    unknown = only - set(MUTANTS)
+    if unknown:
+        print(f"no such planted bug: {', '.join(sorted(unknown))}; names: {', '.join(MUTANTS)}")
+        return 2
     missed = 0
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
         tree = Path(tmp) / "tree"
@@ -94,6 +99,8 @@ def main(argv: list[str]) -> int:
         )
         try:
             for name, (rel, text, replacement, tests) in MUTANTS.items():
+                if only and name not in only:
+                    continue
                 path = tree / rel
                 source = path.read_text()
                 if source.count(text) != 1:
