@@ -30,8 +30,8 @@ from lmforge.posttrain.dpo_data import (
     stack_pairs,
     tokenize_pairs,
 )
+from lmforge.posttrain.objective_dpo import DPOModule
 from lmforge.precision import PrecisionPolicy
-from lmforge.train.modules import DPOModule
 from lmforge.train.step import train_step
 from tests.conftest import model_of
 

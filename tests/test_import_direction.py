@@ -5,7 +5,9 @@ Checked twice: statically (every import statement, also those inside functions a
 ``TYPE_CHECKING``, against :data:`LAYERS`, with the short list of :data:`EXCEPTIONS`; and no import cycle
 among the modules) and at run time (in a fresh interpreter, importing the modules layer by layer from the
 bottom loads no module of a higher layer; importing every corpus module and every registered stage loads
-nothing of ``data/`` or ``train/``).
+nothing of ``data/`` or ``train/``). The engine names no objective: ``train/build.py`` and
+``train/modules.py`` import nothing of ``posttrain/``; the post-training objectives sit above ``train/``
+and are loaded by name from their entry points (:func:`test_the_build_imports_no_objective`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel",),
     ("plan",),  # pure formulas: nothing that allocates
     # what the loop uses and which imports nothing of train/: post-training's records, loaders, losses and
-    # what the build adds for sft/dpo; the validation loops; the measurements the build, its callbacks and
+    # what its objectives share (posttrain/run.py); the validation loops; the measurements the build, its callbacks and
     # the planner call
     (
         "posttrain",
@@ -52,7 +54,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "probes.peak_flops",
         "probes.activation_memory",
     ),
-    ("train",),  # the loop
+    ("train",),  # the loop; it names no objective (see test_the_build_imports_no_objective)
+    # the post-training objectives: each registers itself for the build (the entry-point group
+    # lmforge.objectives, train/modules.py::objective_for) with its training module; above the loop, below the
+    # evaluation of finished runs (which builds their modules)
+    (
+        "posttrain.objective_sft",
+        "posttrain.objective_dpo",
+        "posttrain.objective_reward",
+        "posttrain.objective_rl",
+    ),
     ("evaluate", "report"),  # run folders read back: scored, loaded, drawn
     # short real runs through the one build path, runs started from runs, experiments (arms x seeds of
     # ordinary runs, read back), and the planner's request (which measures a CPU's peak FLOP/s as a run's
@@ -225,6 +236,32 @@ def test_importing_layer_by_layer_loads_nothing_above():
     ]
     assert not above, "\n".join(above)
     assert "lmforge.train.build" in loaded[LAYERS.index(("train",))]
+
+
+def test_the_build_imports_no_objective():
+    """The engine names no objective: ``train/build.py`` and ``train/modules.py`` import nothing of
+    ``posttrain/`` (no statement, also none inside a function), no module of ``train/`` imports a
+    post-training objective (:data:`LAYERS` puts them above it), and in a fresh interpreter importing every
+    module of ``train/`` loads none; each is loaded by its name's first lookup, from its entry point."""
+    for name in ("build", "modules"):
+        found = [m for _, m, _ in _imports(SRC / "train" / f"{name}.py") if m.startswith("lmforge.posttrain")]
+        assert found == [], f"train/{name}.py imports {found}"
+    objectives = ("sft", "dpo", "reward", "rl")
+    assert all(_place(f"lmforge.posttrain.objective_{o}")[0] > LAYERS.index(("train",)) for o in objectives)
+    code = (
+        "import importlib, json, pkgutil, sys\n"
+        "import lmforge.train\n"
+        "for m in pkgutil.walk_packages(lmforge.train.__path__, 'lmforge.train.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "before = sorted(m for m in sys.modules if m.startswith('lmforge.posttrain.objective_'))\n"
+        "from lmforge.config import Config\n"
+        "from lmforge.train.modules import objective_for\n"
+        "objective = objective_for(Config.model_validate({'train': {'objective': 'dpo'}}))\n"
+        "print(json.dumps([before, type(objective).__module__]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, module = json.loads(out.stdout.splitlines()[-1])
+    assert before == [] and module == "lmforge.posttrain.objective_dpo"
 
 
 def test_importing_corpus_loads_no_training_module():

@@ -10,7 +10,7 @@ import torch
 from lmforge.cli import main
 from lmforge.errors import UserError
 from lmforge.parallel.layout import check_layout, data_parallel_kind
-from lmforge.parallel.model_layout import check_model_layout
+from lmforge.parallel.model_layout import check_compiled_layout, check_model_layout
 from lmforge.recipe import load_config
 from lmforge.train.build import validate
 from lmforge.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
@@ -106,8 +106,6 @@ def test_layouts_name_their_machinery():
             {"parallel.pp": 2, "parallel.pp_schedule": "zero_bubble", "parallel.tp": 2, "model.n_layers": 4},
             "parallel.tp:",
         ),
-        # compiled TP blocks fail in backward (seen in the distributed matrix, torch 2.13): refused by name
-        ({"parallel.tp": 2, "train.compile": True}, "train.compile: not with parallel.tp = 2"),
         # a pipeline cannot run an objective over whole sequences: named before the microbatch checks
         (
             {"parallel.pp": 2, "train.objective": "rl", "rl.algorithm": "ppo", "train.micro_batch_size": 1},
@@ -120,6 +118,19 @@ def test_model_must_divide_as_the_layout_cuts_it(over, key):
     with pytest.raises(UserError) as err:
         check_model_layout(cfg)
     assert str(err.value).startswith(key)
+
+
+def test_compiled_tensor_parallel_blocks_are_refused_on_a_cpu_and_planned_anywhere():
+    """The run refuses what the distributed matrix saw fail (compiled TP blocks' backward, CPU, torch 2.13)
+    by both keys; the planner's layout check, which plans for other machines, does not."""
+    cfg = load_config(None, {"model.n_layers": 2, "model.n_heads": 4, "model.d_model": 32, "parallel.tp": 2})
+    assert cfg.train.compile  # the default
+    check_model_layout(cfg)
+    with pytest.raises(UserError, match=r"^train\.compile: not with parallel\.tp = 2 on a CPU"):
+        check_compiled_layout(cfg, torch.device("cpu"))
+    check_compiled_layout(
+        cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})}), torch.device("cpu")
+    )
 
 
 def test_offload_needs_an_accelerator(tiny_config):

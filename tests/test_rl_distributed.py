@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.errors import ConfigError
+from lmforge.parallel.model_layout import check_model_layout
 from lmforge.posttrain.finetune import start
 from lmforge.posttrain.run import check_rl
 from lmforge.recipe import load_config
@@ -134,7 +135,8 @@ def test_layouts_rl_does_not_run_are_refused_by_name(over, named):
     cfg = load_config(
         None, {"train.objective": "rl", "train.micro_batch_size": 2, "data.seq_len": 64, **over}
     )
-    with pytest.raises(ConfigError, match=rf"^{named}: .*lmforge rl"):
+    with pytest.raises(ConfigError, match=rf"^{named}: .*(lmforge rl|train.objective = rl)"):
+        check_model_layout(cfg)  # validate's order: the layout's refusals (a pipeline), then the objective's
         check_rl(cfg)
     for ok in (
         {"parallel.dp_shard": 2},

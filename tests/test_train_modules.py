@@ -19,8 +19,12 @@ from lmforge.model.transformer import Transformer
 from lmforge.optim.clip import Clipper
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.parallel.pipeline import Pipeline
+from lmforge.posttrain import objective_dpo, objective_reward, objective_rl, objective_sft
 from lmforge.posttrain.dpo import DPOObjective, SequenceLogps
 from lmforge.posttrain.dpo_data import reference_logps, stack_pairs, tokenize_pairs
+from lmforge.posttrain.objective_dpo import DPOModule
+from lmforge.posttrain.objective_reward import RewardModule
+from lmforge.posttrain.objective_rl import RLModule
 from lmforge.posttrain.reward import (
     RewardModel,
     RewardObjective,
@@ -33,14 +37,7 @@ from lmforge.posttrain.rl import RLObjective, TokenLogps
 from lmforge.posttrain.rl_data import Prompt, stack_prompts
 from lmforge.precision import PrecisionPolicy
 from lmforge.train import modules
-from lmforge.train.modules import (
-    DPOModule,
-    LanguageModelModule,
-    PipelineModule,
-    RewardModule,
-    RLModule,
-    TrainModule,
-)
+from lmforge.train.modules import LanguageModelModule, PipelineModule, TrainModule
 from lmforge.train.step import Action, train_step
 from tests.test_dpo import SEQ, render, tiny_model, toy_pairs
 
@@ -50,11 +47,13 @@ PROTOCOL = [n for n, v in vars(TrainModule).items() if callable(v) and not n.sta
 
 
 def implementations() -> set[type]:
-    """Every class of ``train/modules.py`` that has all the protocol's methods."""
+    """Every class of ``train/modules.py`` and of the objectives' modules (``posttrain/objective_*.py``)
+    that has all the protocol's methods."""
     return {
         cls
-        for _, cls in inspect.getmembers(modules, inspect.isclass)
-        if cls.__module__ == modules.__name__
+        for module in (modules, objective_sft, objective_dpo, objective_reward, objective_rl)
+        for _, cls in inspect.getmembers(module, inspect.isclass)
+        if cls.__module__ == module.__name__
         and cls is not TrainModule
         and all(callable(getattr(cls, name, None)) for name in PROTOCOL)
     }

@@ -392,12 +392,15 @@ class TrainConfig(_Section):
         False, description="write checkpoints in the background while training goes on (DCP async save)"
     )
     log_interval: int = Field(10, ge=1, description="steps between metrics lines")
-    objective: Literal["lm", "sft", "dpo", "reward", "rl"] = Field(
+    objective: str = Field(
         "lm",
+        min_length=1,
         description="lm: next-token loss on data.sources; sft: response-token loss on [posttrain] records; "
         "dpo: preference loss on [posttrain] pairs with [dpo]'s settings; reward: a scalar reward head "
         "trained on [posttrain] pairs with [reward]'s settings; rl: policy gradient from rewards on "
-        "[posttrain] prompts with [rl]'s settings (set by lmforge sft / dpo / reward / rl)",
+        "[posttrain] prompts with [rl]'s settings (set by lmforge sft / dpo / reward / rl); or another "
+        "registered objective (a package's entry point in the group lmforge.objectives), checked before "
+        "any work",
     )
     early_stop_patience: int = Field(
         0,

@@ -33,7 +33,8 @@ from torch.distributed.tensor import DTensor
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.layout import end_process_group
 from lmforge.recipe import load_config
-from lmforge.train.build import build_run, prepare_on_rank0
+from lmforge.train.build import build_run
+from lmforge.train.modules import prepare_on_rank0
 from lmforge.train.step import train_step
 
 

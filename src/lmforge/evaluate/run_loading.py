@@ -19,6 +19,9 @@ from lmforge.model.loss import NextTokenLoss
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.posttrain.dpo import SequenceLogps
+from lmforge.posttrain.objective_dpo import DPOModule
+from lmforge.posttrain.objective_reward import RewardModule
+from lmforge.posttrain.objective_rl import RLModule
 from lmforge.posttrain.reward import RewardObjective, RewardScores
 from lmforge.posttrain.rl import TokenLogps
 from lmforge.posttrain.run import (
@@ -34,7 +37,7 @@ from lmforge.recipe import load_saved_config
 from lmforge.tokenizer import Tokenizer
 from lmforge.train.build import build_model
 from lmforge.train.checkpoint import list_checkpoints, load_checkpoint
-from lmforge.train.modules import DPOModule, LanguageModelModule, RewardModule, RLModule
+from lmforge.train.modules import LanguageModelModule
 
 
 def load_run(

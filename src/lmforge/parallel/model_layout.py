@@ -106,11 +106,20 @@ def check_model_layout(cfg: Config) -> None:
             )
     if p.tp > 1:
         check_tensor_parallel(cfg.model, cfg.data.vocab_size, cfg.data.seq_len, p.tp)
-    if p.tp > 1 and cfg.train.compile:
-        # the blocks compiled in place pass sequence-parallel DTensors between them; in backward AOTAutograd
-        # hands the eager redistribution before the first block a plain tensor ("'Tensor' object has no
-        # attribute '_local_tensor'", torch 2.13, gloo; Dynamo alone, without AOTAutograd, runs)
+
+
+def check_compiled_layout(cfg: Config, device: torch.device) -> None:
+    """What a run refuses of compile with its layout on ``device`` (the planner, which lays out runs for
+    other machines, does not ask): compiled tensor-parallel blocks on a CPU.
+
+    The blocks compiled in place pass sequence-parallel DTensors between them; in backward AOTAutograd
+    hands the eager redistribution before the first block a plain tensor ("'Tensor' object has no
+    attribute '_local_tensor'"; torch 2.13, gloo, 2 CPU processes, found by the distributed combination
+    matrix; Dynamo without AOTAutograd runs). Not measured on CUDA, so not refused there."""
+    p = cfg.parallel
+    if p.tp > 1 and cfg.train.compile and device.type == "cpu":
         raise ConfigError(
-            f"train.compile: not with parallel.tp = {p.tp} (the compiled blocks' backward fails on the "
-            "tensor-parallel DTensors in torch 2.13); set --train.compile=false, or use FSDP2 / DDP with compile"
+            f"train.compile: not with parallel.tp = {p.tp} on a CPU (the compiled blocks' backward fails on "
+            "the tensor-parallel DTensors in torch 2.13); set --train.compile=false, or use FSDP2 / DDP with "
+            "compile"
         )

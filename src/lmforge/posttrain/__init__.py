@@ -1,4 +1,5 @@
-"""Post-training: supervised fine-tuning (SFT) and preference optimisation (DPO) records, chat template,
-loaders and losses, and what the one build path adds for ``train.objective = "sft" / "dpo"``
-(``run.py``); all of it below ``train/``. ``lmforge sft`` / ``lmforge dpo`` (``finetune.py``, the one
-module above ``train/``) start runs of them from another run's checkpoint."""
+"""Post-training: supervised fine-tuning (SFT), preference optimisation (DPO), reward models and RL
+records, chat template, loaders and losses, and what the one build path adds for them (``run.py``); all
+of it below ``train/``. Above it: the objectives registered for the build with their training modules
+(``objective_*.py``, through the ``lmforge.objectives`` entry points), and ``lmforge sft`` / ``dpo`` /
+``reward`` / ``rl`` (``finetune.py``), which start runs of them from another run's checkpoint."""

@@ -1,5 +1,6 @@
 """Direct preference optimisation: the preference losses, sequence log-probabilities and the objective
-a training step runs through ``train/modules.py::DPOModule`` (:meth:`DPOObjective.forward_backward`).
+a training step runs through ``posttrain/objective_dpo.py::DPOModule``
+(:meth:`DPOObjective.forward_backward`).
 
 The policy scores the ``2k`` rows of a :class:`~lmforge.posttrain.dpo_data.PairBatch` (chosen, then
 rejected) with :class:`SequenceLogps`: ``log p(response)`` summed over the response tokens. The
@@ -113,7 +114,7 @@ class SequenceLogps(nn.Module):
 
 
 class DPOObjective:
-    """DPO for a training module (``train/modules.py::DPOModule``): ``forward_backward`` of a
+    """DPO for a training module (``posttrain/objective_dpo.py::DPOModule``): ``forward_backward`` of a
     :class:`PairBatch`, metric sums, and evaluation. ``policy``: a :class:`SequenceLogps` (or it wrapped
     by compile / DDP / FSDP2) that training calls; ``eval_policy``: the one evaluation calls (default:
     ``policy``; an eager one where training's is compiled); ``reference``: a frozen scorer

@@ -1,5 +1,5 @@
 """PPO (``rl.algorithm = "ppo"``): the policy with a value head, and the objective a training step runs
-through ``train/modules.py::RLModule`` (the formulas: ``posttrain/ppo_loss.py``).
+through ``posttrain/objective_rl.py::RLModule`` (the formulas: ``posttrain/ppo_loss.py``).
 
 **The value head** (:class:`PolicyValueModel`): a scalar ``value_head = Linear(d_model, 1)`` on the
 policy's own last hidden state (after the final norm), ``V_t = value_head(h_t)`` at the position whose

@@ -1,5 +1,5 @@
 """Reward models: a scalar head on the transformer, trained on preference pairs with the Bradley-Terry
-loss; the objective a training step runs through ``train/modules.py::RewardModule``.
+loss; the objective a training step runs through ``posttrain/objective_reward.py::RewardModule``.
 
 **The model** (:class:`RewardModel`): the plain :class:`~lmforge.model.transformer.Transformer` with its
 language-model head replaced by ``score = Linear(d_model, 1, bias=False)``. The reward of a sequence is
@@ -187,8 +187,9 @@ def reward_eval_batches(
 
 
 class RewardObjective:
-    """The reward model's training for ``train/modules.py::RewardModule``: ``scorer`` is the transformed
-    :class:`RewardScores` training calls, ``eval_scorer`` the one evaluation calls (default ``scorer``)."""
+    """The reward model's training for ``posttrain/objective_reward.py::RewardModule``: ``scorer`` is the
+    transformed :class:`RewardScores` training calls, ``eval_scorer`` the one evaluation calls (default
+    ``scorer``)."""
 
     def __init__(self, scorer: nn.Module, eval_scorer: nn.Module | None = None):
         self.scorer = scorer

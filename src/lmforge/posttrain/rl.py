@@ -1,4 +1,4 @@
-"""RL from rewards: the objective a training step runs through ``train/modules.py::RLModule``.
+"""RL from rewards: the objective a training step runs through ``posttrain/objective_rl.py::RLModule``.
 
 Each micro-batch of ``k`` prompts (:class:`~lmforge.posttrain.rl_data.PromptBatch`):
 

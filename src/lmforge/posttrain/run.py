@@ -3,8 +3,10 @@
 file:line), the loader, the objective, the held-out evaluation and the DPO / RL reference.
 
 ``posttrain/`` holds the pieces (records, template, loaders, losses); this module reads the config and the
-run folder and puts them together, so ``train/build.py`` only branches once. It imports nothing of
-``train/``: the build calls it (and ``lmforge eval`` of such a run, ``evaluate/run_loading.py``).
+run folder and puts them together. :class:`PostTraining` holds the data hooks every post-training
+objective shares (``posttrain/objective_*.py``, registered for the build, ``train/modules.py::Objective``).
+It imports nothing of ``train/``: the objectives call it (and ``lmforge eval`` of such a run,
+``evaluate/run_loading.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from lmforge.config import Config
 from lmforge.errors import ConfigError, DataError
 from lmforge.model.lora import dense_base
+from lmforge.parallel.layout import Layout
 from lmforge.posttrain.dpo import DPOObjective, SequenceLogps, check_dpo
 from lmforge.posttrain.dpo_data import PairLoader, pair_eval_batches, reference_logps, tokenize_pairs
 from lmforge.posttrain.ppo import PPOObjective
@@ -54,6 +57,27 @@ class PostTrainData:
     val_prompts: list = field(default_factory=list)  # the held-out records' prompt turns (for samples)
 
 
+class PostTraining:
+    """The data hooks of a post-training objective (``train/modules.py::Objective``): ``[posttrain]``'s
+    records checked (with the objective's own refusals), read and tokenized on every rank (the bad ones
+    reported by the main one), the objective's loader over them; no validation token stream (the
+    held-out records are in the data)."""
+
+    def check(self, cfg: Config) -> None:
+        check_posttrain(cfg)
+
+    def prepare(self, cfg: Config, layout: Layout, run_dir: Path | None) -> PostTrainData:
+        return prepare_posttrain(cfg, run_dir if layout.is_main else None)
+
+    def loader(
+        self, cfg: Config, data: PostTrainData, rank: int, world: int, run_dir: Path | None, accum: int
+    ):
+        return posttrain_loader(cfg, data, rank, world, run_dir, accum)
+
+    def validation(self, data: PostTrainData) -> None:
+        return None
+
+
 def check_posttrain(cfg: Config) -> None:
     """What a post-training config must hold, checked before any work."""
     if cfg.train.objective == "lm":
@@ -77,18 +101,14 @@ def check_posttrain(cfg: Config) -> None:
         )
     if cfg.train.objective == "rl":
         check_rl(cfg)
-    if cfg.train.objective == "dpo" and cfg.parallel.pp > 1:
-        raise ConfigError(
-            "parallel.pp: DPO compares whole sequences' log-probabilities, which one pipeline stage does not "
-            "hold; train DPO with data parallelism or FSDP (set --parallel.pp=1)"
-        )
 
 
 def check_rl(cfg: Config) -> None:
     """What an RL run must hold, checked before any work: the group, the room for completions, a reward
     that resolves (a reward run with the policy's tokenizer), a batch in prompts, a layout whose processes
     can each gather the whole policy to sample from (DDP, ZeRO-1, FSDP2 and hybrid sharding, tensor and
-    expert parallelism; not pipeline parallelism, nor offload)."""
+    expert parallelism; not offload; a pipeline is refused with the other objectives a pipeline cannot run,
+    ``parallel/model_layout.py::PIPELINE_REFUSES``)."""
     rl, p = cfg.rl, cfg.parallel
     if rl.group_size < 2 and rl.algorithm != "ppo":  # PPO's baseline is its value head
         raise ConfigError(
@@ -102,14 +122,6 @@ def check_rl(cfg: Config) -> None:
         )
     if cfg.train.micro_batch_size == "auto":
         raise ConfigError("train.micro_batch_size: auto sizes next-token batches; give a number of prompts")
-    if p.pp > 1:
-        raise ConfigError(
-            f"parallel.pp: {p.pp} is not a layout of lmforge rl (a pipeline rank holds only its stages: no "
-            "whole copy is gathered across them to sample from, and the schedule's last stage computes a "
-            "next-token loss, not the completions' log-probabilities weighed by their advantages); use "
-            "--parallel.dp_replicate (DDP), --parallel.dp_shard (ZeRO-1, FSDP2), --parallel.tp or "
-            "--parallel.ep instead"
-        )
     if rl.ppo_epochs * rl.mini_batches > 1 and cfg.train.batch_schedule.name != "constant":
         raise ConfigError(
             f"train.batch_schedule: a rollout cycle (rl.ppo_epochs = {rl.ppo_epochs}, rl.mini_batches = "
@@ -129,7 +141,6 @@ def check_reward_run(cfg: Config) -> None:
     t, p = cfg.train, cfg.parallel
     refusals = [
         ("train.micro_batch_size", t.micro_batch_size == "auto", "give a number of pairs"),
-        ("parallel.pp", p.pp > 1, "one pipeline stage does not hold the whole network; set 1"),
         ("parallel.tp", p.tp > 1, "the reward head is not tensor-parallel; use data parallelism or FSDP"),
         ("train.sample_tokens", t.sample_tokens > 0, "a reward model does not generate; set it to 0"),
     ]

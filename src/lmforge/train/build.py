@@ -13,6 +13,11 @@ Every command that trains, probes or evaluates a model (``train``, ``lr-find``, 
   fixed order, the optimizer with its groups, the schedule, the clipper, the training loader (plain or
   mixture, one protocol) and the validation stream.
 
+What differs between objectives (the checks, the network, the model's loss, the training module, the data,
+its loader, the validation stream) is asked of ``train.objective``'s registered
+:class:`~lmforge.train.modules.Objective` (``train/modules.py::objective_for``): this module names no
+objective and imports nothing of ``posttrain/``.
+
 The training model is sharded as it is built, in one process as in many: it is built on the meta device
 (nothing allocated), every transformation (FP8 conversion, tensor parallelism, activation
 checkpointing, compile, FSDP2) is applied there, and only then does each rank allocate and initialise its
@@ -27,19 +32,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from lmforge.config import Config
 from lmforge.data.loader import TokenStream, TrainLoader
-from lmforge.data.mixture import build_train_loader, check_domains
-from lmforge.data.prepare import PreparedData, input_files, prepare_data
+from lmforge.data.prepare import PreparedData
 from lmforge.errors import ConfigError
-from lmforge.model.loss import NextTokenLoss
 from lmforge.model.moe import register_balance_step
 from lmforge.model.transformer import Transformer
 from lmforge.optim.batch_schedule import BatchSchedule, check_batch_schedule, micro_tokens
@@ -52,36 +55,15 @@ from lmforge.parallel.comm_hooks import CommHook, comm_hook
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.parallel.layout import SINGLE, Layout, check_layout, init_layout, launch_env
 from lmforge.parallel.materialize import Init
-from lmforge.parallel.model_layout import check_model_layout
+from lmforge.parallel.model_layout import check_compiled_layout, check_model_layout
 from lmforge.parallel.pipeline import Pipeline, pipeline_settings, rank_model
 from lmforge.parallel.reduce import StepReduce
 from lmforge.parallel.tensor import check_tensor_parallel
-from lmforge.parallel.whole_copy import WholeCopy
 from lmforge.plan.limit import check_run_memory
 from lmforge.plan.micro_batch import auto_candidates
-from lmforge.posttrain.dpo import SequenceLogps
-from lmforge.posttrain.ppo import PolicyValueModel, TokenLogpsValues
-from lmforge.posttrain.reward import RewardModel, RewardObjective, RewardScores
-from lmforge.posttrain.rl import RLObjective, TokenLogps
-from lmforge.posttrain.run import (
-    PostTrainData,
-    check_posttrain,
-    dpo_objective,
-    posttrain_loader,
-    prepare_posttrain,
-    rl_objective,
-)
 from lmforge.precision import PrecisionPolicy, check_precision, register_fp8_scale_precompute
 from lmforge.probes.auto_batch import probe, resolve_micro_batch
-from lmforge.tokenizer import Tokenizer
-from lmforge.train.modules import (
-    DPOModule,
-    LanguageModelModule,
-    PipelineModule,
-    RewardModule,
-    RLModule,
-    TrainModule,
-)
+from lmforge.train.modules import ModuleParts, PipelineModule, TrainModule, objective_for
 from lmforge.train.runtime import configure_determinism, pick_device, seed_all
 
 log = logging.getLogger(__name__)
@@ -100,7 +82,9 @@ def accumulation_steps(cfg: Config, world: int = 1) -> int:
 
 
 def validate(cfg: Config) -> torch.device:
-    """Everything checkable before work starts (user errors raise); returns the run's device."""
+    """Everything checkable before work starts (user errors raise); returns the run's device. An
+    unregistered ``train.objective`` is refused first; the objective's own checks run last."""
+    objective = objective_for(cfg)
     device = pick_device(cfg.train.device)
     if cfg.parallel.offload and device.type != "cuda":
         raise ConfigError(
@@ -115,17 +99,14 @@ def validate(cfg: Config) -> torch.device:
     check_precision(cfg.train, cfg.parallel, device, optimizer=cfg.optim.name)
     check_layout(cfg, launch_env()[2])
     check_model_layout(cfg)
+    check_compiled_layout(cfg, device)
     check_qat(cfg)
     if cfg.train.micro_batch_size == "auto":
         auto_candidates(cfg)
     else:
         check_batch_schedule(cfg, accumulation_steps(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard))
     check_run_memory(cfg, device)  # the planned peak against parallel.max_memory_gb / the device's memory
-    if cfg.train.objective == "lm":
-        input_files(cfg.data)  # missing inputs fail here
-        check_domains(cfg.data)
-    else:
-        check_posttrain(cfg)
+    objective.check(cfg)  # lm: the inputs and domains; post-training: the records, its own refusals
     return device
 
 
@@ -174,16 +155,10 @@ def build_model(
 
 
 def model_class(cfg: Config) -> type[Transformer]:
-    """The network of ``train.objective``: a reward model (``posttrain/reward.py``), PPO's policy with its
-    value head (``posttrain/ppo.py``) or the transformer."""
-    if cfg.train.objective == "rl" and cfg.rl.algorithm == "ppo":
-        return PolicyValueModel
-    return RewardModel if cfg.train.objective == "reward" else Transformer
-
-
-def run_pad_id(cfg: Config) -> int:
-    """The padding id of a post-training run's rows: its tokenizer's ``<|endoftext|>``."""
-    return Tokenizer(cfg.data.tokenizer).eot_id
+    """The network of ``train.objective`` (its :meth:`~lmforge.train.modules.Objective.model_class`): the
+    transformer, or a subclass with the objective's heads (a reward model, PPO's policy with its value
+    head)."""
+    return objective_for(cfg).model_class(cfg)
 
 
 def training_module(
@@ -196,66 +171,33 @@ def training_module(
     comm: CommHook | None = None,
 ) -> TrainModule:
     """The training module of ``cfg`` (no pipeline): the model built on the meta device, with its loss
-    (next-token; DPO: each sequence's log-probability) transformed in the fixed order, then this rank's
-    shards materialised and initialised from ``train.seed`` as one process would (``parallel/apply.py``);
-    ``comm``: DDP's gradient compression (:func:`~lmforge.parallel.comm_hooks.comm_hook`)."""
+    (the objective's :meth:`~lmforge.train.modules.Objective.function`: next-token; DPO: each sequence's
+    log-probability) transformed in the fixed order, then this rank's shards materialised and initialised
+    from ``train.seed`` as one process would (``parallel/apply.py``); the objective makes the module of
+    them. ``comm``: DDP's gradient compression (:func:`~lmforge.parallel.comm_hooks.comm_hook`)."""
     t = cfg.train
+    objective = objective_for(cfg)
     with torch.device("meta"):
-        model = model_class(cfg)(cfg.model, vocab_size, cfg.data.seq_len, t.attention, t.moe_kernel)
+        model = objective.model_class(cfg)(cfg.model, vocab_size, cfg.data.seq_len, t.attention, t.moe_kernel)
     seed_all(t.seed)  # Python's and numpy's generators as one process's build leaves them
     init = Init(device, tuple(model.init_plan()), t.seed)
     ctx = ApplyContext(t, device, layout, compute_dtype, init, cfg.lora, comm, cfg.qat)
-    loss = {"dpo": SequenceLogps, "rl": TokenLogps, "reward": RewardScores}.get(t.objective, NextTokenLoss)
-    if t.objective == "rl" and cfg.rl.algorithm == "ppo":
-        loss = TokenLogpsValues  # the policy's log-probabilities and its value head's values
-    arg = run_pad_id(cfg) if t.objective == "reward" else t.loss_chunk  # RewardScores: the padding id
-    train_fn = apply(loss(model, arg), model, ctx)
+    train_fn = apply(objective.function(cfg, model), model, ctx)
     # evaluation eager where training is compiled (too rare to pay for a second graph); FSDP2's root
     # must be called for its parameters to be gathered
-    eval_fn = train_fn if layout.kind == "fsdp" else loss(model, arg)
+    eval_fn = train_fn if layout.kind == "fsdp" else objective.function(cfg, model)
     experts = None
     if layout.ep > 1:
         from lmforge.parallel.expert import ExpertGradSync
 
         experts = ExpertGradSync(model, layout.ep_mesh, layout.dp)
     sync = GradientSync(train_fn, layout, cfg.parallel.defer_grad_sync, experts)
-    whole = layout.degrees["tp"] == 1
-    group = layout.group("dp") if layout.dp > 1 else None
-    if t.objective == "reward":
-        return RewardModule(model, RewardObjective(train_fn, eval_fn), sync, group, whole)
-    if t.objective not in ("dpo", "rl"):
-        return LanguageModelModule(model, train_fn, eval_fn, sync, whole)
 
     def fresh(adapters: bool = False) -> Transformer:  # a whole plain model, unfilled (fp64: float64 too)
         plain = build_model(cfg, vocab_size, device, init=False, adapters=adapters)
         return plain.to(torch.float64) if compute_dtype == torch.float64 else plain
 
-    if t.objective == "rl":
-        objective = rl_module_objective(cfg, train_fn, model, fresh, layout, device, run_dir)
-        return RLModule(model, objective, sync, group)
-    objective = dpo_objective(cfg, train_fn, fresh, run_dir, eval_policy=eval_fn)
-    return DPOModule(model, objective, sync, group, whole)
-
-
-def rl_module_objective(
-    cfg: Config,
-    policy: nn.Module,
-    model: Transformer,
-    fresh: Callable[..., Transformer],
-    layout: Layout,
-    device: torch.device,
-    run_dir: Path | None,
-) -> RLObjective:
-    """The RL objective of a training module: completions sampled from ``model`` itself where this process
-    holds it whole, else (FSDP2, tensor parallelism, expert parallelism) from a whole copy gathered before
-    each rollout (``parallel/whole_copy.py``); under tensor parallelism the group's first rank samples for
-    the group."""
-    tp = layout.degrees["tp"] > 1
-    if layout.kind != "fsdp" and not tp and layout.ep == 1:
-        return rl_objective(cfg, policy, model, fresh, run_dir, device)
-    whole = WholeCopy(model, fresh(adapters=True))
-    tp_group = layout.group("tp") if tp else None
-    return rl_objective(cfg, policy, whole.copy, fresh, run_dir, device, whole.refresh, tp_group)
+    return objective.module(ModuleParts(cfg, model, train_fn, eval_fn, sync, layout, device, run_dir, fresh))
 
 
 @dataclass
@@ -265,7 +207,7 @@ class Run:
     cfg: Config
     device: torch.device
     precision: PrecisionPolicy
-    data: PreparedData | PostTrainData
+    data: Any  # the objective's prepared data (lm: PreparedData; post-training: posttrain/run.py's)
     model: Transformer  # the plain model (this rank's part): parameters, state_dict, sampling
     module: TrainModule  # what a training step drives (train/modules.py)
     optimizer: torch.optim.Optimizer
@@ -289,7 +231,7 @@ class Run:
 
     def tokens_of(self, accum: int) -> int:
         """Tokens of a step of ``accum`` micro-batches per data-parallel rank (a batch schedule's step)."""
-        rows = self.cfg.train.micro_batch_size * (2 if self.cfg.train.objective in ("dpo", "reward") else 1)
+        rows = self.cfg.train.micro_batch_size * objective_for(self.cfg).rows
         return accum * rows * self.cfg.data.seq_len * self.layout.dp
 
 
@@ -301,8 +243,9 @@ def local_processes() -> int:
 def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | None = None) -> Run:
     """Build every part of a run of ``cfg`` (``data``: already prepared data, else prepared here).
     ``train.micro_batch_size = "auto"`` is resolved first (``probes/auto_batch.py``); the run's ``cfg``
-    holds the number chosen. A post-training objective (``sft``, ``dpo``: ``posttrain/run.py``) reads its
-    records instead of ``data.sources`` and finds its DPO reference in ``run_dir``."""
+    holds the number chosen. The data, its loader and the validation stream are the objective's (a
+    post-training one reads its records instead of ``data.sources`` and finds its reference in
+    ``run_dir``)."""
     device = validate(cfg)
     layout = init_layout(cfg, device.type)
     if device.type == "cuda" and layout.distributed:
@@ -311,11 +254,9 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
     cfg, smaller, optimizer_bytes = resolve_micro_batch(cfg, device, local_processes())
     configure_determinism(cfg.train.deterministic)
     precision = PrecisionPolicy.resolve(cfg.train.precision, device, cfg.train.loss_scale, layout.distributed)
-    post = cfg.train.objective != "lm"
-    if post:
-        data = prepare_posttrain(cfg, run_dir if layout.is_main else None)
-    elif data is None:
-        data = prepare_on_rank0(cfg, layout)
+    objective = objective_for(cfg)
+    if data is None:
+        data = objective.prepare(cfg, layout, run_dir)
     if layout.degrees["tp"] > 1:  # the tokenizer's own vocabulary, now that it is known
         check_tensor_parallel(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_len, layout.degrees["tp"])
     vocab = data.tokenizer.vocab_size
@@ -382,10 +323,8 @@ def build_run(cfg: Config, data: PreparedData | None = None, run_dir: Path | Non
         optimizer=optimizer,
         schedule=Schedule(cfg.schedule, cfg.train.steps),
         clipper=clipper,
-        loader=posttrain_loader(cfg, data, layout.dp_rank, layout.dp, run_dir, accum)
-        if post
-        else build_train_loader(cfg, data, accum, layout.dp_rank, layout.dp),
-        val=None if post else TokenStream(data.val),
+        loader=objective.loader(cfg, data, layout.dp_rank, layout.dp, run_dir, accum),
+        val=objective.validation(data),
         accum=accum,
         layout=layout,
         reduce=StepReduce(layout),
@@ -450,15 +389,3 @@ def build_pipeline(
 
         experts = ExpertGradSync(model, layout.ep_mesh, layout.dp)
     return PipelineModule(pipeline, model, experts)
-
-
-def prepare_on_rank0(cfg: Config, layout: Layout) -> PreparedData:
-    """``prepare_data`` on rank 0 first (it may train a tokenizer and write shards), then on the others,
-    which find its cache."""
-    if not layout.distributed:
-        return prepare_data(cfg.data)
-    import torch.distributed as dist
-
-    data = prepare_data(cfg.data) if layout.is_main else None
-    dist.barrier()
-    return data if data is not None else prepare_data(cfg.data)

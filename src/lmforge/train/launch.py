@@ -208,7 +208,7 @@ def _train(
     progress_bar: bool | None,
 ) -> dict:
     cfg, main = run.cfg, run.layout.is_main
-    if main and cfg.train.objective == "lm":
+    if main and run.val is not None:  # a token stream's data (lm): the preflight's summary
         preflight(cfg, run.data, run.tokens_per_step)
     config_toml = config_text(cfg, history)
     if main:

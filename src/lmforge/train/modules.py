@@ -1,4 +1,4 @@
-"""What a training step drives: one :class:`TrainModule` per kind of objective.
+"""What a training step drives, and what the build asks of an objective to make it.
 
 The step (``train/step.py``) calls the same methods whatever it was given, and never asks what that is:
 each micro-batch runs inside :meth:`TrainModule.micro_batch` (the data-parallel controls of accumulation)
@@ -12,37 +12,48 @@ module                              what it trains
 :class:`LanguageModelModule`        the next-token loss (``train.objective = lm``, and ``sft``: the same
                                     loss with targets -100 outside the responses)
 :class:`PipelineModule`             the next-token loss through a pipeline schedule (``parallel.pp > 1``)
-:class:`DPOModule`                  preference pairs (``train.objective = dpo``, ``posttrain/dpo.py``)
-:class:`RLModule`                   rewards of sampled completions (``train.objective = rl``,
-                                    ``posttrain/rl.py``)
-:class:`RewardModule`               a reward model on preference pairs (``train.objective = reward``,
-                                    ``posttrain/reward.py``)
+``DPOModule``                       preference pairs (``dpo``: ``posttrain/objective_dpo.py``)
+``RewardModule``                    a reward model on preference pairs (``reward``:
+                                    ``posttrain/objective_reward.py``)
+``RLModule``                        rewards of sampled completions (``rl``: ``posttrain/objective_rl.py``)
 ==================================  ========================================================================
 
-A new objective (RL) is a new class here with these methods, built in
-``train/build.py``; the step and the trainer do not change.
+Which module, network, data and loader a run gets is its objective's (``train.objective``): an
+:class:`Objective` registered under that name (:func:`register`, :func:`objective_for`). The build
+(``train/build.py``) calls its hooks and names no objective; ``lm`` (:class:`LanguageModel`) is
+registered here, every other objective by the package that defines it, through the entry-point group
+``lmforge.objectives`` (``pyproject.toml``: post-training's in ``posttrain/objective_*.py``), loaded on
+the first lookup of its name. A new objective is a new module with an :class:`Objective` (and, if its
+step is no token loss, a :class:`TrainModule`) and one entry point; the build, the step and the trainer
+do not change.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.data.loader import Batch
+from lmforge.config import Config
+from lmforge.data.loader import Batch, TokenStream, TrainLoader
+from lmforge.data.mixture import build_train_loader, check_domains
+from lmforge.data.prepare import PreparedData, input_files, prepare_data
+from lmforge.errors import ConfigError
 from lmforge.evaluate.validation import token_loss_sum
 from lmforge.model.loss import NextTokenLoss
 from lmforge.model.moe import moe_metrics, start_step, take_aux_loss
+from lmforge.model.transformer import Transformer
 from lmforge.parallel.data_parallel import GradientSync
 from lmforge.parallel.expert import ExpertGradSync
+from lmforge.parallel.layout import Layout
 from lmforge.parallel.pipeline import Pipeline
-from lmforge.posttrain.dpo import DPOObjective
-from lmforge.posttrain.reward import RewardObjective
-from lmforge.posttrain.rl import RLObjective
 from lmforge.precision import PrecisionPolicy
 from lmforge.train.checkpoint import load_model_state, model_state
 
@@ -256,114 +267,152 @@ class PipelineModule(ModelState):
         return {"pp_bubble": p.last_bubble, "pp_bubble_formula": p.expected_bubble, **moe}
 
 
-class DPOModule(ModelState):
-    """Direct preference optimisation (``posttrain/dpo.py::DPOObjective``: the pair losses, the reference,
-    the metrics); ``sync``: the data-parallel controls of the transformed policy; ``group``: the
-    data-parallel process group the metrics are summed over (None: one rank)."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        objective: DPOObjective,
-        sync: GradientSync,
-        group: dist.ProcessGroup | None = None,
-        whole: bool = True,
-    ):
-        self.model, self.objective, self.sync, self.group, self.whole = model, objective, sync, group, whole
-
-    def micro_batch(self, index: int, count: int) -> contextlib.AbstractContextManager:
-        return self.sync.micro_batch(index, count)
-
-    def forward_backward(self, batch, n_targets: int, dp: int, precision: PrecisionPolicy) -> torch.Tensor:
-        return self.objective.forward_backward(batch, n_targets, dp, precision)
-
-    def finish_backward(self) -> None:
-        return None
-
-    def evaluate(self, batches: Iterable, precision: PrecisionPolicy) -> dict[str, float]:
-        return self.objective.evaluate(batches, precision, self.group)
-
-    @torch.no_grad()
-    def inspect_forward(self, batch, precision: PrecisionPolicy) -> bool:
-        if not self.whole:
-            return False
-        policy = self.objective.eval_policy
-        batch = batch.to(precision.device)
-        with eval_mode(policy), torch.compiler.set_stance("force_eager"), precision.autocast():
-            policy(batch.inputs, batch.targets, batch.doc_ids)
-        return True
-
-    def take_metrics(self) -> dict[str, float]:
-        return self.objective.take_metrics(self.group)
+# --- objectives: what the build asks of each ``train.objective`` -------------------------------------
 
 
-class RLModule(ModelState):
-    """RL from rewards (``posttrain/rl.py::RLObjective``: sampling, rewards, the GRPO / RLOO / PPO losses,
-    the metrics); ``sync``: the data-parallel controls of the transformed policy; ``group``: the
-    data-parallel process group the metrics are summed over (None: one rank).
+@dataclass(frozen=True)
+class ModuleParts:
+    """What the build hands an objective's :meth:`Objective.module` hook: the pieces it built, by name."""
 
-    MoE layers: the objective adds their balance losses to each micro-batch's loss (weighted by its share
-    of the step's prompts); their routing counters restart at each step's first micro-batch and their
-    figures join the record, as :class:`LanguageModelModule`'s. Only the policy's training forward counts:
-    sampling and evaluation run in eval mode without gradient, the frozen reference in eval mode."""
+    cfg: Config
+    model: Transformer  # this rank's plain network (materialised, initialised)
+    train_fn: nn.Module  # Objective.function over ``model``, transformed (parallel/apply.py)
+    eval_fn: nn.Module  # what evaluation calls: eager in one process, ``train_fn`` under FSDP2
+    sync: GradientSync  # the data-parallel controls of ``train_fn``
+    layout: Layout
+    device: torch.device
+    run_dir: Path | None  # the run folder (a reference in it), None outside a run
+    fresh: Callable[..., Transformer]  # ``fresh(adapters=False)``: a whole plain model, unfilled
 
-    def __init__(
-        self,
-        model: nn.Module,
-        objective: RLObjective,
-        sync: GradientSync,
-        group: dist.ProcessGroup | None = None,
-    ):
-        self.model, self.objective, self.sync, self.group = model, objective, sync, group
+    @property
+    def whole(self) -> bool:
+        """This rank runs the whole network on whole tensors (no tensor parallelism)."""
+        return self.layout.degrees["tp"] == 1
 
-    def micro_batch(self, index: int, count: int) -> contextlib.AbstractContextManager:
-        if index == 0:
-            start_step(self.model)  # the MoE layers count this step's routing afresh
-        return self.sync.micro_batch(index, count)
-
-    def forward_backward(self, batch, n_targets: int, dp: int, precision: PrecisionPolicy) -> torch.Tensor:
-        return self.objective.forward_backward(batch, n_targets, dp, precision)
-
-    def finish_backward(self) -> None:
-        self.sync.finish()
-
-    def evaluate(self, batches: Iterable, precision: PrecisionPolicy) -> dict[str, float]:
-        return self.objective.evaluate(batches, precision, self.group)
-
-    def inspect_forward(self, batch, precision: PrecisionPolicy) -> bool:
-        return False  # a prompt batch is no forward of the network; the rollouts are drawn in the step
-
-    def take_metrics(self) -> dict[str, float]:
-        return {**self.objective.take_metrics(self.group), **moe_metrics(self.model)}
-
-    def rank_state(self) -> dict:
-        return self.objective.state_dict()
-
-    def load_rank_state(self, state: dict) -> None:
-        self.objective.load_state_dict(state)
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group an objective's metrics are summed over (None: one rank)."""
+        return self.layout.group("dp") if self.layout.dp > 1 else None
 
 
-class RewardModule(DPOModule):
-    """A reward model (``posttrain/reward.py::RewardObjective``: the Bradley-Terry pair losses and the
-    reward metrics) over the transformed ``RewardScores``; the data-parallel controls, evaluation and
-    metrics as :class:`DPOModule`'s."""
+@runtime_checkable
+class Objective(Protocol):
+    """What the one build path (``train/build.py``) needs of a ``train.objective``: its hooks, each given
+    only what it reads. Registered under its name (:func:`register`, or the ``lmforge.objectives`` entry
+    points)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        objective: RewardObjective,
-        sync: GradientSync,
-        group: dist.ProcessGroup | None = None,
-        whole: bool = True,
-    ):
-        self.model, self.objective, self.sync, self.group, self.whole = model, objective, sync, group, whole
+    rows: int  # rows of a micro-batch per example (a preference pair: 2), for the tokens a step counts
 
-    @torch.no_grad()
-    def inspect_forward(self, batch, precision: PrecisionPolicy) -> bool:
-        if not self.whole:
-            return False
-        scorer = self.objective.eval_scorer
-        batch = batch.to(precision.device)
-        with eval_mode(scorer), torch.compiler.set_stance("force_eager"), precision.autocast():
-            scorer(batch.inputs)
-        return True
+    def check(self, cfg: Config) -> None:
+        """What the objective refuses before any work (a ConfigError naming the key and the fix)."""
+        ...
+
+    def model_class(self, cfg: Config) -> type[Transformer]:
+        """The network: ``Transformer`` or a subclass with the objective's heads, built as
+        ``cls(cfg.model, vocab_size, seq_len, attention, moe_kernel)``."""
+        ...
+
+    def function(self, cfg: Config, model: Transformer) -> nn.Module:
+        """The model and its loss, what ``parallel/apply.py`` transforms (called twice: the training
+        function and evaluation's own)."""
+        ...
+
+    def module(self, parts: ModuleParts) -> TrainModule:
+        """The training module (:class:`TrainModule`) over the built pieces."""
+        ...
+
+    def prepare(self, cfg: Config, layout: Layout, run_dir: Path | None) -> Any:
+        """The run's data (anything with a ``tokenizer``), prepared on every rank (``layout``: which is
+        the main one); ``run_dir``: where a report of it goes."""
+        ...
+
+    def loader(
+        self, cfg: Config, data: Any, rank: int, world: int, run_dir: Path | None, accum: int
+    ) -> TrainLoader:
+        """The training loader of data-parallel rank ``rank`` of ``world``; ``accum``: micro-batches a
+        step."""
+        ...
+
+    def validation(self, data: Any) -> TokenStream | None:
+        """The validation token stream (None: the objective evaluates its own held-out data)."""
+        ...
+
+
+class LanguageModel:
+    """``train.objective = "lm"``: the next-token loss on ``data.sources`` (tokenized into shards by
+    ``data/prepare.py``, rank 0 first), read by the plain or mixture loader."""
+
+    rows = 1
+
+    def check(self, cfg: Config) -> None:
+        input_files(cfg.data)  # missing inputs fail here
+        check_domains(cfg.data)
+
+    def model_class(self, cfg: Config) -> type[Transformer]:
+        return Transformer
+
+    def function(self, cfg: Config, model: Transformer) -> nn.Module:
+        return NextTokenLoss(model, cfg.train.loss_chunk)
+
+    def module(self, parts: ModuleParts) -> TrainModule:
+        return LanguageModelModule(parts.model, parts.train_fn, parts.eval_fn, parts.sync, parts.whole)
+
+    def prepare(self, cfg: Config, layout: Layout, run_dir: Path | None) -> PreparedData:
+        return prepare_on_rank0(cfg, layout)
+
+    def loader(
+        self, cfg: Config, data: PreparedData, rank: int, world: int, run_dir: Path | None, accum: int
+    ) -> TrainLoader:
+        return build_train_loader(cfg, data, accum, rank, world)
+
+    def validation(self, data: PreparedData) -> TokenStream:
+        return TokenStream(data.val)
+
+
+def prepare_on_rank0(cfg: Config, layout: Layout) -> PreparedData:
+    """``prepare_data`` on rank 0 first (it may train a tokenizer and write shards), then on the others,
+    which find its cache."""
+    if not layout.distributed:
+        return prepare_data(cfg.data)
+    data = prepare_data(cfg.data) if layout.is_main else None
+    dist.barrier()
+    return data if data is not None else prepare_data(cfg.data)
+
+
+ENTRY_POINTS = "lmforge.objectives"  # the entry-point group: NAME = "package.module:OBJECT"
+_OBJECTIVES: dict[str, Objective] = {}
+
+
+def register(name: str, objective: Objective) -> Objective:
+    """Make ``objective`` the one of ``train.objective = name``; a name is registered once."""
+    if not isinstance(objective, Objective):
+        raise TypeError(f"objective {name!r}: {objective!r} lacks the hooks of train/modules.py::Objective")
+    if _OBJECTIVES.setdefault(name, objective) is not objective:
+        raise ValueError(f"objective {name!r} is registered already ({_OBJECTIVES[name]!r})")
+    return objective
+
+
+def registered() -> list[str]:
+    """Every objective name known: registered, or offered by an installed package's entry point."""
+    return sorted(set(_OBJECTIVES) | {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINTS)})
+
+
+def objective_for(cfg: Config) -> Objective:
+    """The objective of ``cfg.train.objective``; an unregistered name is looked up once in the
+    ``lmforge.objectives`` entry points (importing the module that defines it). A ConfigError naming the
+    registered ones for a name none offers."""
+    name = cfg.train.objective
+    if name not in _OBJECTIVES:
+        found = {ep.value: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINTS, name=name)}
+        if len(found) > 1:
+            raise ConfigError(f"train.objective: {name!r} is offered by several packages: {', '.join(found)}")
+        if not found:
+            raise ConfigError(
+                f"train.objective: {name!r} is no registered objective; use one of {', '.join(registered())} "
+                f"(a package adds one under the entry-point group {ENTRY_POINTS})"
+            )
+        register(name, next(iter(found.values())).load())
+    return _OBJECTIVES[name]
+
+
+register("lm", LanguageModel())

@@ -69,7 +69,7 @@ class Evaluation(Callback):
             val_loss = self._last[1]
         else:
             val_loss = self._evaluate(trainer)
-        if run.cfg.train.objective != "lm":  # held-out records: no unigram baseline of a token stream
+        if run.val is None:  # the objective's held-out records: no unigram baseline of a token stream
             if val_loss is not None:
                 trainer.summary.update({"val_loss": val_loss, **self._extra})
             return
@@ -89,7 +89,7 @@ class Evaluation(Callback):
         # shown only if it lasts (a first evaluation may compile kernels of its own); lines, not a bar:
         # the training bar is live
         with Progress("evaluating", opening="", tty=False) as shown, shown.ticking():
-            if run.cfg.train.objective == "lm":
+            if run.val is not None:  # a validation token stream (lm)
                 val_loss, self._extra = validation_loss(trainer), {}
             else:
                 val_loss, self._extra = posttrain_validation(run.cfg, run.data, run.module, run.precision)

@@ -80,7 +80,7 @@ class Sample(Callback):
             model = whole_model(trainer.run)
             if model is None:
                 return
-            if t.objective != "lm":
+            if trainer.run.val is None:  # post-training: a chat turn, not a continued text
                 trainer.summary["sample"] = chat_sample(
                     model, trainer.run.data, t.sample_prompt, t.sample_tokens, t.seed
                 )
